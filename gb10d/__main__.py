@@ -1,0 +1,7 @@
+"""`python -m gb10d` is the `gb10d` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,169 @@
+"""The `vllm serve` command line and environment, built purely from the config.
+
+`Tunables` are the settings gb10d may change between attempts (utilization,
+load strategy, max model length); everything else comes from gb10d.toml as
+written. Nothing here touches the system except `read_env_file`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from .config import VllmSection, normalize_flag
+from .errors import ConfigError, ConfigProblem
+
+# Variables that belong to gb10d's own contract with systemd; vLLM must never see them.
+_SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+
+# What REFERENCE.md advises for a supervised child: unbuffered, uncoloured, one-line banner.
+CHILD_DEFAULTS = {"PYTHONUNBUFFERED": "1", "NO_COLOR": "1", "VLLM_DISABLE_LOG_LOGO": "1"}
+
+_SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
+_SECRET_FLAGS = {"api-key"}
+REDACTED = "***"
+
+
+@dataclass(frozen=True)
+class Tunables:
+    """The settings an attempt may differ in from the config as written."""
+
+    gpu_memory_utilization: float
+    load_strategy: str | None = None
+    max_model_len: int | str | None = None
+
+    @classmethod
+    def from_config(cls, vllm: VllmSection) -> Tunables:
+        """The values the config asks for, before any correction."""
+        strategy = vllm.arg("safetensors-load-strategy")
+        max_len = vllm.arg("max-model-len")
+        return cls(
+            gpu_memory_utilization=vllm.gpu_memory_utilization,
+            load_strategy=str(strategy) if strategy is not None else None,
+            max_model_len=max_len if isinstance(max_len, (int, str)) and not isinstance(max_len, bool) else None,
+        )
+
+    def with_(self, **changes: Any) -> Tunables:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+
+def flag_values(flag: str, value: Any) -> list[str]:
+    """The argv words for one `[vllm.args]` entry, following vLLM's own conventions.
+
+    true -> `--flag`, false -> `--no-flag`, table -> compact JSON, list ->
+    the flag once followed by each value (argparse nargs="+"), otherwise
+    `--flag value`.
+    """
+    name = normalize_flag(flag)
+    if isinstance(value, bool):
+        return [f"--{name}"] if value else [f"--no-{name}"]
+    if isinstance(value, dict):
+        return [f"--{name}", json.dumps(value, separators=(",", ":"))]
+    if isinstance(value, list):
+        return [f"--{name}", *(_scalar(v) for v in value)]
+    return [f"--{name}", _scalar(value)]
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return repr(value)
+    return str(value)
+
+
+def build_argv(vllm: VllmSection, tunables: Tunables | None = None) -> list[str]:
+    """The exact argv gb10d executes for one attempt."""
+    tunables = tunables or Tunables.from_config(vllm)
+    argv = [str(vllm.program), "serve", vllm.model]
+    if vllm.served_model_name is not None:
+        argv += ["--served-model-name", *vllm.served_names]
+    overridden = {"safetensors-load-strategy", "max-model-len"}
+    for key, value in vllm.args.items():
+        if normalize_flag(key) in overridden:
+            continue
+        argv += flag_values(key, value)
+    if tunables.max_model_len is not None:
+        argv += ["--max-model-len", str(tunables.max_model_len)]
+    argv += ["--gpu-memory-utilization", f"{tunables.gpu_memory_utilization:g}"]
+    if tunables.load_strategy is not None:
+        argv += ["--safetensors-load-strategy", tunables.load_strategy]
+    argv += ["--host", vllm.host, "--port", str(vllm.port)]
+    argv += vllm.extra_args
+    return argv
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """Parse a systemd-style EnvironmentFile (KEY=value, optional quotes, # comments)."""
+    shown = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([ConfigProblem(shown, "vllm.env_file", f"cannot read: {exc.strerror or exc}")]) from None
+    result: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", ";")):
+            continue
+        stripped = stripped.removeprefix("export ").strip()
+        name, sep, value = stripped.partition("=")
+        name = name.strip()
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ConfigError([ConfigProblem(shown, "", f"not a KEY=value line: {line.strip()[:40]!r}", line=number)])
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            value = value[1:-1]
+        result[name] = value
+    return result
+
+
+def build_env(vllm: VllmSection, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """vLLM's environment: gb10d's own minus systemd's variables, plus defaults, env_file and [vllm.env]."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in _SYSTEMD_ONLY}
+    env.update(CHILD_DEFAULTS)
+    if vllm.venv is not None:
+        env["VIRTUAL_ENV"] = str(vllm.venv)
+        env["PATH"] = f"{vllm.venv / 'bin'}{os.pathsep}{env.get('PATH', os.defpath)}"
+    if vllm.env_file is not None:
+        env.update(read_env_file(vllm.env_file))
+    env.update(vllm.env)
+    return env
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """argv with secret flag values replaced by ***."""
+    shown: list[str] = []
+    hide_next = False
+    for word in argv:
+        if hide_next:
+            shown.append(REDACTED)
+            hide_next = False
+            continue
+        name, eq, _ = word.partition("=")
+        if word.startswith("--") and normalize_flag(name) in _SECRET_FLAGS:
+            if eq:
+                shown.append(f"{name}={REDACTED}")
+            else:
+                shown.append(word)
+                hide_next = True
+            continue
+        shown.append(word)
+    return shown
+
+
+def is_secret_name(name: str) -> bool:
+    """Environment names whose values must never be printed."""
+    return bool(_SECRET_NAME.search(name))
+
+
+def shell_line(argv: list[str], env: Mapping[str, str] | None = None) -> str:
+    """One pasteable shell line; `env` entries are prefixed as VAR=value, secrets shown as ***."""
+    words = [f"{k}={shlex.quote(REDACTED if is_secret_name(k) else v)}" for k, v in (env or {}).items()]
+    words += [shlex.quote(w) for w in redact_argv(argv)]
+    return " ".join(words)

@@ -1,0 +1,67 @@
+"""One error tree for gb10d, each class one line of plain words.
+
+Exit statuses live here too, because the unit file, the README and the
+supervisor must agree on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_GAVE_UP = 75  # EX_TEMPFAIL: retries exhausted; systemd may try again later
+EXIT_MEMORY_NOT_RETURNED = 76  # EX_PROTOCOL slot: memory stayed taken after vLLM exited
+EXIT_CONFIG = 78  # EX_CONFIG: the unit has RestartPreventExitStatus=78
+
+
+class Gb10dError(Exception):
+    """Something gb10d cannot do, explained for the operator."""
+
+    exit_status: int = EXIT_FAILURE
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One thing wrong with a configuration file, located as precisely as known."""
+
+    path: str
+    key: str
+    message: str
+    line: int | None = None
+    column: int | None = None
+
+    def __str__(self) -> str:
+        where = self.path
+        if self.line is not None:
+            where += f":{self.line}"
+            if self.column is not None:
+                where += f":{self.column}"
+        if self.key:
+            return f"{where}: {self.key}: {self.message}"
+        return f"{where}: {self.message}"
+
+
+class ConfigError(Gb10dError):
+    """The configuration is invalid; nothing was started."""
+
+    exit_status = EXIT_CONFIG
+
+    def __init__(self, problems: list[ConfigProblem]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+class SpawnError(Gb10dError):
+    """vLLM could not be started at all (missing or non-executable program)."""
+
+    exit_status = EXIT_CONFIG
+
+
+class GiveUp(Gb10dError):
+    """gb10d stopped trying; the reason says why and what to do."""
+
+    def __init__(self, reason: str, exit_status: int) -> None:
+        self.reason = reason
+        self.exit_status = exit_status
+        super().__init__(reason)
