@@ -2,50 +2,107 @@
 
 Each subcommand is a small function taking the parsed arguments and returning
 an exit status; the work itself lives in the modules named after it. Any
-`Gb10dError` reaching `main` is printed as `gb10d: ...` and turned into its
-exit status, so no user input ever produces a traceback.
+`Gb10dError` reaching `main` is printed as `gb10d: ...` lines and turned into
+its exit status, so no user input ever produces a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from . import __version__
-from .command import build_argv, build_env, shell_line
-from .config import CONFIG_ENV, DEFAULT_CONFIG_PATH, Config, default_config_path, load_config
-from .errors import EXIT_OK, Gb10dError
+from .command import REDACTED, build_argv, env_additions, redact_setting, runnable_problems, shell_line
+from .config import (
+    CONFIG_ENV,
+    DEFAULT_CONFIG_PATH,
+    LoadedConfig,
+    default_config_path,
+    dropin_dir_for,
+    load_config_explained,
+)
+from .errors import EXIT_OK, ConfigError, Gb10dError
 
 Handler = Callable[[argparse.Namespace], int]
 
 
 def _config_path(args: argparse.Namespace) -> Path:
-    return Path(args.config) if args.config else default_config_path()
+    return Path(args.config) if getattr(args, "config", None) else default_config_path()
 
 
-def _load(args: argparse.Namespace) -> Config:
-    return load_config(_config_path(args))
+def _load(args: argparse.Namespace) -> LoadedConfig:
+    return load_config_explained(_config_path(args))
+
+
+def _toml_value(value: Any) -> str:
+    """A value written the way it would be in gb10d.toml, for --explain."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value == REDACTED:
+        return value
+    if value is None:
+        return "(not set)"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, Path):
+        return json.dumps(str(value))
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _explain(loaded: LoadedConfig, prefix: str = "") -> None:
+    """Print each effective value with the file it came from; secrets stay hidden."""
+    print("files: " + ", ".join(str(f) for f in loaded.files))
+    rows = [r for r in loaded.explain() if r[0].startswith(prefix)]
+    shown = [(f"{key} = {_toml_value(redact_setting(key, value))}", source) for key, value, source in rows]
+    width = max(len(text) for text, _ in shown)
+    for text, source in shown:
+        print(f"{text.ljust(width)}  # {source}")
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    """Validate the config; print OK and a summary."""
-    config = _load(args)
-    v = config.vllm
+    """Validate the config and what can be checked offline; print OK and a summary."""
+    loaded = _load(args)
+    problems = runnable_problems(loaded)
+    if problems:
+        raise ConfigError(problems)
+    v = loaded.config.vllm
+    dropins = len(loaded.files) - 1
     print("OK")
     print(
-        f"{_config_path(args)}: serve {v.model} as {', '.join(v.served_names)} on {v.host}:{v.port} "
-        f"with gpu_memory_utilization {v.gpu_memory_utilization:g} using {v.program}"
+        f"{loaded.files[0]}{f' + {dropins} drop-in(s)' if dropins else ''}: serve {v.model} as {', '.join(v.served_names)} "
+        f"on {v.host}:{v.port} with gpu_memory_utilization {v.gpu_memory_utilization:g} using {v.program}"
     )
+    if args.explain:
+        _explain(loaded)
     return EXIT_OK
 
 
 def cmd_print_command(args: argparse.Namespace) -> int:
-    """Print the exact vLLM command line, secrets masked."""
-    config = _load(args)
-    env = build_env(config.vllm, base={}) if args.env else None
-    print(shell_line(build_argv(config.vllm), env))
+    """Print the exact vLLM command line, secrets masked; the program's existence is not checked."""
+    loaded = _load(args)
+    vllm = loaded.config.vllm
+    argv = build_argv(vllm)
+    if args.env:
+        print(shell_line(argv, env_additions(vllm), path_prefix=vllm.venv / "bin" if vllm.venv else None))
+    else:
+        print(shell_line(argv))
+    if args.explain:
+        _explain(loaded, prefix="vllm.")
+    return EXIT_OK
+
+
+def cmd_import_script(args: argparse.Namespace) -> int:
+    """Translate a hand-written start script into gb10d.toml on stdout."""
+    from .importscript import import_script_file
+
+    sys.stdout.write(import_script_file(args.script))
     return EXIT_OK
 
 
@@ -56,29 +113,89 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_daemon(_config_path(args))
 
 
+_CONFIG_HELP = f"config file (default: ${CONFIG_ENV} if set, else {DEFAULT_CONFIG_PATH}); drop-ins are read from <file without .toml>.d/*.toml"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command-line interface, so --help lists everything."""
     parser = argparse.ArgumentParser(
         prog="gb10d",
         description="Supervise vLLM on NVIDIA GB10 machines: start it from /etc/gb10d.toml, "
         "tell systemd when it really serves, and recover from known failures.",
-        epilog=f"The config file is {DEFAULT_CONFIG_PATH} unless --config or ${CONFIG_ENV} says otherwise. "
-        "See gb10d(8) and journalctl -u gb10d.",
+        epilog=f"The config file is {DEFAULT_CONFIG_PATH} (plus drop-ins in {dropin_dir_for(DEFAULT_CONFIG_PATH)}/*.toml) "
+        f"unless --config or ${CONFIG_ENV} names another. Exit statuses: 0 ok, 78 config error, "
+        "75 gave up after retries, 76 memory not returned after vLLM exited. See gb10d(8) and journalctl -u gb10d.",
     )
     parser.add_argument("--version", action="version", version=f"gb10d {__version__}")
+    parser.add_argument("--config", metavar="PATH", help=_CONFIG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def add(name: str, handler: Handler, help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--config", metavar="PATH", help=f"config file (default: ${CONFIG_ENV} or {DEFAULT_CONFIG_PATH})")
+    def add(name: str, handler: Handler, help_text: str, description: str = "", config: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=description or help_text[0].upper() + help_text[1:] + ".")
+        if config:
+            # SUPPRESS keeps `gb10d --config X check-config` working: the subcommand's default
+            # would otherwise overwrite the value given before it.
+            p.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS, help=_CONFIG_HELP)
         p.set_defaults(handler=handler)
         return p
 
-    add("check-config", cmd_check_config, "validate the config and print a one-line summary (exit 78 if invalid)")
-    p = add("print-command", cmd_print_command, "print the vLLM command gb10d would run, as one shell line")
-    p.add_argument("--env", action="store_true", help="also show the environment variables gb10d sets for vLLM")
-    add("run", cmd_run, "run the supervisor in the foreground (the systemd unit's ExecStart)")
+    p = add(
+        "check-config",
+        cmd_check_config,
+        "validate the config (exit 78 if invalid)",
+        "Validate the config file and its drop-ins, check that the vllm program exists and is executable "
+        "and that env_file is readable, then print OK and a one-line summary (exit 0). "
+        "Otherwise print each problem with its file, line and key, and exit 78. "
+        "The systemd unit runs this as ExecStartPre.",
+    )
+    p.add_argument("--explain", action="store_true", help="also list every effective value and the file it came from")
+    p = add(
+        "print-command",
+        cmd_print_command,
+        "print the vLLM command gb10d would run",
+        "Print the exact vLLM command gb10d would run for the first attempt, as one shell-quoted line "
+        "you can paste into a shell. Secrets (HF_TOKEN and any variable whose name contains TOKEN, KEY, "
+        "SECRET or PASSWORD, --api-key and --hf-token values) are shown as ***. "
+        "Unlike check-config, this does not check that the vllm program exists.",
+    )
+    p.add_argument(
+        "--env",
+        action="store_true",
+        help="prefix the environment variables gb10d sets for vLLM (defaults, VIRTUAL_ENV and PATH for a venv, "
+        "env_file, [vllm.env]); without it only the command is shown",
+    )
+    p.add_argument("--explain", action="store_true", help="also list the [vllm] values and the file each came from")
+    p = add(
+        "import-script",
+        cmd_import_script,
+        "turn a vllm serve start script into gb10d.toml",
+        "Read an existing shell script that starts vllm serve and write the equivalent gb10d.toml to stdout. "
+        "Variables, quoting, backslash continuations, 'source VENV/bin/activate', nohup, exec, redirections "
+        "and '&' are understood; anything else is kept as a '# warning:' comment, never dropped silently. "
+        "Nothing is written to disk: redirect stdout to a new file, then run check-config on it.",
+        config=False,
+    )
+    p.add_argument("script", metavar="FILE", type=Path, help="the shell script that runs vllm serve ('-' reads stdin)")
+    add(
+        "run",
+        cmd_run,
+        "run the supervisor in the foreground",
+        "Start vLLM from the config and supervise it in the foreground, as the systemd unit's ExecStart does: "
+        "READY=1 once vLLM serves, corrected restarts on known failures, vLLM's output on stdout for the journal.",
+    )
     return parser
+
+
+def _report(exc: Gb10dError, args: argparse.Namespace) -> None:
+    """Print an error as `gb10d: ` lines; config errors end with how to check again."""
+    lines = [str(p) for p in exc.problems] if isinstance(exc, ConfigError) else str(exc).splitlines() or [repr(exc)]
+    for line in lines:
+        print(f"gb10d: {line}", file=sys.stderr)
+    if isinstance(exc, ConfigError) and args.command != "import-script":
+        again = "gb10d check-config"
+        if getattr(args, "config", None):
+            again += f" --config {args.config}"
+        print(f"gb10d: fix the file, then check again with: {again}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args)
     except Gb10dError as exc:
-        print(f"gb10d: {exc}", file=sys.stderr)
+        _report(exc, args)
         return exc.exit_status
     except KeyboardInterrupt:
         return 130

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from .config import VllmSection, normalize_flag
+from .config import LoadedConfig, VllmSection, normalize_flag
 from .errors import ConfigError, ConfigProblem
 
 # Variables that belong to gb10d's own contract with systemd; vLLM must never see them.
@@ -25,7 +25,7 @@ _SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
 CHILD_DEFAULTS = {"PYTHONUNBUFFERED": "1", "NO_COLOR": "1", "VLLM_DISABLE_LOG_LOGO": "1"}
 
 _SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
-_SECRET_FLAGS = {"api-key"}
+_SECRET_FLAGS = {"api-key", "hf-token"}
 REDACTED = "***"
 
 
@@ -105,7 +105,7 @@ def read_env_file(path: Path) -> dict[str, str]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError([ConfigProblem(shown, "vllm.env_file", f"cannot read: {exc.strerror or exc}")]) from None
+        raise ConfigError([ConfigProblem(shown, "vllm.env_file", f"cannot read: {exc.strerror or exc}; it must be readable by the user running gb10d")]) from None
     result: dict[str, str] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
@@ -123,17 +123,55 @@ def read_env_file(path: Path) -> dict[str, str]:
     return result
 
 
-def build_env(vllm: VllmSection, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """vLLM's environment: gb10d's own minus systemd's variables, plus defaults, env_file and [vllm.env]."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in _SYSTEMD_ONLY}
-    env.update(CHILD_DEFAULTS)
+def env_additions(vllm: VllmSection) -> dict[str, str]:
+    """What gb10d sets on top of its own environment: defaults, VIRTUAL_ENV, env_file, then [vllm.env].
+
+    PATH is left out: it is gb10d's own PATH with the venv's bin in front
+    (see `build_env`), so it has no fixed value to show.
+    """
+    env = dict(CHILD_DEFAULTS)
     if vllm.venv is not None:
         env["VIRTUAL_ENV"] = str(vllm.venv)
-        env["PATH"] = f"{vllm.venv / 'bin'}{os.pathsep}{env.get('PATH', os.defpath)}"
     if vllm.env_file is not None:
         env.update(read_env_file(vllm.env_file))
     env.update(vllm.env)
     return env
+
+
+def build_env(vllm: VllmSection, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """vLLM's environment: gb10d's own minus systemd's variables, plus `env_additions`.
+
+    With a venv, its bin directory goes first on PATH, as `activate` would
+    do, so tools vLLM runs (ninja, the Triton compiler) come from the venv.
+    """
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in _SYSTEMD_ONLY}
+    if vllm.venv is not None:
+        env["PATH"] = f"{vllm.venv / 'bin'}{os.pathsep}{env.get('PATH', os.defpath)}"
+    env.update(env_additions(vllm))
+    return env
+
+
+def runnable_problems(loaded: LoadedConfig) -> list[ConfigProblem]:
+    """What can be checked without starting vLLM: the program exists and runs, env_file parses.
+
+    `check-config` (the unit's ExecStartPre) reports these so a missing venv
+    fails the start at once instead of after a restart loop.
+    """
+    vllm = loaded.config.vllm
+    key = "vllm.executable" if vllm.executable is not None else "vllm.venv"
+    program = vllm.program
+    problems: list[ConfigProblem] = []
+    if not program.is_file():
+        hint = "is vLLM installed in that venv?" if vllm.venv is not None else "is that the path of the vllm program?"
+        problems.append(loaded.problem(key, f"{program} does not exist; {hint}"))
+    elif not os.access(program, os.X_OK):
+        problems.append(loaded.problem(key, f"{program} is not executable; chmod +x it or fix the path"))
+    if vllm.env_file is not None:
+        try:
+            read_env_file(vllm.env_file)
+        except ConfigError as exc:
+            problems += exc.problems
+    return problems
 
 
 def redact_argv(argv: list[str]) -> list[str]:
@@ -162,8 +200,23 @@ def is_secret_name(name: str) -> bool:
     return bool(_SECRET_NAME.search(name))
 
 
-def shell_line(argv: list[str], env: Mapping[str, str] | None = None) -> str:
-    """One pasteable shell line; `env` entries are prefixed as VAR=value, secrets shown as ***."""
-    words = [f"{k}={shlex.quote(REDACTED if is_secret_name(k) else v)}" for k, v in (env or {}).items()]
+def redact_setting(dotted: str, value: Any) -> Any:
+    """A config value safe to print: secret env names, secret flags and their extra_args forms masked."""
+    table, _, name = dotted.rpartition(".")
+    if (table == "vllm.env" and is_secret_name(name)) or (table == "vllm.args" and normalize_flag(name) in _SECRET_FLAGS):
+        return REDACTED
+    if dotted == "vllm.extra_args":
+        return redact_argv(value)
+    return value
+
+
+def shell_line(argv: list[str], env: Mapping[str, str] | None = None, path_prefix: Path | None = None) -> str:
+    """One pasteable shell line; `env` entries are prefixed as VAR=value, secrets shown as ***.
+
+    `path_prefix` adds `PATH=<prefix>:"$PATH"`, the way gb10d extends PATH
+    for a venv, so the pasted line behaves like gb10d's child.
+    """
+    words = [f'PATH={shlex.quote(str(path_prefix))}:"$PATH"'] if path_prefix is not None else []
+    words += [f"{k}={shlex.quote(REDACTED if is_secret_name(k) else v)}" for k, v in (env or {}).items()]
     words += [shlex.quote(w) for w in redact_argv(argv)]
     return " ".join(words)

@@ -1,9 +1,15 @@
-"""The gb10d.toml configuration: its schema, loading, and errors that point at a line.
+"""The gb10d.toml configuration: its schema, loading, drop-ins, and errors that point at a line.
 
-The schema is a pydantic v2 model. Loading never raises anything but
-`ConfigError`, whose problems each name the file, the line (when the key is
-found in the text), the dotted key and the fix, so the CLI can print them and
-exit 78 without a traceback.
+The schema is a pydantic v2 model in strict mode: TOML already has types, so
+`port = "8000"` or `warmup = 1` is a mistake worth reporting, not a value to
+coerce. Loading never raises anything but `ConfigError`, whose problems each
+name the file, the line (when the key is found in the text), the dotted key
+and the fix, so the CLI can print them and exit 78 without a traceback.
+
+The main file may be overridden by drop-ins, `<config without .toml>.d/*.toml`
+(`/etc/gb10d.d/` for `/etc/gb10d.toml`), merged in name order. Every
+effective value remembers the file it came from, for `--explain` and for
+error messages that name the drop-in that set a bad value.
 """
 
 from __future__ import annotations
@@ -13,31 +19,43 @@ import math
 import os
 import re
 import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from .errors import ConfigError, ConfigProblem
 
 DEFAULT_CONFIG_PATH = Path("/etc/gb10d.toml")
 DEFAULT_DROPIN_DIR = Path("/etc/gb10d.d")
 CONFIG_ENV = "GB10D_CONFIG"
+DEFAULT_SOURCE = "default"
 
 LOAD_STRATEGIES = ("eager", "lazy", "prefetch", "torchao")
+
 
 
 class _Table(BaseModel):
     """A gb10d table: unknown keys are errors, values are checked strictly enough to catch typos."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True)
+
+
+def _absolute(value: Path | None) -> Path | None:
+    """Relative paths would depend on the working directory, which is / under systemd."""
+    if value is not None and not value.is_absolute():
+        raise ValueError(f"must be an absolute path (got {str(value)!r}); gb10d runs from / under systemd")
+    return value
 
 
 class VllmSection(_Table):
     """`[vllm]`: what to run and with which flags."""
 
-    executable: Path | None = None
-    venv: Path | None = None
+    # Path fields take TOML strings; strict mode alone would demand Path objects.
+    executable: Path | None = Field(default=None, strict=False)
+    venv: Path | None = Field(default=None, strict=False)
     model: str
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -46,13 +64,22 @@ class VllmSection(_Table):
     args: dict[str, Any] = Field(default_factory=dict)
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
-    env_file: Path | None = None
+    env_file: Path | None = Field(default=None, strict=False)
+
+    absolute_paths = field_validator("executable", "venv", "env_file")(_absolute)
 
     @field_validator("model")
     @classmethod
     def _model_not_empty(cls, value: str) -> str:
         if not value.strip():
             raise ValueError('must name a Hugging Face repository or a local directory, e.g. "Qwen/Qwen3.6-27B-FP8"')
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _host_not_empty(cls, value: str) -> str:
+        if not value.strip() or any(c.isspace() for c in value):
+            raise ValueError(f'must be an address such as "0.0.0.0" or "127.0.0.1" (got {value!r})')
         return value
 
     @field_validator("served_model_name")
@@ -68,21 +95,61 @@ class VllmSection(_Table):
     @field_validator("gpu_memory_utilization")
     @classmethod
     def _utilization_range(cls, value: float) -> float:
-        if not (0 < value <= 1) or math.isnan(value):
+        if math.isnan(value) or not (0 < value <= 1):
             raise ValueError(f"must be > 0 and <= 1 (got {value})")
         return value
 
     @field_validator("args")
     @classmethod
     def _args_shape(cls, value: dict[str, Any]) -> dict[str, Any]:
+        problems: list[tuple[str, str]] = []
+        seen: dict[str, str] = {}
         for key, item in value.items():
             flag = normalize_flag(key)
+            if flag in seen:
+                problems.append((key, f"set twice (as {seen[flag]!r} and {key!r}); keep one"))
+            seen[flag] = key
             if flag in _FIRST_CLASS_FLAGS:
-                raise ValueError(f"{key!r} is set with vllm.{_FIRST_CLASS_FLAGS[flag]}, not in vllm.args")
-            if not re.fullmatch(r"[a-z0-9][a-z0-9-]*(\.[a-z0-9_-]+)*", flag):
-                raise ValueError(f"{key!r} is not a vllm serve flag name (letters, digits, '-' or '_')")
-            if isinstance(item, list) and any(isinstance(v, (dict, list)) for v in item):
-                raise ValueError(f"{key!r}: a list may hold only plain values")
+                problems.append((key, f"is set with vllm.{_FIRST_CLASS_FLAGS[flag]}, not in vllm.args"))
+            elif not _FLAG_NAME.fullmatch(flag):
+                problems.append((key, "is not a vllm serve flag name (letters, digits, '-' or '_')"))
+            elif isinstance(item, list) and any(isinstance(v, (dict, list)) for v in item):
+                problems.append((key, "a list may hold only plain values (strings, numbers, true/false)"))
+        _raise_keyed(problems)
+        return value
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_integers(cls, value: Any) -> Any:
+        # `CUDA_VISIBLE_DEVICES = 0` is what people write; the environment only holds strings.
+        if isinstance(value, dict):
+            return {k: str(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in value.items()}
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        problems = [
+            (name, "is not an environment variable name (letters, digits and '_', not starting with a digit)")
+            for name in value
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)
+        ]
+        problems += [(name, "must not contain NUL bytes") for name, text in value.items() if "\x00" in text]
+        _raise_keyed(problems)
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args_unmanaged(cls, value: list[str]) -> list[str]:
+        problems: list[tuple[str, str]] = []
+        for index, word in enumerate(value):
+            if not word.startswith("--"):
+                continue
+            flag = normalize_flag(word.partition("=")[0])
+            owner = _MANAGED_FLAGS.get(flag)
+            if owner:
+                problems.append((str(index), f"{word.partition('=')[0]!r} must be set with {owner}, not in extra_args"))
+        _raise_keyed(problems)
         return value
 
     @model_validator(mode="after")
@@ -91,6 +158,10 @@ class VllmSection(_Table):
             raise ValueError("set either vllm.executable (path of the vllm program) or vllm.venv (a virtualenv with vLLM)")
         if self.executable is not None and self.venv is not None:
             raise ValueError("set only one of vllm.executable and vllm.venv, not both")
+        in_args = {normalize_flag(k) for k in self.args}
+        twice = [w for w in self.extra_args if w.startswith("--") and normalize_flag(w.partition("=")[0]) in in_args]
+        if twice:
+            raise ValueError(f"{twice[0].partition('=')[0]!r} is in both vllm.args and vllm.extra_args; keep one")
         return self
 
     @property
@@ -119,10 +190,16 @@ class VllmSection(_Table):
 
     @property
     def api_key(self) -> str | None:
-        """The API key vLLM will demand on /v1 paths, from args or VLLM_API_KEY."""
+        """The API key vLLM will demand on /v1 paths, from args, extra_args or VLLM_API_KEY."""
         value = self.arg("api-key")
         if isinstance(value, str) and value:
             return value
+        for index, word in enumerate(self.extra_args):
+            name, eq, rest = word.partition("=")
+            if word.startswith("--") and normalize_flag(name) == "api-key":
+                if eq:
+                    return rest or None
+                return self.extra_args[index + 1] if index + 1 < len(self.extra_args) else None
         return self.env.get("VLLM_API_KEY") or None
 
 
@@ -142,7 +219,7 @@ class StartupSection(_Table):
 class MemorySection(_Table):
     """`[memory]`: the unified-memory arithmetic of GB10."""
 
-    meminfo_path: Path = Path("/proc/meminfo")
+    meminfo_path: Path = Field(default=Path("/proc/meminfo"), strict=False)
     headroom_gib: float = Field(default=1.0, ge=0)
     min_gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
     preflight: bool = True
@@ -206,8 +283,8 @@ class DaemonSection(_Table):
     """`[daemon]`: gb10d's own behaviour and files."""
 
     stop_timeout_s: float = Field(default=30.0, ge=0)
-    state_file: Path = Path("/run/gb10d/state.json")
-    learned_file: Path = Path("/var/lib/gb10d/state.toml")
+    state_file: Path = Field(default=Path("/run/gb10d/state.json"), strict=False)
+    learned_file: Path = Field(default=Path("/var/lib/gb10d/state.toml"), strict=False)
     apply_on_change: bool = False
     watch_config: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -234,15 +311,44 @@ _FIRST_CLASS_FLAGS = {
     "model": "model",
 }
 
+# Flags gb10d must know the value of (to probe, to tune), so a raw extra_args
+# word would silently override what gb10d believes.
+_MANAGED_FLAGS = {
+    **{flag: f"vllm.{key}" for flag, key in _FIRST_CLASS_FLAGS.items()},
+    "max-model-len": "vllm.args.max-model-len",
+    "safetensors-load-strategy": "vllm.args.safetensors-load-strategy",
+}
+
+_FLAG_NAME = re.compile(r"[a-z0-9][a-z0-9-]*(\.[A-Za-z0-9_-]+)*")
+
+
+def _raise_keyed(problems: list[tuple[str, str]]) -> None:
+    """Report problems of several keys of one table at once, each located at its own key."""
+    if problems:
+        raise PydanticCustomError("keyed", "{summary}", {"summary": "; ".join(m for _, m in problems), "problems": problems})
+
 
 def normalize_flag(key: str) -> str:
-    """`max_model_len`, `max-model-len` and `--max-model-len` all name the flag `max-model-len`."""
-    return key.lstrip("-").replace("_", "-").lower()
+    """`max_model_len`, `max-model-len` and `--max-model-len` all name the flag `max-model-len`.
+
+    Only the part before the first dot is normalised, as vLLM does: in
+    `speculative-config.num_speculative_tokens` the part after the dot is a
+    JSON field name and keeps its underscores.
+    """
+    name, dot, rest = key.lstrip("-").partition(".")
+    return name.replace("_", "-").lower() + dot + rest
 
 
 def default_config_path() -> Path:
     """`$GB10D_CONFIG` when set, else /etc/gb10d.toml."""
     return Path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
+
+
+def dropin_dir_for(path: Path) -> Path:
+    """The drop-in directory of a config file: `/etc/gb10d.toml` -> `/etc/gb10d.d`, `x/foo.toml` -> `x/foo.d`."""
+    if path.suffix == ".toml":
+        return path.with_suffix(".d")
+    return path.with_name(path.name + ".d")
 
 
 def read_toml(path: Path) -> tuple[dict[str, Any], str]:
@@ -251,7 +357,7 @@ def read_toml(path: Path) -> tuple[dict[str, Any], str]:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise ConfigError([ConfigProblem(shown, "", "file not found; create it (see /usr/share/doc/gb10d/examples) or pass --config PATH")]) from None
+        raise ConfigError([ConfigProblem(shown, "", f"file not found; create it, or point --config or ${CONFIG_ENV} at the right file")]) from None
     except IsADirectoryError:
         raise ConfigError([ConfigProblem(shown, "", "is a directory, not a TOML file; pass the file itself with --config")]) from None
     except PermissionError:
@@ -287,29 +393,37 @@ def _syntax_problem(shown: str, text: str, exc: tomllib.TOMLDecodeError) -> Conf
     return ConfigProblem(shown, "", f"TOML syntax error: {message}")
 
 
-def locate_key(text: str, dotted: str) -> int | None:
-    """The 1-based line where `dotted` (e.g. "vllm.port") is set in `text`, if it can be found.
+def locate_key(text: str, dotted: str | tuple[str, ...]) -> int | None:
+    """The 1-based line where a key (e.g. "vllm.port") is set in `text`, if it can be found.
 
-    Handles `[table]` headers, dotted keys (`vllm.port = 1`) and quoted keys,
-    which covers how people write gb10d.toml; returns the table's header line
-    when the key itself is missing (a required key), or None.
+    Handles `[table]` headers, dotted keys (`vllm.port = 1`), quoted keys and
+    inline tables, which covers how people write gb10d.toml; returns the
+    table's header line when the key itself is missing (a required key), or
+    None. Pass a tuple when a key part itself contains a dot.
     """
-    parts = dotted.split(".")
+    parts = tuple(dotted.split(".")) if isinstance(dotted, str) else dotted
     table: list[str] = []
     header_lines: dict[tuple[str, ...], int] = {}
+    inline: int | None = None
     for number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
         header = re.match(r"^\[\[?\s*([^\]]+?)\s*\]\]?", stripped)
         if header:
             table = [_unquote(p) for p in _split_dotted(header.group(1))]
             header_lines.setdefault(tuple(table), number)
+            if tuple(table) == parts:
+                return number
             continue
         assignment = re.match(r'^((?:"[^"]*"|\'[^\']*\'|[A-Za-z0-9_.\- ])+?)\s*=', stripped)
         if not assignment:
             continue
-        key = table + [_unquote(p) for p in _split_dotted(assignment.group(1))]
-        if key[: len(parts)] == parts and len(key) >= len(parts):
+        key = tuple(table + [_unquote(p) for p in _split_dotted(assignment.group(1))])
+        if key[: len(parts)] == parts:
             return number
+        if inline is None and parts[: len(key)] == key:
+            inline = number  # the key lives inside an inline table or array set on this line
+    if inline is not None:
+        return inline
     for length in range(len(parts) - 1, 0, -1):
         if tuple(parts[:length]) in header_lines:
             return header_lines[tuple(parts[:length])]
@@ -330,10 +444,10 @@ def _known_keys(loc: tuple[str | int, ...]) -> list[str]:
     """The valid keys of the table that `loc` points into, for did-you-mean."""
     model: type[BaseModel] = Config
     for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+        field_info = model.model_fields.get(str(part))
+        if field_info is None or not isinstance(field_info.annotation, type) or not issubclass(field_info.annotation, BaseModel):
             return []
-        model = field.annotation
+        model = field_info.annotation
     return list(model.model_fields)
 
 
@@ -355,10 +469,14 @@ def _describe(error: dict[str, Any]) -> str:
     kind: str = error["type"]
     value = error.get("input")
     ctx = error.get("ctx") or {}
-    got = f" (got {value!r})" if not isinstance(value, dict) else ""
+    got = f" (got {_shown(value)})" if not isinstance(value, dict) else ""
     if kind == "missing":
+        if tuple(error["loc"]) == ("vllm",):
+            return "the [vllm] table is missing; it needs at least model and venv or executable"
         return "is required"
     if kind == "extra_forbidden":
+        if len(error["loc"]) == 1 and isinstance(value, dict):
+            return f"unknown table [{error['loc'][0]}]; gb10d's tables are {', '.join(f'[{t}]' for t in Config.model_fields)}"
         return "unknown key"
     if kind in ("value_error", "assertion_error"):
         return str(ctx.get("error", error["msg"])).removeprefix("Value error, ")
@@ -374,39 +492,213 @@ def _describe(error: dict[str, Any]) -> str:
     return f"{error['msg']}{got}"
 
 
-def _problems_from(exc: ValidationError, shown: str, text: str) -> list[ConfigProblem]:
+def _shown(value: Any) -> str:
+    """A value as the user wrote it in TOML, so `true` is not shown as Python's `True`."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
+# pydantic names union members and validators in error locations; they mean nothing to an operator.
+def _is_union_tag(part: str | int) -> bool:
+    return isinstance(part, str) and (part in ("str", "list[str]") or part.startswith("function-"))
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A merged config with where each value came from.
+
+    `locations` maps dotted keys (`vllm.port`, `vllm.args.max-model-len`) of
+    the values set in some file to (file, line); keys missing from it are
+    defaults. `files` lists the files read, main file first, so a watcher
+    knows what to watch.
+    """
+
+    config: Config
+    files: tuple[Path, ...]
+    locations: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+
+    def location_of(self, dotted: str) -> tuple[str, int | None] | None:
+        """(file, line) that set this key or a table holding it; None for a default."""
+        probe = dotted
+        while probe:
+            if probe in self.locations:
+                return self.locations[probe]
+            probe = probe.rpartition(".")[0]
+        return None
+
+    def source_of(self, dotted: str) -> str:
+        """`FILE:LINE` of the file that set this key, else "default"."""
+        where = self.location_of(dotted)
+        if where is None:
+            return DEFAULT_SOURCE
+        file, line = where
+        return f"{file}:{line}" if line else file
+
+    def problem(self, dotted: str, message: str) -> ConfigProblem:
+        """A problem with an effective value, located in the file that set it."""
+        file, line = self.location_of(dotted) or (str(self.files[0]), None)
+        return ConfigProblem(file, dotted, message, line=line)
+
+    def explain(self) -> list[tuple[str, Any, str]]:
+        """(dotted key, effective value, source) for every setting, in schema order."""
+        rows: list[tuple[str, Any, str]] = []
+        for section_name in Config.model_fields:
+            section = getattr(self.config, section_name)
+            for key in type(section).model_fields:
+                value = getattr(section, key)
+                dotted = f"{section_name}.{key}"
+                if isinstance(value, dict) and value:
+                    rows += [(f"{dotted}.{k}", v, self.source_of(f"{dotted}.{k}")) for k, v in value.items()]
+                else:
+                    rows.append((dotted, value, self.source_of(dotted)))
+        return rows
+
+
+@dataclass
+class _Layers:
+    """The merge of the main file and its drop-ins, remembering who set what."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+    origin: dict[tuple[str, ...], int] = field(default_factory=dict)  # key path -> index into files
+    files: list[Path] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+
+    def add(self, path: Path, data: dict[str, Any], text: str) -> None:
+        self.files.append(path)
+        self.texts.append(text)
+        self._merge(self.data, data, ())
+
+    def _forget(self, prefix: tuple[str, ...]) -> None:
+        for key in [k for k in self.origin if k[: len(prefix)] == prefix]:
+            del self.origin[key]
+
+    def _merge(self, base: dict[str, Any], overlay: dict[str, Any], path: tuple[str, ...]) -> None:
+        index = len(self.files) - 1
+        for key, value in overlay.items():
+            here = path + (key,)
+            if path == ("vllm", "args"):
+                # A drop-in's max-model-len overrides the main file's max_model_len.
+                # Two spellings within one file stay, so validation can report them.
+                earlier = [k for k in base if normalize_flag(k) == normalize_flag(key) and self.origin.get(path + (k,)) != index]
+                for old in earlier:
+                    del base[old]
+                    self._forget(path + (old,))
+            if path == ("vllm",) and key in ("executable", "venv"):
+                # Choosing the program in a drop-in replaces the other way of choosing it.
+                other = "venv" if key == "executable" else "executable"
+                if other not in overlay and other in base:
+                    del base[other]
+                    self._forget(path + (other,))
+            is_arg_value = path == ("vllm", "args")
+            if isinstance(value, dict) and not is_arg_value:
+                if not isinstance(base.get(key), dict):
+                    base[key] = {}
+                    self._forget(here)
+                self._merge(base[key], value, here)
+                if not value:
+                    self.origin.setdefault(here, index)
+            else:
+                self._forget(here)
+                base[key] = value
+                self.origin[here] = index
+
+    def where(self, loc: tuple[str, ...]) -> tuple[int, tuple[str, ...]]:
+        """Which file to blame for a problem at `loc`, and the key as spelled there."""
+        setters = [(i, k) for k, i in self.origin.items() if loc[: len(k)] == k]
+        if setters:
+            index, key = max(setters, key=lambda c: (c[0], len(c[1])))
+            return index, key
+        # A table-level problem (a missing key, two keys that clash): blame the first file writing into it.
+        inside = [i for k, i in self.origin.items() if k[: len(loc)] == loc]
+        return (min(inside) if inside else 0), loc
+
+    def location(self, key: tuple[str, ...]) -> tuple[str, int | None]:
+        index = self.origin[key]
+        return str(self.files[index]), locate_key(self.texts[index], key)
+
+    def problem(self, loc: tuple[str, ...], message: str) -> ConfigProblem:
+        index, key = self.where(loc)
+        line = locate_key(self.texts[index], key) if loc else None
+        return ConfigProblem(str(self.files[index]), ".".join(loc), message, line=line)
+
+
+def _dropins(directory: Path) -> list[Path]:
+    """The drop-in files in name order; a missing directory simply means none."""
+    try:
+        entries = sorted(p for p in directory.iterdir() if p.suffix == ".toml" and not p.name.startswith("."))
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        raise ConfigError([ConfigProblem(str(directory), "", "is not a directory; drop-ins go in a directory of *.toml files")]) from None
+    except OSError as exc:
+        raise ConfigError([ConfigProblem(str(directory), "", f"cannot list drop-ins: {exc.strerror or exc}")]) from None
+    return entries
+
+
+def _problems_from(exc: ValidationError, layers: _Layers) -> list[ConfigProblem]:
     problems: list[ConfigProblem] = []
     seen: set[tuple[str, str]] = set()
     for error in exc.errors(include_url=False):
-        loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p in _UNION_TAGS))
-        key = ".".join(str(p) for p in loc)
-        message = _describe(error)
-        if error["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(loc[-1]), _known_keys(loc), n=1)
-            message += f"; did you mean {'.'.join(str(p) for p in loc[:-1] + (close[0],))}?" if close else "; remove it"
-        if (key, message) in seen:
-            continue
-        seen.add((key, message))
-        problems.append(ConfigProblem(shown, key, message, line=locate_key(text, key) if key else None))
+        loc = tuple(str(p) for p in error["loc"] if not _is_union_tag(p))
+        keyed = (error.get("ctx") or {}).get("problems")
+        items = [(loc + (k,), m) for k, m in keyed] if keyed else [(loc, _describe(error))]
+        for where, message in items:
+            if error["type"] == "extra_forbidden":
+                close = difflib.get_close_matches(where[-1], _known_keys(where), n=1)
+                if close:
+                    message += f"; did you mean {'.'.join(where[:-1] + (close[0],))}?"
+                elif len(where) > 1:
+                    message += "; remove it"
+            if (".".join(where), message) in seen:
+                continue
+            seen.add((".".join(where), message))
+            problems.append(layers.problem(where, message))
     return problems
-
-
-# pydantic names union members in error locations; they mean nothing to an operator.
-_UNION_TAGS = {"str", "list[str]", "function-after[_names_not_empty(), union[str,list[str],none]]"}
 
 
 def parse_config(data: dict[str, Any], shown: str = "<config>", text: str = "") -> Config:
     """Validate already-parsed TOML data, raising ConfigError with located problems."""
-    if not data:
-        raise ConfigError([ConfigProblem(shown, "", "is empty; it needs at least a [vllm] table with model and executable or venv")])
+    layers = _Layers()
+    layers.add(Path(shown), data, text)
+    return _validate(layers)
+
+
+def _validate(layers: _Layers) -> Config:
+    if not layers.data:
+        raise ConfigError([ConfigProblem(str(layers.files[0]), "", "is empty; it needs at least a [vllm] table with model and executable or venv")])
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(layers.data)
     except ValidationError as exc:
-        raise ConfigError(_problems_from(exc, shown, text)) from None
+        raise ConfigError(_problems_from(exc, layers)) from None
 
 
-def load_config(path: Path | None = None) -> Config:
-    """Read, parse and validate the config file; the only error raised is ConfigError."""
+def load_config_explained(path: Path | None = None, dropin_dir: Path | None = None) -> LoadedConfig:
+    """Read the main file and its drop-ins, merge and validate them, remembering each value's file.
+
+    Drop-ins are merged over the main file in name order: tables merge key
+    by key, arrays and other values are replaced, `[vllm.args]` keys match
+    whatever their `-`/`_` spelling. Every file is read before any is
+    validated, so syntax errors in several files are reported together.
+    """
     path = path or default_config_path()
-    data, text = read_toml(path)
-    return parse_config(data, str(path), text)
+    dropin_dir = dropin_dir or dropin_dir_for(path)
+    layers = _Layers()
+    problems: list[ConfigProblem] = []
+    for file in [path, *_dropins(dropin_dir)]:
+        try:
+            data, text = read_toml(file)
+        except ConfigError as exc:
+            problems += exc.problems
+            continue
+        layers.add(file, data, text)
+    if problems:
+        raise ConfigError(problems)
+    config = _validate(layers)
+    locations = {".".join(key): layers.location(key) for key in layers.origin}
+    return LoadedConfig(config=config, files=tuple(layers.files), locations=locations)
+
+
+def load_config(path: Path | None = None, dropin_dir: Path | None = None) -> Config:
+    """Read, merge and validate the config file and its drop-ins; the only error raised is ConfigError."""
+    return load_config_explained(path, dropin_dir).config
