@@ -20,23 +20,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from . import __version__
 from .events import Event, SpecDecodingLogged, StatsLogged
+from .phases import Phase
 
-# The startup phases as `phases.Phase` names them; each is one series of the
-# `gb10d_phase` state set so a dashboard sees a 0 for every phase not current.
-PHASES: tuple[str, ...] = (
-    "preflight",
-    "spawning",
-    "downloading",
-    "loading_weights",
-    "compiling",
-    "kv_cache",
-    "capturing_graphs",
-    "starting_server",
-    "warming_up",
-    "ready",
-    "stopping",
-    "exited",
-)
+# Each phase is one series of the `gb10d_phase` state set, so a dashboard sees
+# a 0 for every phase that is not current rather than a missing series.
+PHASES: tuple[str, ...] = tuple(phase.value for phase in Phase)
 
 # Known label values are created at zero, so `rate()` and alerts see the
 # series before the first increment instead of a gap.
