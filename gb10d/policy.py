@@ -1,0 +1,249 @@
+"""What went wrong with an attempt, and what the next attempt should be.
+
+`classify` turns the failure events seen during an attempt (plus how it
+ended) into one `Cause`; `next_attempt` turns the cause, the settings used
+and the history into `Retry` (with corrected settings and a delay) or
+`GiveUp` (with an exit status). Both are pure: the supervisor feeds them
+facts and carries out the answer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+from .command import Tunables
+from .config import Config
+from .errors import EXIT_CONFIG, EXIT_GAVE_UP
+from .events import (
+    BadArgument,
+    CudaOutOfMemory,
+    EngineDied,
+    ExceptionRaised,
+    Failure,
+    FreeMemoryShort,
+    KvCacheInsufficient,
+    ModelGated,
+    ModelNotFound,
+    NoKvCacheMemory,
+    PortInUse,
+)
+from .memory import fitting_utilization, floor2
+
+
+class Cause(enum.Enum):
+    """Why an attempt ended; the value is the metrics label and the journal word."""
+
+    FREE_MEMORY = "free_memory"
+    STALL = "stall"
+    CUDA_OOM = "cuda_oom"
+    KV_CACHE = "kv_cache"
+    NO_KV_MEMORY = "no_kv_memory"
+    PORT_IN_USE = "port_in_use"
+    MODEL_NOT_FOUND = "model_not_found"
+    MODEL_GATED = "model_gated"
+    BAD_ARGUMENT = "bad_argument"
+    SERVED_NAME = "served_name_mismatch"
+    ENGINE_DEAD = "engine_dead"
+    ENGINE_HUNG = "engine_hung"
+    START_TIMEOUT = "start_timeout"
+    CRASH = "crash"
+
+
+# Causes that no retry can fix: the operator must change the config or the machine.
+CONFIG_CAUSES = frozenset(
+    {Cause.PORT_IN_USE, Cause.MODEL_NOT_FOUND, Cause.MODEL_GATED, Cause.BAD_ARGUMENT, Cause.SERVED_NAME}
+)
+
+# More specific failures win over the generic wrappers printed after them.
+_PRECEDENCE: tuple[tuple[type[Failure], Cause], ...] = (
+    (FreeMemoryShort, Cause.FREE_MEMORY),
+    (KvCacheInsufficient, Cause.KV_CACHE),
+    (NoKvCacheMemory, Cause.NO_KV_MEMORY),
+    (CudaOutOfMemory, Cause.CUDA_OOM),
+    (PortInUse, Cause.PORT_IN_USE),
+    (ModelGated, Cause.MODEL_GATED),
+    (ModelNotFound, Cause.MODEL_NOT_FOUND),
+    (BadArgument, Cause.BAD_ARGUMENT),
+    (EngineDied, Cause.ENGINE_DEAD),
+)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one attempt ended, as far as the supervisor could observe it."""
+
+    cause: Cause
+    failure: Failure | None = None
+    exit_status: int | None = None
+    was_ready: bool = False
+    detail: str = ""
+
+
+def classify(failures: Sequence[Failure], exit_status: int | None, was_ready: bool) -> Outcome:
+    """The cause of an attempt that vLLM ended itself (exited), from what it printed."""
+    for kind, cause in _PRECEDENCE:
+        for failure in reversed(failures):
+            if isinstance(failure, kind):
+                return Outcome(cause, failure, exit_status, was_ready)
+    if was_ready and exit_status == 0:
+        # vLLM exits 0 after its engine dies (REFERENCE: engine death at run time).
+        return Outcome(Cause.ENGINE_DEAD, None, exit_status, was_ready, "vLLM exited with status 0 while serving")
+    last = next((f for f in reversed(failures) if isinstance(f, ExceptionRaised)), None)
+    detail = f"{last.exc_type}: {last.message}" if last else ""
+    return Outcome(Cause.CRASH, last, exit_status, was_ready, detail)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Start again after `delay_s` with `tunables`; `message` is the journal line's action part."""
+
+    tunables: Tunables
+    delay_s: float
+    message: str
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Stop trying; exit with `exit_status` after logging `message`."""
+
+    message: str
+    exit_status: int
+
+
+@dataclass(frozen=True)
+class History:
+    """Attempts made since the last time vLLM was ready."""
+
+    attempts: int = 0
+    backoffs: int = 0
+
+
+def backoff_delay(config: Config, backoffs: int) -> float:
+    """Exponential back-off: initial, doubled per consecutive uncorrectable failure, capped."""
+    r = config.restart
+    return min(r.backoff_initial_s * (2 ** max(0, backoffs)), r.backoff_max_s)
+
+
+def _lower_utilization(current: float, target: float, config: Config, why: str) -> Retry | GiveUp:
+    """Retry with `target` (never the same value again), unless below the configured minimum."""
+    new = min(floor2(target), floor2(current - 0.01))
+    minimum = config.memory.min_gpu_memory_utilization
+    if new < minimum:
+        return GiveUp(
+            f"{why}; the next gpu_memory_utilization would be {new:g}, below memory.min_gpu_memory_utilization "
+            f"{minimum:g}. Free memory on this machine (stop what uses it, or reboot if a crashed vLLM left it taken), "
+            "or lower memory.min_gpu_memory_utilization",
+            EXIT_GAVE_UP,
+        )
+    return Retry(Tunables(new, None, None), 0.0, f"restarting with gpu_memory_utilization {new:g}")
+
+
+def next_attempt(outcome: Outcome, used: Tunables, history: History, config: Config) -> Retry | GiveUp:
+    """The next attempt's settings and delay after `outcome`, or the reason to stop.
+
+    `history.attempts` counts attempts made so far (including the one that
+    just failed); the budget is `restart.max_attempts`.
+    """
+    if outcome.cause in CONFIG_CAUSES:
+        return GiveUp(_config_advice(outcome, config), EXIT_CONFIG)
+    if outcome.cause is Cause.KV_CACHE:
+        failure = outcome.failure
+        assert isinstance(failure, KvCacheInsufficient)
+        estimate = failure.estimated_max_model_len
+        if config.startup.allow_max_model_len_reduction and estimate:
+            retry: Retry | GiveUp = Retry(
+                used.with_(max_model_len=estimate), 0.0, f"restarting with max_model_len {estimate} (vLLM's estimate)"
+            )
+        else:
+            hint = f"set vllm.args.max_model_len = {estimate}, " if estimate else "lower vllm.args.max_model_len, "
+            return GiveUp(
+                f"max_model_len {failure.max_model_len} needs {failure.needed_gib:g} GiB of KV cache but only "
+                f"{failure.available_gib:g} GiB is available; {hint}raise vllm.gpu_memory_utilization, "
+                "or set startup.allow_max_model_len_reduction = true",
+                EXIT_CONFIG,
+            )
+    elif outcome.cause is Cause.NO_KV_MEMORY:
+        return GiveUp(
+            "no memory is left for the KV cache after loading the model; raise vllm.gpu_memory_utilization "
+            "or use a smaller or more quantized model",
+            EXIT_CONFIG,
+        )
+    elif outcome.cause is Cause.FREE_MEMORY:
+        failure = outcome.failure
+        assert isinstance(failure, FreeMemoryShort)
+        target = fitting_utilization(failure.free_gib, failure.total_gib, config.memory.headroom_gib)
+        retry = _lower_utilization(
+            used.gpu_memory_utilization,
+            target,
+            config,
+            f"free memory {failure.free_gib:g} of {failure.total_gib:g} GiB is below gpu_memory_utilization "
+            f"{failure.requested_utilization:g} ({failure.requested_gib:g} GiB)",
+        )
+        if isinstance(retry, Retry):
+            retry = Retry(used.with_(gpu_memory_utilization=retry.tunables.gpu_memory_utilization), 0.0, retry.message)
+    elif outcome.cause is Cause.CUDA_OOM:
+        retry = _lower_utilization(
+            used.gpu_memory_utilization, used.gpu_memory_utilization - 0.05, config, "CUDA ran out of memory"
+        )
+        if isinstance(retry, Retry):
+            retry = Retry(used.with_(gpu_memory_utilization=retry.tunables.gpu_memory_utilization), 0.0, retry.message)
+    elif outcome.cause is Cause.STALL:
+        ladder = config.startup.load_strategy_ladder
+        following = ladder[ladder.index(used.load_strategy) + 1 :] if used.load_strategy in ladder else ladder
+        if following:
+            retry = Retry(
+                used.with_(load_strategy=following[0]),
+                0.0,
+                f"restarting with --safetensors-load-strategy {following[0]}",
+            )
+        else:
+            retry = Retry(used, backoff_delay(config, history.backoffs), "retrying with the same settings")
+    else:
+        retry = Retry(used, backoff_delay(config, history.backoffs), "restarting with the same settings")
+
+    if history.attempts >= config.restart.max_attempts:
+        return GiveUp(
+            f"giving up after {history.attempts} failed starts (last: {describe(outcome)}); "
+            "fix the cause, then: systemctl restart gb10d",
+            EXIT_GAVE_UP,
+        )
+    return retry
+
+
+def describe(outcome: Outcome) -> str:
+    """A few words for the cause, used in give-up messages and STATUS=."""
+    failure = outcome.failure
+    if isinstance(failure, FreeMemoryShort):
+        return f"free memory {failure.free_gib:g} GiB below {failure.requested_gib:g} GiB requested"
+    if isinstance(failure, CudaOutOfMemory) and failure.tried_gib is not None:
+        return f"CUDA out of memory allocating {failure.tried_gib:g} GiB"
+    if outcome.detail:
+        return f"{outcome.cause.value}: {outcome.detail}"
+    return outcome.cause.value.replace("_", " ")
+
+
+def _config_advice(outcome: Outcome, config: Config) -> str:
+    """The operator's fix for a failure no retry can mend."""
+    failure = outcome.failure
+    v = config.vllm
+    if outcome.cause is Cause.PORT_IN_USE:
+        return (
+            f"port {v.port} is already in use by another program (`ss -ltnp 'sport = :{v.port}'` shows it); "
+            "stop it or set vllm.port to a free port"
+        )
+    if outcome.cause is Cause.MODEL_GATED:
+        return (
+            f"the model {v.model} is gated on Hugging Face and the token has no access; accept its licence on the "
+            "model page and put HF_TOKEN=... in the file named by vllm.env_file"
+        )
+    if outcome.cause is Cause.MODEL_NOT_FOUND:
+        return (
+            f"the model {v.model!r} is neither a local directory nor a Hugging Face repository gb10d can reach; "
+            "check vllm.model (spelling, organisation) and, for private repositories, HF_TOKEN in vllm.env_file"
+        )
+    if outcome.cause is Cause.SERVED_NAME:
+        return f"{outcome.detail}; set vllm.served_model_name to the name clients use"
+    message = failure.message if isinstance(failure, BadArgument) else outcome.detail
+    return f"vLLM rejected its command line: {message}; fix the flag in vllm.args or vllm.extra_args (gb10d print-command shows the line)"

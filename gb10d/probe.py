@@ -1,0 +1,97 @@
+"""HTTP probes of vLLM's OpenAI server: /health, /v1/models, a one-token completion.
+
+Every httpx error is translated here into a `ProbeResult` with a short
+reason, so the supervisor never sees an httpx exception and the journal
+gets words like `connection refused` rather than a traceback.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What one probe saw: an HTTP status (None if no answer), why, how long it took."""
+
+    status: int | None
+    reason: str
+    seconds: float
+    models: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+    @property
+    def refused(self) -> bool:
+        return self.status is None and self.reason == "connection refused"
+
+
+def base_url(host: str, port: int) -> str:
+    """Where gb10d reaches vLLM: loopback when vLLM binds every address."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+class Prober:
+    """Probes one vLLM server; holds one connection pool for its lifetime."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 10.0) -> None:
+        self.url = url
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # /health and /metrics are open even with --api-key; /v1 paths need the header.
+        self._client = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s, trust_env=False)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _request(self, method: str, path: str, timeout_s: float | None = None, **kwargs: object) -> tuple[httpx.Response | None, ProbeResult]:
+        start = time.monotonic()
+        try:
+            response = await self._client.request(
+                method, path, timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT, **kwargs  # type: ignore[arg-type]
+            )
+        except httpx.ConnectError as exc:
+            reason = "connection refused" if "refused" in str(exc).lower() or "errno 111" in str(exc).lower() else f"cannot connect: {exc}"
+            return None, ProbeResult(None, reason, time.monotonic() - start)
+        except httpx.TimeoutException:
+            return None, ProbeResult(None, "timed out", time.monotonic() - start)
+        except httpx.HTTPError as exc:
+            return None, ProbeResult(None, f"{type(exc).__name__}: {exc}", time.monotonic() - start)
+        elapsed = time.monotonic() - start
+        return response, ProbeResult(response.status_code, response.reason_phrase, elapsed)
+
+    async def health(self, timeout_s: float | None = None) -> ProbeResult:
+        """GET /health: 200 while the engine is alive (even if hung), 503 once it is dead."""
+        _, result = await self._request("GET", "/health", timeout_s)
+        return result
+
+    async def models(self) -> ProbeResult:
+        """GET /v1/models, with the served names in `models`."""
+        response, result = await self._request("GET", "/v1/models")
+        if response is None or response.status_code != 200:
+            return result
+        try:
+            names = tuple(str(card["id"]) for card in response.json()["data"])
+        except (ValueError, KeyError, TypeError):
+            return ProbeResult(result.status, "unexpected /v1/models body", result.seconds)
+        return ProbeResult(result.status, result.reason, result.seconds, names)
+
+    async def complete(self, model: str, timeout_s: float) -> ProbeResult:
+        """A one-token completion: proves the engine really generates (and warms the JIT)."""
+        _, result = await self._request(
+            "POST", "/v1/completions", timeout_s, json={"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+        )
+        return result
+
+    async def metrics_text(self, timeout_s: float = 5.0) -> str | None:
+        """vLLM's own /metrics text, or None when it does not answer."""
+        response, result = await self._request("GET", "/metrics", timeout_s)
+        return response.text if response is not None and result.ok else None

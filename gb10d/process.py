@@ -1,0 +1,226 @@
+"""The vLLM process group: spawn it, read its pipes, signal it, and make sure it is gone.
+
+vLLM's EngineCore has no parent-death detection: if the API server dies,
+the engine keeps running and keeps its memory. So gb10d starts vLLM in a
+new session (its own process group) and always acts on the whole group,
+and "stopped" means no process of the group is left, not just that the
+API server exited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable, Mapping, Sequence
+
+from .errors import SpawnError
+
+READ_CHUNK = 1 << 16
+
+ChunkHandler = Callable[[bytes], None]
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs whose process group is `pgid`, from /proc (zombies included)."""
+    members: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+        except OSError:
+            continue
+        # The command name may contain spaces and parentheses: split after the last ')'.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process (zombies included) is left in the group."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> bool:
+    """Send `sig` to every process of the group; False when none is left."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def group_io_bytes(pgid: int) -> int:
+    """Bytes read and written so far by the group's processes (/proc/PID/io), a sign of life while loading.
+
+    Counts syscall-level (rchar, wchar) and block-level (read_bytes) I/O so
+    that both eager reads from page cache and mmap page faults show up.
+    """
+    total = 0
+    for pid in group_members(pgid):
+        try:
+            text = Path(f"/proc/{pid}/io").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            name, _, value = line.partition(":")
+            if name in ("rchar", "wchar", "read_bytes", "write_bytes"):
+                total += int(value)
+    return total
+
+
+async def wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait until no process of the group is left, at most `timeout_s`; True if gone.
+
+    Event-driven: waits on a pidfd of each living member (readable when it
+    exits) and rescans, because members may fork or be reparented meanwhile.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while group_alive(pgid):
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return False
+        living = [pid for pid in group_members(pgid) if not _is_zombie(pid)]
+        if living:
+            await _any_exit(living, remaining)
+        else:
+            # Only zombies are left; their parent (asyncio's child watcher, or init) reaps them
+            # within moments, and the kernel offers no event for "reaped".
+            await asyncio.sleep(min(0.02, remaining))
+    return True
+
+
+async def _any_exit(pids: list[int], timeout_s: float) -> None:
+    """Return when any of `pids` exits, or after `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+    fds: list[int] = []
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # already gone
+            return
+        fds.append(fd)
+        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+    try:
+        await asyncio.wait_for(exited, timeout_s)
+    except asyncio.TimeoutError:
+        pass
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return True  # gone already: nothing to wait on
+    return stat[stat.rfind(b")") + 2 :].startswith(b"Z")
+
+
+@dataclass
+class VllmProcess:
+    """One running `vllm serve`, leader of its own process group."""
+
+    process: asyncio.subprocess.Process
+    argv: Sequence[str]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def pgid(self) -> int:
+        # start_new_session makes the leader's pid the group id, and it stays so after it dies.
+        return self.process.pid
+
+    @classmethod
+    async def spawn(cls, argv: Sequence[str], env: Mapping[str, str], cwd: Path | None = None) -> VllmProcess:
+        """Start vLLM in a new session with both pipes captured and stdin closed."""
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=dict(env),
+                cwd=cwd,
+                start_new_session=True,
+            )
+        except FileNotFoundError:
+            raise SpawnError(f"cannot start vLLM: {argv[0]} does not exist; check vllm.executable or vllm.venv") from None
+        except PermissionError:
+            raise SpawnError(f"cannot start vLLM: {argv[0]} is not executable; check vllm.executable or vllm.venv") from None
+        except OSError as exc:
+            raise SpawnError(f"cannot start vLLM ({argv[0]}): {exc.strerror or exc}") from None
+        return cls(process, argv)
+
+    def readers(self, on_stdout: ChunkHandler, on_stderr: ChunkHandler) -> list[Awaitable[None]]:
+        """Coroutines that drain both pipes until EOF, handing each chunk over at once.
+
+        Reading never waits on anything but the pipe, so vLLM never blocks on
+        a full pipe however much it prints.
+        """
+        assert self.process.stdout is not None and self.process.stderr is not None
+        return [_drain(self.process.stdout, on_stdout), _drain(self.process.stderr, on_stderr)]
+
+    async def wait(self) -> int:
+        """The leader's exit status (negative for a signal, as asyncio reports it)."""
+        return await self.process.wait()
+
+    def signal(self, sig: signal.Signals) -> bool:
+        """Signal the whole group."""
+        return signal_group(self.pgid, sig)
+
+    async def stop(self, grace_s: float, on_escalate: Callable[[list[int]], None] | None = None) -> bool:
+        """SIGTERM the group, wait `grace_s`, SIGKILL what remains; True when nothing is left.
+
+        vLLM drains and exits on SIGTERM; the engine is force-killed by vLLM
+        itself shortly after, so the grace mostly covers in-flight requests.
+        """
+        self.signal(signal.SIGTERM)
+        if await wait_group_gone(self.pgid, grace_s):
+            return True
+        return await self.kill(on_escalate)
+
+    async def kill(self, on_escalate: Callable[[list[int]], None] | None = None) -> bool:
+        """SIGKILL the whole group and wait (bounded) until the kernel has removed it."""
+        if on_escalate is not None:
+            on_escalate(group_members(self.pgid))
+        self.signal(signal.SIGKILL)
+        return await wait_group_gone(self.pgid, 30.0)
+
+
+async def _drain(stream: asyncio.StreamReader, handle: ChunkHandler) -> None:
+    while True:
+        chunk = await stream.read(READ_CHUNK)
+        if not chunk:
+            return
+        handle(chunk)
+
+
+def describe_exit(status: int | None) -> str:
+    """`exited with status 1` / `killed by SIGKILL`, for the journal."""
+    if status is None:
+        return "is still running"
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        hint = " (out of memory? see journalctl -k)" if -status == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with status {status}"

@@ -1,0 +1,762 @@
+"""`gb10d run`: the supervisor loop.
+
+One coroutine owns all state (the attempt, its settings, the startup phase,
+the child). Everything else only reports facts to it through one queue:
+signal handlers (`Stop`, `Reload`), the pipe readers (`Parsed` events; the
+raw lines are forwarded to the journal on the spot), the child's exit
+(`Exited`) and the probes (`Probed`). The loop asks the pure core what the
+facts mean (`phases.advance`, `policy.classify`, `policy.next_attempt`,
+`memory.preflight`) and carries out the answer: spawn, notify systemd, log,
+update metrics and the state file, or stop the process group. It never
+sleeps blindly: every wait is on the queue with a deadline derived from the
+state (stall timer, start timeout, health interval, watchdog).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Union
+
+from . import policy
+from .command import Tunables, build_argv, build_env, shell_line
+from .config import Config, load_config
+from .errors import EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK, GiveUp, SpawnError
+from .events import EngineDied, Event, Failure, StartupCompleted, StatsLogged, SpecDecodingLogged
+from .journal import DEFAULT_SOCKET_PATH, Journal
+from .logparse import BarCollapser, Classifier, EventScanner, LineFramer
+from .memory import (
+    MemInfo,
+    Preflight,
+    PreflightRefused,
+    evict_page_cache,
+    memory_returned,
+    preflight,
+    read_meminfo,
+    safetensors_files,
+)
+from .metrics import Metrics
+from .notify import Notifier
+from .phases import Phase, StartupState, advance, enter, note_io, start, status_text
+from .policy import Cause, History, Outcome, Retry
+from .probe import Prober, base_url
+from .process import ChunkHandler, VllmProcess, describe_exit, group_alive, group_io_bytes, group_members
+from .statefile import write_state
+
+PRIORITY_ERR, PRIORITY_WARNING, PRIORITY_INFO, PRIORITY_DEBUG = 3, 4, 6, 7
+
+# How much longer than the stall timeout systemd waits after each sign of progress:
+# gb10d's own stall detection must always fire first.
+EXTEND_MARGIN_S = 60.0
+# Bytes of I/O by vLLM's processes that count as a sign of life while no line is printed.
+IO_PROGRESS_MIN_BYTES = 1 << 20
+# How long /health may refuse connections after `Application startup complete.` (uvicorn listens just after).
+LISTEN_GRACE_S = 30.0
+
+
+# --- what the loop is told ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stop:
+    """SIGTERM or SIGINT arrived."""
+
+    signame: str
+
+
+@dataclass(frozen=True)
+class Reload:
+    """SIGHUP arrived (systemctl reload)."""
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A fact parsed from vLLM's output during attempt `attempt`."""
+
+    attempt: int
+    event: Event
+
+
+@dataclass(frozen=True)
+class Exited:
+    """The API-server process of attempt `attempt` exited and both pipes are drained."""
+
+    attempt: int
+    status: int
+
+
+class ProbeKind(enum.Enum):
+    HEALTHY = "healthy"  # /health answered 200 before ready: start the readiness checks
+    WARMING = "warming"  # /health and /v1/models passed; the warm-up completion is running
+    READY = "ready"  # every readiness check passed
+    NOT_READY = "not_ready"  # a readiness check failed for a reason no wait can fix
+    HEALTH = "health"  # a periodic /health result while serving
+
+
+@dataclass(frozen=True)
+class Probed:
+    """An HTTP probe's conclusion during attempt `attempt`."""
+
+    attempt: int
+    kind: ProbeKind
+    detail: str = ""
+    status: int | None = None
+    cause: Cause | None = None
+
+
+Item = Union[Stop, Reload, Parsed, Exited, Probed]
+
+
+@dataclass
+class Attempt:
+    """The mutable facts of the attempt in progress; only the loop touches them."""
+
+    number: int
+    tunables: Tunables
+    process: VllmProcess
+    startup: StartupState
+    spawned_at: float
+    baseline: MemInfo | None
+    failures: list[Failure] = field(default_factory=list)
+    ready: bool = False
+    startup_complete_at: float | None = None
+    readiness: asyncio.Task[None] | None = None
+    last_io: int = 0
+    last_extend: float = 0.0
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+class Supervisor:
+    """Runs vLLM under one config until stopped or given up; `run()` returns the exit status."""
+
+    def __init__(self, config: Config, journal: Journal, notifier: Notifier, metrics: Metrics) -> None:
+        self.config = config
+        self.journal = journal
+        self.notifier = notifier
+        self.metrics = metrics
+        self.queue: asyncio.Queue[Item] = asyncio.Queue()
+        self.started_at = time.time()
+        self.attempt: Attempt | None = None
+        self.max_attempts = config.restart.max_attempts
+        self.state = "starting"
+        self.last_failure: dict[str, object] | None = None
+        self.ready_at: float | None = None
+        self._next_watchdog = 0.0
+        self._stopping = False
+
+    # --- the main loop ---------------------------------------------------
+
+    async def run(self) -> int:
+        """Supervise until a stop signal (exit 0) or a reason to give up (its exit status)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.queue.put_nowait, Stop(sig.name))
+        loop.add_signal_handler(signal.SIGHUP, self.queue.put_nowait, Reload())
+        self._serve_metrics()
+        try:
+            return await self._supervise()
+        except GiveUp as exc:
+            self.state = "failed"
+            self.journal.event("gave_up", exc.reason, PRIORITY_ERR, exit_status=exc.exit_status)
+            self.notifier.status(f"failed: {exc.reason}"[:200])
+            self._write_state(status_text_=f"failed: {exc.reason}")
+            return exc.exit_status
+        finally:
+            await self._discard_attempt()
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            self.metrics.close()
+            self.journal.flush()
+
+    async def _supervise(self) -> int:
+        tunables = Tunables.from_config(self.config.vllm)
+        history = History()
+        reason = "initial"
+        while True:
+            tunables = await self._preflight(tunables)
+            history = History(history.attempts + 1, history.backoffs)
+            outcome = await self._run_attempt(tunables, history.attempts, reason)
+            if outcome is None:
+                return await self._stopped()
+            if outcome.was_ready:
+                history = History(1, 0)
+            decision = policy.next_attempt(outcome, tunables, history, self.config)
+            self._log_failure(outcome, decision, history.attempts)
+            baseline = self.attempt.baseline if self.attempt else None
+            await self._discard_attempt()
+            if isinstance(decision, policy.GiveUp):
+                raise GiveUp(decision.message, decision.exit_status)
+            if await self._memory_gate(baseline):
+                return await self._stopped()
+            if decision.delay_s > 0:
+                history = History(history.attempts, history.backoffs + 1)
+                self.notifier.extend_timeout(decision.delay_s + self.config.startup.stall_timeout_s + EXTEND_MARGIN_S)
+                if await self._wait_stop(decision.delay_s):
+                    return await self._stopped()
+            tunables = decision.tunables
+            reason = outcome.cause.value
+            self.metrics.restart(reason)
+
+    async def _next_item(self, deadline: float | None) -> Item | None:
+        """The next fact, or None once `deadline` (monotonic) passes; pings the watchdog meanwhile."""
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            if self.notifier.watchdog_usec is not None and now >= self._next_watchdog:
+                self.notifier.watchdog()
+                self._next_watchdog = now + self.notifier.watchdog_usec / 2e6
+            until = deadline
+            if self.notifier.watchdog_usec is not None:
+                until = self._next_watchdog if until is None else min(until, self._next_watchdog)
+            timeout = None if until is None else max(0.0, until - now)
+            try:
+                return await asyncio.wait_for(self.queue.get(), timeout)
+            except asyncio.TimeoutError:
+                if deadline is not None and loop.time() >= deadline:
+                    return None
+
+    async def _wait_stop(self, seconds: float) -> bool:
+        """Wait `seconds` unless a stop signal comes first (True). Other facts are stale here."""
+        deadline = asyncio.get_running_loop().time() + seconds
+        while (item := await self._next_item(deadline)) is not None:
+            if isinstance(item, Stop):
+                self.journal.event("stopping", f"received {item.signame} while waiting to restart; stopping", PRIORITY_INFO)
+                return True
+        return False
+
+    # --- one attempt -----------------------------------------------------
+
+    async def _run_attempt(self, tunables: Tunables, number: int, reason: str) -> Outcome | None:
+        """Start vLLM once and follow it until it fails (its Outcome) or a stop is requested (None)."""
+        v = self.config.vllm
+        argv = build_argv(v, tunables)
+        env = build_env(v)
+        baseline = self._meminfo()
+        try:
+            process = await VllmProcess.spawn(argv, env)
+        except SpawnError as exc:
+            raise GiveUp(str(exc), exc.exit_status) from None
+        self.journal.event(
+            "starting",
+            f"started vLLM as pid {process.pid} (attempt {number}/{self.max_attempts}, gpu_memory_utilization "
+            f"{tunables.gpu_memory_utilization:g}): {shell_line(argv)}",
+            PRIORITY_INFO,
+            attempt=number,
+            vllm_pid=process.pid,
+            gpu_memory_utilization=tunables.gpu_memory_utilization,
+            load_strategy=tunables.load_strategy,
+            mem_available_bytes=baseline.available if baseline else None,
+        )
+        self.metrics.start_attempt(reason)
+        self.metrics.set_utilization(tunables.gpu_memory_utilization)
+        if self.config.metrics.proxy_vllm:
+            self.metrics.set_vllm_target(base_url(v.host, v.port) + "/metrics")
+        now = time.monotonic()
+        attempt = Attempt(number, tunables, process, enter(start(now), Phase.SPAWNING, now), now, baseline)
+        self.attempt = attempt
+        self.state = "starting" if number == 1 else "restarting"
+        attempt.tasks.append(asyncio.create_task(self._follow_output(attempt)))
+        attempt.tasks.append(asyncio.create_task(self._poll_until_healthy(attempt)))
+        self.metrics.set_vllm_up(True)
+        self._extend(attempt, force=True)
+        self._show_phase(attempt)
+
+        while True:
+            item = await self._next_item(self._attempt_deadline(attempt))
+            if item is None:
+                outcome = await self._on_deadline(attempt)
+                if outcome is not None:
+                    return outcome
+                continue
+            if isinstance(item, Stop):
+                return None
+            if isinstance(item, Reload):
+                self.journal.event("reload_requested", "reload requested; re-reading the config is not supported yet, keeping vLLM as it is", PRIORITY_WARNING)
+                self.notifier.send(ready=1)
+                continue
+            if getattr(item, "attempt", number) != number:
+                continue  # a late fact about an attempt already over
+            if isinstance(item, Parsed):
+                outcome = await self._on_event(attempt, item.event)
+            elif isinstance(item, Exited):
+                return self._on_exit(attempt, item.status)
+            else:
+                outcome = await self._on_probe(attempt, item)
+            if outcome is not None:
+                await self._kill(attempt)
+                return outcome
+
+    def _attempt_deadline(self, attempt: Attempt) -> float | None:
+        """When the loop must look again without news: the stall timer or the start timeout."""
+        if attempt.ready:
+            return None
+        stall = attempt.startup.last_progress_at + self.config.startup.stall_timeout_s
+        start = attempt.spawned_at + self.config.startup.ready_timeout_s
+        return min(stall, start)
+
+    async def _on_deadline(self, attempt: Attempt) -> Outcome | None:
+        """No news before a deadline: a stall, the start timeout, or silent I/O that still counts as life."""
+        now = time.monotonic()
+        s = self.config.startup
+        if now >= attempt.spawned_at + s.ready_timeout_s:
+            self.journal.event(
+                "stall_detected",
+                f"vLLM did not become ready within startup.ready_timeout_s {s.ready_timeout_s:g} s "
+                f"(phase {attempt.startup.phase.value}); stopping it",
+                PRIORITY_ERR,
+                attempt=attempt.number,
+            )
+            await self._kill(attempt)
+            return Outcome(Cause.START_TIMEOUT, detail=f"not ready after {s.ready_timeout_s:g} s")
+        io = group_io_bytes(attempt.process.pgid)
+        if io - attempt.last_io >= IO_PROGRESS_MIN_BYTES:
+            # Silent but reading or writing: e.g. a shard that takes longer than the stall timeout.
+            attempt.last_io = io
+            attempt.startup = note_io(attempt.startup, io, now)
+            self._extend(attempt)
+            return None
+        where = self._where(attempt.startup)
+        self.journal.event(
+            "stall_detected",
+            f"no loading progress for {now - attempt.startup.last_progress_at:.0f} s (startup.stall_timeout_s "
+            f"{s.stall_timeout_s:g}) {where}, and vLLM's processes did no I/O; stopping the process group",
+            PRIORITY_ERR,
+            attempt=attempt.number,
+            phase=attempt.startup.phase.value,
+            shards_done=attempt.startup.shards_done,
+            shards_total=attempt.startup.shards_total,
+        )
+        await self._kill(attempt)
+        return Outcome(Cause.STALL, detail=f"stalled {where}")
+
+    @staticmethod
+    def _where(startup: StartupState) -> str:
+        if startup.phase is Phase.LOADING_WEIGHTS and startup.shards_total:
+            return f"at shard {startup.shards_done}/{startup.shards_total}"
+        return f"in phase {startup.phase.value}"
+
+    async def _on_event(self, attempt: Attempt, event: Event) -> Outcome | None:
+        """Track the phase, extend systemd's timeout on progress, start readiness checks, spot deaths."""
+        now = time.monotonic()
+        before = attempt.startup
+        attempt.startup = advance(before, event, now)
+        if isinstance(event, (StatsLogged, SpecDecodingLogged)):
+            self.metrics.observe(event)
+        if isinstance(event, Failure):
+            attempt.failures.append(event)
+            if attempt.ready and isinstance(event, EngineDied):
+                return Outcome(Cause.ENGINE_DEAD, event, None, True, event.message or "engine core died")
+        if attempt.startup.progressed and not attempt.ready:
+            # The I/O baseline moves with each visible step, so only silent I/O after it counts.
+            attempt.last_io = group_io_bytes(attempt.process.pgid)
+            self._extend(attempt)
+        if attempt.startup.phase is not before.phase or attempt.startup.shards_done != before.shards_done:
+            self._show_phase(attempt)
+        if isinstance(event, StartupCompleted) and not attempt.ready:
+            attempt.startup_complete_at = now
+            self._start_readiness(attempt)
+        return None
+
+    def _on_exit(self, attempt: Attempt, status: int) -> Outcome:
+        """vLLM's API server exited by itself: classify from what it printed."""
+        self.metrics.set_vllm_up(False)
+        outcome = policy.classify(attempt.failures, status, attempt.ready)
+        if not outcome.detail:
+            outcome = Outcome(outcome.cause, outcome.failure, status, outcome.was_ready, f"vLLM {describe_exit(status)}")
+        return outcome
+
+    async def _on_probe(self, attempt: Attempt, probed: Probed) -> Outcome | None:
+        if probed.kind is ProbeKind.HEALTHY and not attempt.ready:
+            self._start_readiness(attempt)
+        elif probed.kind is ProbeKind.WARMING:
+            attempt.startup = enter(attempt.startup, Phase.WARMING_UP, time.monotonic())
+            self._show_phase(attempt)
+        elif probed.kind is ProbeKind.READY:
+            self._became_ready(attempt, probed.detail)
+        elif probed.kind is ProbeKind.NOT_READY:
+            self.journal.event(
+                "served_name_mismatch" if probed.cause is Cause.SERVED_NAME else "crashed",
+                probed.detail,
+                PRIORITY_ERR,
+                attempt=attempt.number,
+            )
+            return Outcome(probed.cause or Cause.CRASH, detail=probed.detail)
+        elif probed.kind is ProbeKind.HEALTH and attempt.ready:
+            self.journal.event(
+                "engine_dead",
+                f"vLLM's /health answered {probed.detail} while serving; the engine is dead, restarting vLLM",
+                PRIORITY_ERR,
+                attempt=attempt.number,
+            )
+            return Outcome(Cause.ENGINE_DEAD, None, None, True, f"/health {probed.detail}")
+        return None
+
+    def _became_ready(self, attempt: Attempt, detail: str) -> None:
+        now = time.monotonic()
+        attempt.ready = True
+        attempt.startup = enter(attempt.startup, Phase.READY, now)
+        self.state = "serving"
+        self.ready_at = time.time()
+        v = self.config.vllm
+        status = (
+            f"serving {v.served_names[0]} on {v.host}:{v.port} (attempt {attempt.number}, "
+            f"gpu_memory_utilization={attempt.tunables.gpu_memory_utilization:g})"
+        )
+        self.notifier.ready(status)
+        since_complete = (now - attempt.startup_complete_at) if attempt.startup_complete_at else None
+        self.journal.event(
+            "ready",
+            f"vLLM is ready after {now - attempt.spawned_at:.1f} s: {detail}"
+            + (f"; READY=1 {since_complete * 1000:.0f} ms after 'Application startup complete.'" if since_complete is not None else ""),
+            PRIORITY_INFO,
+            attempt=attempt.number,
+            startup_seconds=round(now - attempt.spawned_at, 3),
+            gpu_memory_utilization=attempt.tunables.gpu_memory_utilization,
+        )
+        self.metrics.set_ready(True)
+        self.metrics.set_phase(Phase.READY.value)
+        self.metrics.set_startup_seconds(now - attempt.spawned_at)
+        self._write_state(status_text_=status)
+        attempt.tasks.append(asyncio.create_task(self._watch_health(attempt)))
+
+    # --- helpers the loop calls ---------------------------------------------
+
+    def _extend(self, attempt: Attempt, force: bool = False) -> None:
+        """EXTEND_TIMEOUT_USEC on real progress only (throttled), so a stuck start still times out."""
+        now = time.monotonic()
+        if attempt.ready or (not force and now - attempt.last_extend < 1.0):
+            return
+        attempt.last_extend = now
+        self.notifier.extend_timeout(self.config.startup.stall_timeout_s + EXTEND_MARGIN_S)
+
+    def _show_phase(self, attempt: Attempt) -> None:
+        text = status_text(attempt.startup, attempt.number, self.max_attempts, attempt.tunables.gpu_memory_utilization)
+        self.notifier.status(text)
+        self.metrics.set_phase(attempt.startup.phase.value)
+        if attempt.startup.shards_total:
+            self.metrics.set_load_progress(attempt.startup.shards_done / attempt.startup.shards_total)
+        self._write_state(status_text_=text)
+
+    def _start_readiness(self, attempt: Attempt) -> None:
+        if attempt.readiness is None:
+            attempt.readiness = asyncio.create_task(self._check_ready(attempt))
+            attempt.tasks.append(attempt.readiness)
+
+    async def _check_ready(self, attempt: Attempt) -> None:
+        """/health 200, the served name in /v1/models, and (if configured) one tiny completion."""
+        v = self.config.vllm
+        prober = Prober(base_url(v.host, v.port), v.api_key, timeout_s=10.0)
+        post = self.queue.put_nowait
+        n = attempt.number
+        try:
+            deadline = time.monotonic() + LISTEN_GRACE_S
+            delay = 0.005
+            while not (health := await prober.health()).ok:
+                if time.monotonic() > deadline:
+                    return  # the fallback poller and the stall timer take it from here
+                await asyncio.sleep(delay)  # uvicorn listens moments after logging startup complete
+                delay = min(delay * 2, 0.5)
+            models = await prober.models()
+            missing = [name for name in v.served_names if name not in models.models]
+            if not models.ok or missing:
+                shown = ", ".join(models.models) or f"nothing (HTTP {models.status or models.reason})"
+                post(Probed(n, ProbeKind.NOT_READY, f"vLLM serves {shown} but the config expects "
+                     f"{', '.join(v.served_names)}: clients asking for {missing[0] if missing else v.served_names[0]} would get 404",
+                     cause=Cause.SERVED_NAME))
+                return
+            detail = f"/health 200, /v1/models lists {', '.join(models.models)}"
+            if self.config.startup.warmup:
+                post(Probed(n, ProbeKind.WARMING))
+                result = await prober.complete(v.served_names[0], timeout_s=self.config.liveness.probe_timeout_s)
+                if not result.ok:
+                    post(Probed(n, ProbeKind.NOT_READY, f"the warm-up completion failed ({result.status or result.reason})", cause=Cause.CRASH))
+                    return
+                detail += f", warm-up completion took {result.seconds:.2f} s"
+            post(Probed(n, ProbeKind.READY, detail))
+        finally:
+            await prober.close()
+
+    async def _poll_until_healthy(self, attempt: Attempt) -> None:
+        """Fallback for a missed `Application startup complete.` (e.g. --uvicorn-log-level warning)."""
+        v = self.config.vllm
+        prober = Prober(base_url(v.host, v.port), v.api_key, timeout_s=5.0)
+        try:
+            while attempt.readiness is None:
+                await asyncio.sleep(self.config.startup.health_poll_interval_s)
+                if (await prober.health()).ok:
+                    self.queue.put_nowait(Probed(attempt.number, ProbeKind.HEALTHY))
+                    return
+        finally:
+            await prober.close()
+
+    async def _watch_health(self, attempt: Attempt) -> None:
+        """After ready: /health every liveness.health_interval_s; 503 or refused is a dead engine."""
+        v = self.config.vllm
+        prober = Prober(base_url(v.host, v.port), v.api_key, timeout_s=self.config.liveness.probe_timeout_s)
+        try:
+            while True:
+                await asyncio.sleep(self.config.liveness.health_interval_s)
+                result = await prober.health()
+                if result.status == 503 or result.refused:
+                    self.queue.put_nowait(Probed(attempt.number, ProbeKind.HEALTH, str(result.status or result.reason), result.status))
+                    return
+        finally:
+            await prober.close()
+
+    async def _follow_output(self, attempt: Attempt) -> None:
+        """Forward every vLLM line to the journal and parse it; report the exit once both pipes close."""
+        n = attempt.number
+        post = self.queue.put_nowait
+        journal = self.journal
+        collapser = BarCollapser()
+
+        def handler() -> ChunkHandler:
+            framer = LineFramer()
+            classifier = Classifier()
+            scanner = EventScanner()
+
+            def on_chunk(chunk: bytes) -> None:
+                for line in framer.feed(chunk):
+                    text = line.text
+                    if collapser.forward(text):
+                        journal.vllm_line(text, classifier.classify(text).priority)
+                    for event in scanner.feed(text):
+                        post(Parsed(n, event))
+                journal.flush()
+
+            return on_chunk
+
+        readers = attempt.process.readers(handler(), handler())
+        await asyncio.gather(*readers)
+        status = await attempt.process.wait()
+        post(Exited(n, status))
+
+    async def _kill(self, attempt: Attempt) -> None:
+        """SIGKILL the whole group at once (a failed or stalled start has nothing to drain)."""
+        if not await attempt.process.kill():
+            self.journal.event("crashed", f"processes of vLLM's group {attempt.process.pgid} survived SIGKILL: {group_members(attempt.process.pgid)}", PRIORITY_ERR)
+        self.metrics.set_vllm_up(False)
+
+    async def _discard_attempt(self) -> None:
+        """Make sure the attempt's processes and tasks are gone before anything else starts."""
+        attempt, self.attempt = self.attempt, None
+        if attempt is None:
+            return
+        for task in attempt.tasks:
+            task.cancel()
+        if group_alive(attempt.process.pgid):
+            await attempt.process.kill()
+        await asyncio.gather(*attempt.tasks, return_exceptions=True)
+        self.metrics.set_ready(False)
+
+    async def _stopped(self) -> int:
+        """The stop ladder: STOPPING=1, SIGTERM the group, grace, SIGKILL, nothing left; exit 0."""
+        attempt = self.attempt
+        self.state = "stopping"
+        grace = self.config.daemon.stop_timeout_s
+        self.notifier.stopping("stopping vLLM")
+        self._write_state(status_text_="stopping")
+        if attempt is not None:
+            self.journal.event("stopping", f"stopping vLLM (pid {attempt.process.pid}): SIGTERM to its process group, SIGKILL after {grace:g} s", PRIORITY_INFO)
+            stop = asyncio.create_task(attempt.process.stop(grace, self._on_escalate))
+            while not stop.done():
+                second = asyncio.create_task(self.queue.get())
+                done, _ = await asyncio.wait({stop, second}, return_when=asyncio.FIRST_COMPLETED)
+                if second in done and isinstance(second.result(), Stop):
+                    self.journal.event("stopping", "second stop signal: killing vLLM's process group now", PRIORITY_WARNING)
+                    await attempt.process.kill()
+                if not second.done():
+                    second.cancel()
+            await stop
+        self.state = "stopped"
+        self.journal.event("stopped", "vLLM stopped; no process of its group is left", PRIORITY_INFO)
+        self._write_state(status_text_="stopped")
+        return EXIT_OK
+
+    def _on_escalate(self, pids: list[int]) -> None:
+        self.journal.event(
+            "stopping",
+            f"vLLM did not exit within daemon.stop_timeout_s {self.config.daemon.stop_timeout_s:g} s; "
+            f"sending SIGKILL to {len(pids)} remaining process(es): {pids}",
+            PRIORITY_WARNING,
+        )
+
+    async def _preflight(self, tunables: Tunables) -> Tunables:
+        """Lower the utilization (or evict the model's page cache) before launching, so the free-memory check passes."""
+        m = self.config.memory
+        if not m.preflight:
+            return tunables
+        self.metrics.set_phase(Phase.PREFLIGHT.value)
+        evicted = False
+        while True:
+            mem = self._meminfo()
+            if mem is None:
+                return tunables
+            files = safetensors_files(self.config.vllm.model, build_env(self.config.vllm)) if m.evict_page_cache else []
+            decision = preflight(tunables.gpu_memory_utilization, mem, m.headroom_gib, m.min_gpu_memory_utilization, evicted, bool(files))
+            if isinstance(decision, PreflightRefused):
+                raise GiveUp(f"preflight: {decision.reason}; {top_memory_users()}", EXIT_GAVE_UP)
+            if decision.evict:
+                covered = evict_page_cache(files)
+                self.journal.event("page_cache_evicted", f"preflight: {decision.reason}; dropped the page cache of {len(files)} files ({covered / 2**30:.2f} GiB)", PRIORITY_INFO, mem_free_bytes=mem.free, mem_available_bytes=mem.available)
+                evicted = True
+                continue
+            if decision.utilization != tunables.gpu_memory_utilization:
+                self.journal.event(
+                    "preflight_lowered",
+                    f"preflight: {decision.reason} ({mem.summary()})",
+                    PRIORITY_WARNING,
+                    gpu_memory_utilization=decision.utilization,
+                    mem_free_bytes=mem.free,
+                    mem_available_bytes=mem.available,
+                )
+                return tunables.with_(gpu_memory_utilization=decision.utilization)
+            return tunables
+
+    async def _memory_gate(self, baseline: MemInfo | None) -> bool:
+        """After vLLM exits, wait (bounded) until MemAvailable is back; True if a stop came meanwhile.
+
+        Raises GiveUp when memory stays missing: retrying would only fail again.
+        """
+        if baseline is None:
+            return False
+        m = self.config.memory
+        deadline = time.monotonic() + m.recovery_timeout_s
+        while True:
+            now_mem = self._meminfo()
+            if now_mem is None or memory_returned(baseline, now_mem, m.recovery_tolerance_gib):
+                return False
+            if time.monotonic() >= deadline:
+                lost = (baseline.available - now_mem.available) / 2**30
+                raise GiveUp(
+                    f"memory was not returned after vLLM exited: MemAvailable is {now_mem.available_gib:.2f} GiB, "
+                    f"was {baseline.available_gib:.2f} GiB before it started ({lost:.2f} GiB missing) and no vLLM "
+                    f"process is left; not retrying. A reboot may be needed ({top_memory_users()})",
+                    EXIT_MEMORY_NOT_RETURNED,
+                )
+            # /proc/meminfo offers no change notification: look again shortly.
+            if await self._wait_stop(0.5):
+                return True
+
+    def _meminfo(self) -> MemInfo | None:
+        try:
+            mem = read_meminfo(self.config.memory.meminfo_path)
+        except (OSError, ValueError) as exc:
+            self.journal.event("preflight_lowered", f"cannot read {self.config.memory.meminfo_path}: {exc}; memory checks skipped", PRIORITY_WARNING)
+            return None
+        self.metrics.set_memory(mem.total, mem.available, mem.free, mem.cached)
+        return mem
+
+    def _log_failure(self, outcome: Outcome, decision: Retry | policy.GiveUp, attempt: int) -> None:
+        kind = {
+            Cause.FREE_MEMORY: "free_memory_retry",
+            Cause.STALL: "load_strategy_changed",
+            Cause.CUDA_OOM: "cuda_oom",
+            Cause.KV_CACHE: "kv_cache_insufficient",
+            Cause.NO_KV_MEMORY: "kv_cache_insufficient",
+            Cause.ENGINE_DEAD: "engine_dead",
+            Cause.ENGINE_HUNG: "engine_hung",
+        }.get(outcome.cause, "config_error" if outcome.cause in policy.CONFIG_CAUSES else "crashed")
+        cause = policy.describe(outcome)
+        if isinstance(decision, Retry):
+            wait = f" in {decision.delay_s:g} s" if decision.delay_s else ""
+            message = f"{cause}; {decision.message}{wait} (attempt {attempt + 1}/{self.max_attempts})"
+            utilization = decision.tunables.gpu_memory_utilization
+        else:
+            message = f"{cause}: {decision.message}" if outcome.cause not in policy.CONFIG_CAUSES else decision.message
+            utilization = None
+        self.last_failure = {"cause": outcome.cause.value, "message": cause, "action": decision.message, "at": time.time()}
+        self.journal.event(kind, message, PRIORITY_WARNING if isinstance(decision, Retry) else PRIORITY_ERR,
+                           attempt=attempt, cause=outcome.cause.value, gpu_memory_utilization=utilization)
+        self.notifier.status(message[:200])
+
+    def _serve_metrics(self) -> None:
+        address = self.config.metrics.address
+        if address is None:
+            return
+        try:
+            self.metrics.serve(*address)
+        except OSError as exc:
+            self.journal.event("config_error", f"cannot listen for metrics on {self.config.metrics.listen}: {exc.strerror or exc}; metrics disabled (set metrics.listen)", PRIORITY_WARNING)
+
+    def _write_state(self, status_text_: str) -> None:
+        attempt = self.attempt
+        v = self.config.vllm
+        startup = attempt.startup if attempt else None
+        mem = attempt.baseline if attempt else None
+        state = {
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "updated_at": time.time(),
+            "state": self.state,
+            "phase": startup.phase.value if startup else "exited",
+            "progress": {"shards_done": startup.shards_done, "shards_total": startup.shards_total} if startup and startup.shards_total else None,
+            "model": v.model,
+            "served_names": v.served_names,
+            "url": f"http://{v.host}:{v.port}",
+            "attempt": attempt.number if attempt else 0,
+            "max_attempts": self.max_attempts,
+            "gpu_memory_utilization": attempt.tunables.gpu_memory_utilization if attempt else v.gpu_memory_utilization,
+            "load_strategy": attempt.tunables.load_strategy if attempt else None,
+            "memory": {"total_bytes": mem.total, "available_bytes": mem.available, "free_bytes": mem.free, "cached_bytes": mem.cached} if mem else None,
+            "vllm_pid": attempt.process.pid if attempt else None,
+            "ready_at": self.ready_at if attempt and attempt.ready else None,
+            "last_failure": self.last_failure,
+            "status_text": status_text_,
+            "metrics_url": f"http://{self.config.metrics.listen}/metrics" if self.config.metrics.listen else None,
+        }
+        try:
+            write_state(self.config.daemon.state_file, state)
+        except OSError as exc:
+            if not getattr(self, "_state_warned", False):
+                self._state_warned = True
+                self.journal.event("config_error", f"cannot write the state file {self.config.daemon.state_file}: {exc.strerror or exc}; gb10d status will not work (set daemon.state_file)", PRIORITY_WARNING)
+
+
+def top_memory_users(count: int = 3) -> str:
+    """The largest processes by resident memory, for messages about memory that is not free."""
+    users: list[tuple[int, int, str]] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        rss = fields.get("VmRSS", "0 kB").split()
+        if rss and rss[0].isdigit():
+            users.append((int(rss[0]) * 1024, int(entry), fields.get("Name", "?").strip()))
+    users.sort(reverse=True)
+    shown = ", ".join(f"{name} (pid {pid}) {rss / 2**30:.1f} GiB" for rss, pid, name in users[:count])
+    return f"largest processes: {shown}" if shown else "no process information available"
+
+
+def _stdout_is_journal() -> bool:
+    """Whether systemd connected stdout to the journal ($JOURNAL_STREAM names its device:inode).
+
+    Only then do gb10d's own events go through the native protocol with their
+    structured fields; in a terminal (or `gb10d demo`) they stay on stdout.
+    """
+    expected = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError):
+        return False
+    return expected == f"{st.st_dev}:{st.st_ino}"
+
+
+def run_daemon(config_path: Path) -> int:
+    """Load the config and supervise; the body of `gb10d run`."""
+    config = load_config(config_path)
+    journal = Journal(sys.stdout, socket_path=DEFAULT_SOCKET_PATH if _stdout_is_journal() else None)
+    notifier = Notifier(on_error=lambda message: journal.event("watchdog", message, PRIORITY_ERR))
+    metrics = Metrics()
+    supervisor = Supervisor(config, journal, notifier, metrics)
+    return asyncio.run(supervisor.run())
