@@ -83,11 +83,12 @@ class KvCacheSized(Event):
 
 @dataclass(frozen=True)
 class GraphsProgressed(Event):
-    """A CUDA graph capture bar advanced, or `Graph capturing finished`."""
+    """A CUDA graph capture bar advanced, or `Graph capturing finished` (then `finished`, counts 0)."""
 
-    done: int
-    total: int
+    done: int = 0
+    total: int = 0
     finished: bool = False
+    gib: float | None = None
 
 
 @dataclass(frozen=True)

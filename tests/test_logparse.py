@@ -1,0 +1,512 @@
+"""logparse: framing, classification, bar collapsing and events, as the specification of what vLLM prints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gb10d.events import (
+    ArgsSeen,
+    BadArgument,
+    CompileProgressed,
+    CudaOutOfMemory,
+    DownloadProgressed,
+    EngineDied,
+    EngineInitialized,
+    EngineStartFailed,
+    ExceptionRaised,
+    Failure,
+    FreeMemoryShort,
+    GraphsProgressed,
+    KvCacheInsufficient,
+    KvCacheSized,
+    LoadStarted,
+    ModelGated,
+    ModelNotFound,
+    NoKvCacheMemory,
+    PortInUse,
+    ServerStarting,
+    ShardsProgressed,
+    ShutdownStarted,
+    SpecDecodingLogged,
+    StartupCompleted,
+    StatsLogged,
+    VersionSeen,
+    WeightsLoaded,
+)
+from gb10d.logparse import (
+    MAX_LINE_BYTES,
+    BarCollapser,
+    Classifier,
+    EventScanner,
+    Kind,
+    Line,
+    LineFramer,
+    classify,
+    message_of,
+    parse_line,
+)
+
+REAL = Path(__file__).parent / "fixtures" / "real-vllm-0.23.0"
+
+# Record prefixes of both eras: 0.23-0.30's stream tag and 0.31+'s format tag look
+# alike for records; an untagged form is what VLLM_CONFIGURE_LOGGING=0 or early lines give.
+API = "(APIServer pid=4242) INFO 03-14 09:26:53 [api_server.py:1011] "
+ENGINE = "(EngineCore pid=4300) INFO 03-14 09:27:10 [gpu_worker.py:480] "
+ENGINE_ERR = "(EngineCore pid=4300) ERROR 03-14 09:27:10 [core.py:1010] "
+UNTAGGED = "INFO 03-14 09:26:53 [api_server.py:1011] "
+PREFIXES = [API, ENGINE, UNTAGGED, ""]
+
+
+def frame(*chunks: bytes) -> list[Line]:
+    framer = LineFramer()
+    out: list[Line] = []
+    for chunk in chunks:
+        out.extend(framer.feed(chunk))
+    return out + framer.flush()
+
+
+# --- framing ----------------------------------------------------------------------
+
+
+def test_lines_are_framed_on_newline_and_a_crlf_continuation_is_one_line_each() -> None:
+    lines = frame(b"first\r\nsecond\r\nthird\n")
+    assert [line.text for line in lines] == ["first", "second", "third"]
+    assert not any(line.redraw for line in lines)
+
+
+def test_multibyte_characters_split_across_reads_survive() -> None:
+    data = "█ version 0.23.0 — ok\n".encode()
+    for cut in range(1, len(data)):
+        assert [line.text for line in frame(data[:cut], data[cut:])] == ["█ version 0.23.0 — ok"]
+
+
+def test_invalid_utf8_is_replaced_not_raised() -> None:
+    assert frame(b"bad \xff\xfe byte\n")[0].text == "bad \ufffd\ufffd byte"
+
+
+def test_ansi_colour_codes_are_stripped() -> None:
+    assert frame(b"\x1b[32mINFO\x1b[0m 03-14 09:26:53 [x.py:1] hi\n")[0].text == "INFO 03-14 09:26:53 [x.py:1] hi"
+
+
+def test_cuda_graph_redraws_come_out_as_they_happen_before_the_newline() -> None:
+    framer = LineFramer()
+    tag = b"(EngineCore pid=2835) "
+    assert framer.feed(tag + b"\rCapturing CUDA graphs (FULL):   0%|          | 0/51 [00:00<?, ?it/s]") == []
+    got = framer.feed(b"\rCapturing CUDA graphs (FULL):  22%|##        | 11/51 [00:00<00:00, 101.50it/s]")
+    assert got == [Line("(EngineCore pid=2835) Capturing CUDA graphs (FULL):   0%|          | 0/51 [00:00<?, ?it/s]", True)]
+    got = framer.feed(b"\n")
+    assert got == [Line("(EngineCore pid=2835) Capturing CUDA graphs (FULL):  22%|##        | 11/51 [00:00<00:00, 101.50it/s]", True)]
+
+
+def test_a_trailing_carriage_return_waits_for_the_next_read_to_tell_crlf_from_redraw() -> None:
+    framer = LineFramer()
+    assert framer.feed(b"record one\r") == []
+    assert framer.feed(b"\nrecord two\n") == [Line("record one"), Line("record two")]
+
+
+def test_framing_is_the_same_for_any_read_size() -> None:
+    for name in ("healthy.stderr", "healthy.stdout", "enginedeath.stdout"):
+        data = (REAL / name).read_bytes()
+        whole = frame(data)
+        for size in (1, 7, 64, 4096):
+            assert frame(*(data[i : i + size] for i in range(0, len(data), size))) == whole, (name, size)
+
+
+def test_tqdm_padding_before_a_carriage_return_is_not_a_line() -> None:
+    lines = frame(b"\rLoading safetensors checkpoint shards:   0% Completed | 0/4 [00:00<?, ?it/s]\n"
+                  b"      \rLoading safetensors checkpoint shards:  25% Completed | 1/4 [00:12<00:36, 12.04s/it]\n")
+    assert [line.text.split("| ")[1] for line in lines] == ["0/4 [00:00<?, ?it/s]", "1/4 [00:12<00:36, 12.04s/it]"]
+    assert all(line.redraw for line in lines)
+
+
+def test_a_runaway_line_is_capped_and_the_rest_of_it_dropped() -> None:
+    framer = LineFramer()
+    out: list[Line] = []
+    for _ in range(200):
+        out.extend(framer.feed(b"x" * 1000))
+    out.extend(framer.feed(b"tail\nnext\n"))
+    assert len(out) == 2
+    assert out[0].truncated and len(out[0].text) <= MAX_LINE_BYTES
+    assert out[1] == Line("next")
+
+
+def test_a_capped_line_is_not_cut_inside_a_character() -> None:
+    lines = frame("é".encode() * MAX_LINE_BYTES + b"\n")
+    assert lines[0].truncated and "\ufffd" not in lines[0].text
+
+
+def test_flush_returns_an_unterminated_last_line() -> None:
+    framer = LineFramer()
+    assert framer.feed(b"done\npartial") == [Line("done")]
+    assert framer.flush() == [Line("partial")]
+    assert framer.flush() == []
+
+
+def test_real_shard_bar_keeps_its_engine_tag() -> None:
+    lines = frame((REAL / "healthy.stderr").read_bytes())
+    bars = [line.text for line in lines if "checkpoint shards" in line.text]
+    assert bars == [
+        "(EngineCore pid=2835) Loading safetensors checkpoint shards:   0% Completed | 0/6 [00:00<?, ?it/s]",
+        "(EngineCore pid=2835) Loading safetensors checkpoint shards: 100% Completed | 6/6 [00:00<00:00, 571.70it/s]",
+    ]
+
+
+# --- classification ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "priority", "tag", "level"),
+    [
+        (API + "Starting vLLM server on http://0.0.0.0:8000", Kind.VLLM, 6, "APIServer", "INFO"),
+        ("(APIServer pid=1) WARNING 03-14 09:26:53 [x.py:1] careful", Kind.VLLM, 4, "APIServer", "WARNING"),
+        ("(APIServer pid=1) ERROR 03-14 09:26:53 [x.py:1]   File \"a.py\", line 1", Kind.VLLM, 3, "APIServer", "ERROR"),
+        ("CRITICAL 03-14 09:26:53 [x.py:1] boom", Kind.VLLM, 3, None, "CRITICAL"),
+        ("(Worker_TP0 pid=9) DEBUG 03-14 09:26:53 [v1/metrics/loggers.py:283] idle", Kind.VLLM, 7, "Worker_TP0", "DEBUG"),
+        ("INFO 03-14 09:26:53 api_server.py:1011] pre-0.23 bracketless source", Kind.VLLM, 6, None, "INFO"),
+        ("(APIServer pid=2700) INFO:     Application startup complete.", Kind.UVICORN, 6, "APIServer", "INFO"),
+        ("WARNING:  Invalid HTTP request received.", Kind.UVICORN, 4, None, "WARNING"),
+        ("ERROR:    Exception in ASGI application", Kind.UVICORN, 3, None, "ERROR"),
+        ("Traceback (most recent call last):", Kind.TRACEBACK, 3, None, None),
+        ("(EngineCore pid=7) Process EngineCore:", Kind.TRACEBACK, 3, "EngineCore", None),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.71 GiB.", Kind.TRACEBACK, 3, None, None),
+        ("[W1202 14:08:21.967791653 socket.cpp:207] [c10d] hostname", Kind.RAW, 4, None, None),
+        ("/usr/lib/python3.12/x.py:254: UserWarning: leaked", Kind.RAW, 4, None, None),
+        ("some third-party text", Kind.RAW, 6, None, None),
+        ("Capturing CUDA graphs (PIECEWISE):  10%|#         | 5/51 [00:00<00:01, 44.32it/s]", Kind.BAR, 6, None, None),
+        ("(EngineCore pid=7) Loading safetensors checkpoint shards:  50% Completed | 3/6 [00:01<00:01,  2.00it/s]",
+         Kind.BAR, 6, "EngineCore", None),
+    ],
+)
+def test_each_line_kind_gets_its_journal_priority(text: str, kind: Kind, priority: int, tag: str | None, level: str | None) -> None:
+    record = classify(text)
+    assert (record.kind, record.priority, record.tag, record.level) == (kind, priority, tag, level)
+
+
+def test_vllm_record_fields_are_split_out() -> None:
+    record = classify("(EngineCore pid=4300) INFO 03-14 09:27:10 [gpu_worker.py:480] Available KV cache memory: 41.58 GiB")
+    assert (record.pid, record.ts, record.source, record.lineno, record.message) == (
+        4300, "03-14 09:27:10", "gpu_worker.py", 480, "Available KV cache memory: 41.58 GiB")
+
+
+def test_logging_prefix_is_understood_in_both_eras() -> None:
+    old = Classifier("[gpu] ").classify("(APIServer pid=1) [gpu] INFO 03-14 09:26:53 [x.py:1] hello")
+    new = Classifier("[gpu] ").classify("[gpu] (APIServer pid=1) WARNING 03-14 09:26:53 [x.py:1] hello")
+    assert (old.kind, old.tag, old.message) == (Kind.VLLM, "APIServer", "hello")
+    assert (new.kind, new.priority, new.tag) == (Kind.VLLM, 4, "APIServer")
+
+
+def test_a_whole_untagged_traceback_is_an_error_and_the_next_record_is_not() -> None:
+    lines = [
+        "Process EngineCore:",
+        "Traceback (most recent call last):",
+        '  File "/usr/lib/python3.12/multiprocessing/process.py", line 314, in _bootstrap',
+        "    self.run()",
+        "    ^^^^^^^^^^",
+        "ValueError: Invalid repository ID or local directory specified: 'nope'.",
+        "Please verify the following requirements:",
+        "",
+        "The above exception was the direct cause of the following exception:",
+        "",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1, in <module>',
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ]
+    classifier = Classifier()
+    assert [classifier.classify(text).priority for text in lines] == [3] * len(lines)
+    assert classifier.classify("(APIServer pid=1) INFO 03-14 09:26:53 [x.py:1] next").priority == 6
+    assert classifier.classify("ordinary text").priority == 6
+
+
+def test_tagged_tracebacks_of_two_processes_do_not_mix() -> None:
+    classifier = Classifier()
+    classifier.classify("(EngineCore pid=7) Traceback (most recent call last):")
+    assert classifier.classify("(EngineCore pid=7)     self.run()").priority == 3
+    assert classifier.classify("(APIServer pid=1)     indented but not a traceback").priority == 6
+
+
+def test_a_python_warning_and_its_source_line_are_warnings() -> None:
+    classifier = Classifier()
+    assert classifier.classify("/usr/lib/python3.12/multiprocessing/resource_tracker.py:254: UserWarning: x").priority == 4
+    assert classifier.classify("  warnings.warn('resource_tracker: There appear to be %d '").priority == 4
+    assert classifier.classify("plain").priority == 6
+
+
+def test_the_real_healthy_start_has_no_error_lines() -> None:
+    for name in ("healthy.stdout", "healthy.stderr"):
+        classifier = Classifier()
+        for line in frame((REAL / name).read_bytes()):
+            record = classifier.classify(line.text)
+            assert record.priority >= 4, line.text
+            assert record.kind is not Kind.RAW or record.tag is None or not record.message.strip() or True
+
+
+def test_the_real_engine_death_traceback_is_all_errors() -> None:
+    classifier = Classifier()
+    records = [classifier.classify(line.text) for line in frame((REAL / "enginedeath.stdout").read_bytes())]
+    tb = [r for r in records if r.source == "async_llm.py"]
+    assert len(tb) == 8 and all(r.priority == 3 for r in tb)
+
+
+# --- bar collapsing ------------------------------------------------------------------
+
+
+def shard(n: int, total: int, tag: str = "(EngineCore pid=7) ") -> str:
+    pct = n * 100 // total
+    return f"{tag}Loading safetensors checkpoint shards: {pct:3d}% Completed | {n}/{total} [00:12<00:36, 12.04s/it]"
+
+
+def test_shard_bar_is_forwarded_once_per_step_and_the_repeated_final_state_is_not() -> None:
+    collapser = BarCollapser()
+    states = [shard(0, 4), shard(1, 4), shard(1, 4), shard(2, 4), shard(4, 4), shard(4, 4)]
+    assert [collapser.forward(s) for s in states] == [True, True, False, True, True, False]
+
+
+def test_mtp_second_pass_of_the_shard_bar_is_forwarded() -> None:
+    collapser = BarCollapser()
+    for n in range(5):
+        collapser.forward(shard(n, 4))
+    assert collapser.forward(shard(0, 4)) and collapser.forward(shard(1, 4))
+
+
+def test_graph_bar_is_forwarded_at_the_first_state_each_decile_and_the_end() -> None:
+    collapser = BarCollapser()
+    forwarded = []
+    for n in range(52):
+        pct = n * 100 // 51
+        text = f"Capturing CUDA graphs (FULL): {pct:3d}%|#         | {n}/51 [00:00<00:00, 100.00it/s]"
+        if collapser.forward(text):
+            forwarded.append(n)
+        if n == 51:
+            assert not collapser.forward(text)  # tqdm's close repeats the final state
+    assert forwarded[0] == 0 and forwarded[-1] == 51 and len(forwarded) == 11
+
+
+def test_download_bars_of_different_files_are_collapsed_separately() -> None:
+    collapser = BarCollapser()
+    a = "model-00001-of-00066.safetensors:  45%|####5     | 2.23G/4.95G [00:31<00:38, 70.9MB/s]"
+    a2 = "model-00001-of-00066.safetensors:  46%|####6     | 2.28G/4.95G [00:32<00:37, 70.9MB/s]"
+    b = "model-00002-of-00066.safetensors:  45%|####5     | 2.23G/4.95G [00:31<00:38, 70.9MB/s]"
+    assert [collapser.forward(t) for t in (a, a2, b)] == [True, False, True]
+
+
+def test_non_bar_lines_are_always_forwarded_and_blank_ones_dropped() -> None:
+    collapser = BarCollapser()
+    assert collapser.forward(API + "GPU KV cache usage: 7.9%")
+    assert collapser.forward(API + "hello") and collapser.forward(API + "hello")
+    assert not collapser.forward("(EngineCore pid=2835) ")
+    assert not collapser.forward("")
+
+
+# --- events ---------------------------------------------------------------------------
+
+PROGRESS_CASES = [
+    ("Loading safetensors checkpoint shards:   0% Completed | 0/66 [00:00<?, ?it/s]", [ShardsProgressed(0, 66)]),
+    ("Loading safetensors checkpoint shards (eager):  50% Completed | 33/66 [05:00<05:00,  9.02s/it]",
+     [ShardsProgressed(33, 66, eager=True)]),
+    ("model-00001-of-00066.safetensors:  45%|####5     | 2.23G/4.95G [00:31<00:38, 70.9MB/s]",
+     [DownloadProgressed(2.23e9, 4.95e9, "model-00001-of-00066.safetensors")]),
+    ("Fetching 75 files:  12%|#2        | 9/75 [00:03<00:25, 2.60it/s]", [DownloadProgressed(9, 75, "Fetching 75 files")]),
+    ("Starting to load model Qwen/Qwen3.6-27B-FP8...", [LoadStarted()]),
+    ("Filesystem type for checkpoints: EXT4. Checkpoint size: 29.10 GiB. Available RAM: 115.80 GiB.", [LoadStarted()]),
+    ("Loading weights took 312.50 seconds", [WeightsLoaded(seconds=312.5)]),
+    ("Model loading took 28.9 GiB memory and 318.204511 seconds", [WeightsLoaded(seconds=318.204511, gib=28.9)]),
+    ("Model loading took 0.01 GiB and 1.503717 seconds", [WeightsLoaded(seconds=1.503717, gib=0.01)]),
+    ("Dynamo bytecode transform time: 3.07 s", [CompileProgressed(False, 3.07)]),
+    ("Compiling a graph for compile range (1, 8192) takes 7.24 s", [CompileProgressed(False, 7.24)]),
+    ("Directly load the compiled graph(s) for compile range (1, 8192) from the cache, took 0.412 s",
+     [CompileProgressed(False, 0.412)]),
+    ("vLLM's torch.compile cache is disabled.", [CompileProgressed(False, None)]),
+    ("Starting torch.compile", [CompileProgressed(False, None)]),
+    ("torch.compile took 11.28 s in total", [CompileProgressed(True, 11.28)]),
+    ("[backbone] torch.compile took 9.50 s in total", [CompileProgressed(True, 9.5)]),
+    ("Available KV cache memory: 41.58 GiB", [KvCacheSized(available_gib=41.58)]),
+    ("GPU KV cache size: 10,900,144 tokens", [KvCacheSized(tokens=10900144)]),
+    ("Maximum concurrency for 2,048 tokens per request: 5322.34x", [KvCacheSized(max_concurrency=5322.34)]),
+    ("GPU KV cache size: 1,234,560 tokens, Maximum concurrency for 131,072 tokens per request: 9.42x",
+     [KvCacheSized(tokens=1234560, max_concurrency=9.42)]),
+    ("GPU + host KV cache size: 2,000 tokens, Maximum concurrency for 1,000 tokens per request: 2.00x",
+     [KvCacheSized(tokens=2000, max_concurrency=2.0)]),
+    ("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE):  43%|####3     | 22/51 [00:00<00:00, 75.36it/s]",
+     [GraphsProgressed(22, 51)]),
+    ("Graph capturing finished in 2 secs, took 0.16 GiB", [GraphsProgressed(finished=True, gib=0.16)]),
+    ("init engine (profile, create kv cache, warmup model) took 27.16 s (compilation: 11.28 s)", [EngineInitialized(27.16)]),
+    ("Starting vLLM server on http://0.0.0.0:8000", [ServerStarting("http://0.0.0.0:8000")]),
+    ("Starting vLLM API server on http://[::1]:8000", [ServerStarting("http://[::1]:8000")]),
+    ("Application startup complete.", [StartupCompleted()]),
+    ("vLLM server version 0.34.0, serving model Qwen/Qwen3.6-27B-FP8", [VersionSeen("0.34.0")]),
+    (" \u2584\u2584 \u2584\u2588 \u2588     \u2588  version 0.23.0", [VersionSeen("0.23.0")]),
+    ("Initializing a V1 LLM engine (v0.23.0) with config: model='x'", [VersionSeen("0.23.0")]),
+    ("non-default args: {'model': 'x', 'port': 8001}", [ArgsSeen("{'model': 'x', 'port': 8001}")]),
+    ("[shutdown] API server: shutdown triggered", [ShutdownStarted()]),
+    ("Shutting down", [ShutdownStarted()]),
+    ("Using FlashAttention version 3", []),
+    ("Route: /v1/models, Methods: GET", []),
+]
+
+
+@pytest.mark.parametrize(("message", "expected"), PROGRESS_CASES)
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_progress_lines_give_their_events_in_both_eras(prefix: str, message: str, expected: list[object]) -> None:
+    # Bars and uvicorn lines are never vLLM records, but a tag may precede them (0.23-0.30).
+    if "%|" in message or "% Completed" in message or message in ("Application startup complete.", "Shutting down"):
+        prefix = {API: "(EngineCore pid=4300) ", ENGINE: "(EngineCore pid=4300) ", UNTAGGED: ""}.get(prefix, "")
+        if message in ("Application startup complete.", "Shutting down"):
+            prefix += "INFO:     "
+    assert parse_line(prefix + message) == expected
+
+
+def test_stats_line_is_parsed_key_by_key_with_optional_parts_in_the_middle() -> None:
+    line = API + ("Engine 000: Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 21.6 tokens/s, "
+                  "Running: 2 reqs, Waiting: 1 reqs, Deferred: 3 reqs, Preemptions: 4, GPU KV cache usage: 7.9%, "
+                  "Prefix cache hit rate: 38.2%, MM cache hit rate: 1.0%")
+    assert parse_line(line) == [StatsLogged(812.4, 21.6, 2, 1, 7.9, 38.2, "000")]
+
+
+def test_stats_line_without_prefix_cache_and_aggregated_engines() -> None:
+    line = API + ("2 Engines Aggregated: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
+                  "Running: 0 reqs, Waiting: 0 reqs, GPU KV cache usage: 0.0%")
+    assert parse_line(line) == [StatsLogged(0.0, 5.0, 0, 0, 0.0, None, "2 aggregated")]
+
+
+def test_spec_decoding_line_keeps_per_position_rates() -> None:
+    line = API + ("SpecDecoding metrics: Mean acceptance length: 2.71, Accepted throughput: 12.30 tokens/s, "
+                  "Drafted throughput: 21.60 tokens/s, Accepted: 123 tokens, Drafted: 216 tokens, "
+                  "Per-position acceptance rate: 0.831, 0.566, 0.313, Avg Draft acceptance rate: 56.9%")
+    assert parse_line(line) == [SpecDecodingLogged(2.71, 12.3, 21.6, 123, 216, (0.831, 0.566, 0.313), 56.9)]
+
+
+FREE = ("Free memory on device cuda:0 (103.45/123.73 GiB) on startup is less than desired GPU memory utilization "
+        "(0.92, 113.83 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+
+FAILURE_CASES = [
+    ("ValueError: " + FREE, [FreeMemoryShort(103.45, 123.73, 0.92, 113.83, "cuda:0")]),
+    ("ValueError: " + FREE.replace("device cuda:0 ", "device "), [FreeMemoryShort(103.45, 123.73, 0.92, 113.83)]),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.71 GiB. GPU 0 has a total capacity of 119 GiB",
+     [CudaOutOfMemory(1.71)]),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has", [CudaOutOfMemory(0.5)]),
+    ("Failed to load model - not enough GPU memory. Try lowering --gpu-memory-utilization to free memory for weights, "
+     "increasing --tensor-parallel-size, or using --quantization. See https://docs.vllm.ai/en/latest/configuration/"
+     "conserving_memory/ for more tips. (original error: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has)",
+     [CudaOutOfMemory(2.0, during_load=True)]),
+    ("ValueError: To serve at least one request with the model's max seq len (131072), (16.0 GiB KV cache is needed, "
+     "which is larger than the available KV cache memory (5.12 GiB). Based on the available memory, the estimated "
+     "maximum model length is 40960. Try increasing `gpu_memory_utilization` (which also controls CPU memory on the "
+     "CPU backend) or decreasing `max_model_len` when initializing the engine. See https://docs.vllm.ai/en/latest/"
+     "configuration/conserving_memory/ for more details.", [KvCacheInsufficient(131072, 16.0, 5.12, 40960)]),
+    ("ValueError: To serve at least one request with the model's max seq len (131072), (16.0 GiB KV cache is needed, "
+     "which is larger than the available KV cache memory (5.12 GiB). Try increasing `gpu_memory_utilization`",
+     [KvCacheInsufficient(131072, 16.0, 5.12, None)]),
+    ("ValueError: To serve at least one request with the model's max seq len (131072), (16.0 GiB KV cache is needed, "
+     "which is larger than the available KV cache memory (5.12 GiB). Based on the available memory, the estimated "
+     "maximum model length is 40960. Lower --device-memory-utilization... Decreasing `max_model_len` also reduces "
+     "what is needed. See https://docs.vllm.ai/", [KvCacheInsufficient(131072, 16.0, 5.12, 40960)]),
+    ("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing",
+     [NoKvCacheMemory()]),
+    ("OSError: [Errno 98] Address already in use", [PortInUse(None)]),
+    ("ERROR:    [Errno 98] error while attempting to bind on address ('0.0.0.0', 8000): address already in use",
+     [PortInUse(8000)]),
+    ("OSError: nope/missing is not a local folder and is not a valid model identifier listed on "
+     "'https://huggingface.co/models'", [ModelNotFound("nope/missing")]),
+    ("ValueError: Invalid repository ID or local directory specified: '/srv/models/gone'.", [ModelNotFound("/srv/models/gone")]),
+    ("OSError: You are trying to access a gated repo.", [ModelGated(None)]),
+    ("401 Client Error. (Request ID: x) Cannot access gated repo for url "
+     "https://huggingface.co/meta-llama/Llama-3.3-70B-Instruct/resolve/main/config.json.",
+     [ModelGated("meta-llama/Llama-3.3-70B-Instruct")]),
+    ("KeyError: 'invalid tool call parser: qwen9 (chose from { hermes,qwen3_xml })'",
+     [BadArgument("invalid tool call parser: qwen9 (chose from { hermes,qwen3_xml })")]),
+    ("KeyError: 'invalid reasoning parser: nope (chose from { qwen3 })'",
+     [BadArgument("invalid reasoning parser: nope (chose from { qwen3 })")]),
+    ("TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser",
+     [BadArgument("--enable-auto-tool-choice requires --tool-call-parser")]),
+    ("vllm: error: unrecognized arguments: --frobnicate", [BadArgument("unrecognized arguments: --frobnicate")]),
+    ("vllm serve: error: argument --kv-cache-dtype: invalid choice: 'fp7' (choose from 'auto', 'fp8')",
+     [BadArgument("argument --kv-cache-dtype: invalid choice: 'fp7' (choose from 'auto', 'fp8')")]),
+    ("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.",
+     [EngineDied("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.")]),
+    ("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup",
+     [EngineDied("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup")]),
+    ("RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}", [EngineStartFailed()]),
+    ("EngineCore failed to start.", [EngineStartFailed()]),
+    ("Exception: WorkerProc initialization failed due to an exception in a background process.", [EngineStartFailed()]),
+    ("RuntimeError: Frontend process failed during engine core initialization. See root cause above.", [EngineStartFailed()]),
+    ("AssertionError: something odd", [ExceptionRaised("AssertionError", "something odd")]),
+    ("KeyboardInterrupt: terminated", [ExceptionRaised("KeyboardInterrupt", "terminated")]),
+    ("UserWarning: harmless", []),
+]
+
+
+@pytest.mark.parametrize(("message", "expected"), FAILURE_CASES)
+@pytest.mark.parametrize("prefix", [ENGINE_ERR, "(EngineCore pid=4300) ", ""])
+def test_failure_signatures_give_their_events(prefix: str, message: str, expected: list[object]) -> None:
+    if message.startswith("ERROR:    "):
+        prefix = prefix if prefix.endswith(") ") else ""
+    assert parse_line(prefix + message) == expected
+
+
+def test_the_real_recordings_give_the_startup_events_in_order() -> None:
+    kinds = []
+    for name in ("healthy.stdout", "healthy.stderr"):
+        for line in frame((REAL / name).read_bytes()):
+            kinds.extend(type(e).__name__ for e in parse_line(line.text))
+    for wanted in ("VersionSeen", "ArgsSeen", "LoadStarted", "ShardsProgressed", "WeightsLoaded", "CompileProgressed",
+                   "KvCacheSized", "GraphsProgressed", "EngineInitialized", "ServerStarting", "StartupCompleted",
+                   "StatsLogged", "ShutdownStarted"):
+        assert wanted in kinds
+    assert not any(issubclass(type(e), Failure) for name in ("healthy.stdout", "healthy.stderr")
+                   for line in frame((REAL / name).read_bytes()) for e in parse_line(line.text))
+
+
+def test_the_real_engine_death_is_found() -> None:
+    events = [e for line in frame((REAL / "enginedeath.stdout").read_bytes()) for e in parse_line(line.text)]
+    died = [e for e in events if isinstance(e, EngineDied)]
+    assert len(died) == 2 and "EngineDeadError" in died[1].message
+    assert not [e for e in events if isinstance(e, Failure) and not isinstance(e, EngineDied)]
+
+
+def test_message_of_strips_every_prefix_kind() -> None:
+    assert message_of(API + "hello") == "hello"
+    assert message_of("(APIServer pid=1) INFO:     Started server process [1]") == "Started server process [1]"
+    assert message_of("(EngineCore pid=1) Traceback (most recent call last):") == "Traceback (most recent call last):"
+
+
+# --- split failures ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cut", [40, 60, 97, 120, 150, 180])
+def test_free_memory_message_split_over_two_lines_is_joined(cut: int) -> None:
+    text = "ValueError: " + FREE
+    scanner = EventScanner()
+    first = scanner.feed(ENGINE_ERR + text[:cut])
+    second = scanner.feed(ENGINE_ERR + text[cut:])
+    assert first + second == [FreeMemoryShort(103.45, 123.73, 0.92, 113.83, "cuda:0")]
+
+
+def test_a_split_at_a_space_is_joined_with_the_space() -> None:
+    scanner = EventScanner()
+    first, second = FREE.split(" on startup ")
+    events = scanner.feed(first + " on") + scanner.feed("startup " + second)
+    assert events == [FreeMemoryShort(103.45, 123.73, 0.92, 113.83, "cuda:0")]
+
+
+def test_kv_message_split_before_the_estimate_keeps_the_estimate() -> None:
+    scanner = EventScanner()
+    events = scanner.feed(ENGINE_ERR + "ValueError: To serve at least one request with the model's max seq len (131072), "
+                          "(16.0 GiB KV cache is needed, which is larger than the available KV cache memory (5.12 GiB).")
+    events += scanner.feed(ENGINE_ERR + "Based on the available memory, the estimated maximum model length is 40960. Try")
+    assert events == [KvCacheInsufficient(131072, 16.0, 5.12, 40960)]
+
+
+def test_an_unfinished_failure_is_still_reported_when_no_continuation_comes() -> None:
+    scanner = EventScanner()
+    oom = "torch.OutOfMemoryError: CUDA out of memory."
+    assert scanner.feed(oom) == []
+    assert scanner.feed(API + "Loading weights took 1.00 seconds") == [CudaOutOfMemory(None), WeightsLoaded(seconds=1.0)]
+    assert scanner.feed(oom) == [] and scanner.flush() == [CudaOutOfMemory(None)]
+
+
+def test_scanner_passes_ordinary_lines_straight_through() -> None:
+    scanner = EventScanner()
+    assert scanner.feed(API + "Starting vLLM server on http://0.0.0.0:8000") == [ServerStarting("http://0.0.0.0:8000")]
+    assert scanner.feed("ValueError: " + FREE) == [FreeMemoryShort(103.45, 123.73, 0.92, 113.83, "cuda:0")]
