@@ -26,7 +26,6 @@ from typing import Any, Callable, Iterator
 import tomli_w
 
 from gb10d.process import group_alive
-from gb10d.sim import make_venv
 
 DEADLINE_S = 60.0
 GIB_KB = 1024 * 1024
@@ -129,6 +128,8 @@ class Setup:
     def __post_init__(self) -> None:
         self.venv = self.root / "venv"
         if not (self.venv / "bin" / "vllm").exists():
+            from gb10d.sim import make_venv
+
             make_venv(self.venv)
         self.meminfo = self.root / "meminfo"
         self.write_meminfo(self.free_gib, self.available_gib)

@@ -1,0 +1,109 @@
+"""GB10 unified-memory arithmetic: meminfo parsing, fitting utilizations, preflight decisions, eviction."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gb10d.memory import (
+    GIB,
+    MemInfo,
+    MemInfoError,
+    Preflight,
+    PreflightRefused,
+    evict_page_cache,
+    fits,
+    fitting_utilization,
+    floor2,
+    memory_returned,
+    parse_meminfo,
+    preflight,
+    safetensors_files,
+)
+
+from harness import meminfo_text
+
+
+def mem(total: float, free: float, available: float, cached: float = 0.0) -> MemInfo:
+    return MemInfo(int(total * GIB), int(free * GIB), int(available * GIB), int(cached * GIB))
+
+
+def test_parse_meminfo_reads_kb_fields_as_bytes() -> None:
+    info = parse_meminfo(meminfo_text(121.69, 95.0, 110.0, 14.0))
+    assert round(info.total_gib, 2) == 121.69
+    assert round(info.free_gib, 2) == 95.0
+    assert round(info.available_gib, 2) == 110.0
+    assert round(info.cached_gib, 2) == 14.0
+
+
+def test_parse_meminfo_names_missing_fields() -> None:
+    with pytest.raises(MemInfoError, match="MemAvailable"):
+        parse_meminfo("MemTotal: 1 kB\nMemFree: 1 kB\n")
+
+
+@pytest.mark.parametrize(
+    ("free", "total", "headroom", "expected"),
+    [(103.45, 123.73, 1.0, 0.82), (95.0, 121.7, 1.0, 0.77), (115.0, 121.7, 1.0, 0.93), (0.5, 121.7, 1.0, 0.0)],
+)
+def test_fitting_utilization_rounds_down_after_headroom(free: float, total: float, headroom: float, expected: float) -> None:
+    assert fitting_utilization(free, total, headroom) == expected
+
+
+def test_floor2_is_robust_to_float_noise() -> None:
+    assert floor2(0.83) == 0.83
+    assert floor2(0.8299999) == 0.82
+
+
+def test_fits_mirrors_vllms_ceil_check_with_headroom() -> None:
+    total = int(121.69 * GIB)
+    assert fits(0.8, int(98.5 * GIB), total, 1.0)
+    assert not fits(0.8, int(97.5 * GIB), total, 1.0)
+
+
+def test_preflight_keeps_a_request_that_fits_memfree() -> None:
+    decision = preflight(0.8, mem(121.69, 110, 115), 1.0, 0.3, evicted_already=False, can_evict=True)
+    assert decision == Preflight(0.8, False, decision.reason)  # type: ignore[union-attr]
+
+
+def test_preflight_evicts_page_cache_when_only_memavailable_fits() -> None:
+    decision = preflight(0.8, mem(121.69, 80, 110, 30), 1.0, 0.3, evicted_already=False, can_evict=True)
+    assert isinstance(decision, Preflight) and decision.evict
+    assert "page cache" in decision.reason
+
+
+def test_preflight_lowers_after_eviction_did_not_help() -> None:
+    decision = preflight(0.8, mem(121.69, 80, 110, 30), 1.0, 0.3, evicted_already=True, can_evict=True)
+    assert isinstance(decision, Preflight) and not decision.evict
+    assert decision.utilization == 0.64  # floor((80 - 1) / 121.69, 2)
+
+
+def test_preflight_refuses_below_the_minimum() -> None:
+    decision = preflight(0.8, mem(121.69, 20, 25), 1.0, 0.3, evicted_already=False, can_evict=False)
+    assert isinstance(decision, PreflightRefused)
+    assert "minimum gpu_memory_utilization 0.3" in decision.reason
+
+
+def test_memory_returned_allows_the_tolerance() -> None:
+    before = mem(121.69, 100, 110)
+    assert memory_returned(before, mem(121.69, 99, 107), 4.0)
+    assert not memory_returned(before, mem(121.69, 60, 70), 4.0)
+
+
+def test_safetensors_files_finds_local_and_hub_cache_checkpoints(tmp_path: Path) -> None:
+    local = tmp_path / "model"
+    local.mkdir()
+    (local / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    (local / "config.json").write_text("{}")
+    assert [p.name for p in safetensors_files(str(local), {})] == ["model-00001-of-00002.safetensors"]
+    snapshot = tmp_path / "hf" / "hub" / "models--Qwen--Qwen3.6-27B-FP8" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").write_bytes(b"y")
+    assert len(safetensors_files("Qwen/Qwen3.6-27B-FP8", {"HF_HOME": str(tmp_path / "hf")})) == 1
+
+
+def test_evict_page_cache_covers_the_files_it_could_open(tmp_path: Path) -> None:
+    shard = tmp_path / "a.safetensors"
+    shard.write_bytes(os.urandom(4096))
+    assert evict_page_cache([shard, tmp_path / "missing.safetensors"]) == 4096

@@ -1,0 +1,123 @@
+"""The decision core: classifying a failed attempt and choosing the next one."""
+
+from __future__ import annotations
+
+import pytest
+
+from gb10d.command import Tunables
+from gb10d.config import Config
+from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP
+from gb10d.events import (
+    BadArgument,
+    CudaOutOfMemory,
+    EngineStartFailed,
+    ExceptionRaised,
+    FreeMemoryShort,
+    KvCacheInsufficient,
+    ModelNotFound,
+    NoKvCacheMemory,
+    PortInUse,
+)
+from gb10d.policy import Cause, GiveUp, History, Outcome, Retry, backoff_delay, classify, next_attempt
+
+
+def config(**tables: dict[str, object]) -> Config:
+    data: dict[str, object] = {"vllm": {"executable": "/usr/bin/vllm", "model": "Qwen/Qwen3.6-27B-FP8", "gpu_memory_utilization": 0.92}}
+    data.update(tables)
+    return Config.model_validate(data)
+
+
+FREE = FreeMemoryShort(free_gib=103.45, total_gib=123.73, requested_utilization=0.92, requested_gib=113.83)
+
+
+@pytest.mark.parametrize(
+    ("failures", "status", "was_ready", "cause"),
+    [
+        ([FREE, EngineStartFailed(), ExceptionRaised("RuntimeError", "Engine core initialization failed.")], 1, False, Cause.FREE_MEMORY),
+        ([CudaOutOfMemory(1.71), EngineStartFailed()], 1, False, Cause.CUDA_OOM),
+        ([KvCacheInsufficient(131072, 16.0, 8.0, 65536)], 1, False, Cause.KV_CACHE),
+        ([NoKvCacheMemory()], 1, False, Cause.NO_KV_MEMORY),
+        ([PortInUse(8000)], 1, False, Cause.PORT_IN_USE),
+        ([ModelNotFound("Qwen/Nope")], 1, False, Cause.MODEL_NOT_FOUND),
+        ([BadArgument("invalid tool call parser: nope")], 1, False, Cause.BAD_ARGUMENT),
+        ([], 0, True, Cause.ENGINE_DEAD),
+        ([ExceptionRaised("ZeroDivisionError", "division by zero")], 1, False, Cause.CRASH),
+        ([], -9, False, Cause.CRASH),
+    ],
+)
+def test_classify_names_the_most_specific_cause(failures: list, status: int, was_ready: bool, cause: Cause) -> None:
+    assert classify(failures, status, was_ready).cause is cause
+
+
+def test_free_memory_retry_computes_the_fitting_utilization_from_the_error() -> None:
+    decision = next_attempt(Outcome(Cause.FREE_MEMORY, FREE), Tunables(0.92), History(1), config())
+    assert isinstance(decision, Retry)
+    assert decision.tunables.gpu_memory_utilization == 0.82  # floor((103.45 - 1.0) / 123.73, 2)
+    assert decision.delay_s == 0
+
+
+def test_free_memory_retry_never_repeats_the_same_value() -> None:
+    # The error's numbers would allow the value just tried: lower it anyway.
+    generous = FreeMemoryShort(free_gib=120.0, total_gib=121.69, requested_utilization=0.8, requested_gib=97.35)
+    decision = next_attempt(Outcome(Cause.FREE_MEMORY, generous), Tunables(0.8), History(1), config())
+    assert isinstance(decision, Retry)
+    assert decision.tunables.gpu_memory_utilization == 0.79
+
+
+def test_free_memory_below_the_minimum_gives_up_with_advice() -> None:
+    short = FreeMemoryShort(free_gib=20.0, total_gib=121.69, requested_utilization=0.9, requested_gib=109.52)
+    decision = next_attempt(Outcome(Cause.FREE_MEMORY, short), Tunables(0.9), History(1), config())
+    assert isinstance(decision, GiveUp)
+    assert decision.exit_status == EXIT_GAVE_UP
+    assert "memory.min_gpu_memory_utilization 0.3" in decision.message
+
+
+def test_stall_moves_down_the_load_strategy_ladder() -> None:
+    cfg = config(startup={"load_strategy_ladder": ["eager", "prefetch"]})
+    first = next_attempt(Outcome(Cause.STALL), Tunables(0.8), History(1), cfg)
+    assert isinstance(first, Retry) and first.tunables.load_strategy == "eager"
+    second = next_attempt(Outcome(Cause.STALL), first.tunables, History(2), cfg)
+    assert isinstance(second, Retry) and second.tunables.load_strategy == "prefetch"
+    third = next_attempt(Outcome(Cause.STALL), second.tunables, History(3), cfg)
+    assert isinstance(third, Retry) and third.tunables.load_strategy == "prefetch" and third.delay_s > 0
+
+
+@pytest.mark.parametrize("cause", [Cause.PORT_IN_USE, Cause.MODEL_NOT_FOUND, Cause.MODEL_GATED, Cause.BAD_ARGUMENT])
+def test_config_causes_give_up_at_once_with_exit_78(cause: Cause) -> None:
+    decision = next_attempt(Outcome(cause, BadArgument("x") if cause is Cause.BAD_ARGUMENT else None), Tunables(0.8), History(1), config())
+    assert isinstance(decision, GiveUp) and decision.exit_status == EXIT_CONFIG
+
+
+def test_port_in_use_advice_names_the_port_and_the_key() -> None:
+    decision = next_attempt(Outcome(Cause.PORT_IN_USE, PortInUse(8000)), Tunables(0.8), History(1), config())
+    assert isinstance(decision, GiveUp)
+    assert "port 8000 is already in use" in decision.message and "vllm.port" in decision.message
+
+
+def test_kv_cache_too_small_uses_vllms_estimate_only_when_allowed() -> None:
+    kv = KvCacheInsufficient(max_model_len=131072, needed_gib=16.0, available_gib=5.0, estimated_max_model_len=40960)
+    refused = next_attempt(Outcome(Cause.KV_CACHE, kv), Tunables(0.8, None, 131072), History(1), config())
+    assert isinstance(refused, GiveUp) and "vllm.args.max_model_len = 40960" in refused.message
+    allowed = next_attempt(
+        Outcome(Cause.KV_CACHE, kv), Tunables(0.8, None, 131072), History(1), config(startup={"allow_max_model_len_reduction": True})
+    )
+    assert isinstance(allowed, Retry) and allowed.tunables.max_model_len == 40960
+
+
+def test_cuda_oom_lowers_utilization_by_five_points() -> None:
+    decision = next_attempt(Outcome(Cause.CUDA_OOM, CudaOutOfMemory(1.71)), Tunables(0.8), History(1), config())
+    assert isinstance(decision, Retry) and decision.tunables.gpu_memory_utilization == 0.75
+
+
+def test_unknown_crashes_back_off_exponentially_up_to_the_cap() -> None:
+    cfg = config(restart={"backoff_initial_s": 5, "backoff_max_s": 30, "max_attempts": 10})
+    delays = [next_attempt(Outcome(Cause.CRASH), Tunables(0.8), History(n, n - 1), cfg) for n in range(1, 6)]
+    assert [d.delay_s for d in delays if isinstance(d, Retry)] == [5, 10, 20, 30, 30]
+    assert backoff_delay(cfg, 0) == 5
+
+
+def test_budget_is_exhausted_after_max_attempts() -> None:
+    decision = next_attempt(Outcome(Cause.CRASH, detail="exit 1"), Tunables(0.8), History(5, 4), config())
+    assert isinstance(decision, GiveUp)
+    assert decision.exit_status == EXIT_GAVE_UP
+    assert "giving up after 5 failed starts" in decision.message
