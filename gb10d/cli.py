@@ -113,6 +113,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_daemon(_config_path(args))
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """Summarise the running daemon from its state file (exit 3 when not running)."""
+    from .status import show_status, state_file_path
+
+    return show_status(state_file_path(args.state_file, _config_path(args)), json_output=args.json)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run the real supervisor against gb10d.sim in a temporary directory."""
+    from .demo import run_demo
+
+    return run_demo(args.scenario, args.speed)
+
+
 _CONFIG_HELP = f"config file (default: ${CONFIG_ENV} if set, else {DEFAULT_CONFIG_PATH}); drop-ins are read from <file without .toml>.d/*.toml"
 
 
@@ -183,6 +197,31 @@ def build_parser() -> argparse.ArgumentParser:
         "Start vLLM from the config and supervise it in the foreground, as the systemd unit's ExecStart does: "
         "READY=1 once vLLM serves, corrected restarts on known failures, vLLM's output on stdout for the journal.",
     )
+    p = add(
+        "status",
+        cmd_status,
+        "show what the running daemon is doing",
+        "Show the daemon's state, startup phase and progress, model and URL, attempt, effective "
+        "gpu_memory_utilization, memory, uptime and last failure, from the state file it keeps "
+        "([daemon] state_file, default /run/gb10d/state.json). Exit 0 when running, 3 when not "
+        "(like systemctl status), 4 when the state file cannot be read.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+    p.add_argument("--state-file", metavar="PATH", help="read this state file instead of the config's")
+    from .demo import SCENARIOS
+
+    p = add(
+        "demo",
+        cmd_demo,
+        "watch gb10d recover from a GB10 failure, with a simulated vLLM",
+        "Run the real supervisor against gb10d.sim (a stand-in that prints and behaves like vLLM) in a "
+        "temporary directory, printing the journal lines and the sd_notify messages systemd would get. "
+        "Needs no GPU and no vLLM. Scenarios: "
+        + "; ".join(f"{name}: {s.description}" for name, s in SCENARIOS.items()),
+        config=False,
+    )
+    p.add_argument("scenario", nargs="?", default="free-memory", choices=sorted(SCENARIOS), help="what to show (default: free-memory)")
+    p.add_argument("--speed", type=float, default=0.02, help="time factor of the simulated vLLM (1 = real GB10 minutes; default 0.02)")
     return parser
 
 

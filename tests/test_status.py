@@ -1,0 +1,234 @@
+"""`gb10d status`: the summary of a running daemon and the systemctl-like exit status.
+
+The command-line tests run the real `gb10d status` in a subprocess against a
+state file whose pid is a real process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gb10d.statefile import write_state
+from gb10d.status import DEFAULT_STATE_FILE, duration, render
+
+NOW = 1_764_690_000.0
+
+
+def state(**changes: Any) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "pid": 4242,
+        "started_at": NOW - 7000,
+        "updated_at": NOW - 3,
+        "state": "serving",
+        "phase": "ready",
+        "progress": {"shards_done": 66, "shards_total": 66},
+        "model": "Qwen/Qwen3-235B-A22B-FP8",
+        "served_names": ["qwen3", "default"],
+        "url": "http://0.0.0.0:8000",
+        "attempt": 2,
+        "max_attempts": 5,
+        "gpu_memory_utilization": 0.49,
+        "load_strategy": "eager",
+        "memory": {"total_bytes": 128 << 30, "available_bytes": 64 << 30, "free_bytes": 41 << 30,
+                   "cached_bytes": 20 << 30},
+        "vllm_pid": 4250,
+        "ready_at": NOW - 200,
+        "last_failure": {
+            "cause": "free_memory",
+            "message": "Free memory on device cuda:0 (61.3/119.7 GiB) on startup is less than desired GPU memory "
+            "utilization (0.9, 107.73 GiB)",
+            "action": "restarted with gpu_memory_utilization 0.49",
+            "at": NOW - 6500,
+        },
+        "status_text": "serving qwen3 on http://0.0.0.0:8000",
+        "metrics_url": "http://127.0.0.1:9400/metrics",
+    }
+    result.update(changes)
+    return result
+
+
+def rows(text: str) -> dict[str, str]:
+    """`Label: value` lines of the summary, keyed by label."""
+    found: dict[str, str] = {}
+    for line in text.splitlines()[1:]:
+        label, sep, value = line.partition(": ")
+        if sep and label.strip():
+            found[label.strip()] = value
+    return found
+
+
+# --- rendering ---------------------------------------------------------------
+
+
+def test_summary_of_a_serving_daemon_shows_every_fact() -> None:
+    text = render(state(), NOW, alive=True)
+    assert text.splitlines()[0] == "gb10d is running: serving"
+    r = rows(text)
+    assert r["Phase"] == "ready"
+    assert r["Model"] == "Qwen/Qwen3-235B-A22B-FP8 (served as qwen3, default)"
+    assert r["URL"] == "http://0.0.0.0:8000"
+    assert r["Attempt"] == "2 of 5"
+    assert r["GPU memory"] == "gpu_memory_utilization 0.49, load strategy eager"
+    assert r["Memory"] == "128.0 GiB total, 64.0 GiB available, 41.0 GiB free, 20.0 GiB page cache"
+    assert r["PID"] == "4242 (gb10d), 4250 (vLLM)"
+    assert r["Started"].endswith("; 1h 56min ago")
+    assert r["Ready"].endswith("; 3min 20s ago")
+    assert r["Last failure"] == "free_memory, 1h 48min ago"
+    assert r["Action"] == "restarted with gpu_memory_utilization 0.49"
+    assert "(61.3/119.7 GiB)" in text
+    assert r["Status"] == "serving qwen3 on http://0.0.0.0:8000"
+    assert r["Metrics"] == "http://127.0.0.1:9400/metrics"
+
+
+def test_summary_while_loading_shows_shard_progress_and_no_ready_time() -> None:
+    text = render(
+        state(state="starting", phase="loading_weights", progress={"shards_done": 12, "shards_total": 66},
+              ready_at=None, last_failure=None),
+        NOW,
+        alive=True,
+    )
+    r = rows(text)
+    assert r["Phase"] == "loading_weights, 12/66 shards (18%)"
+    assert "Ready" not in r and "Last failure" not in r and "Action" not in r
+
+
+def test_summary_of_a_dead_daemon_says_so_and_keeps_the_last_known_facts() -> None:
+    text = render(state(), NOW, alive=False)
+    assert text.splitlines()[0] == "gb10d is not running (pid 4242 has exited; last state: serving, last update 3s ago)"
+    assert rows(text)["Last failure"] == "free_memory, 1h 48min ago"
+
+
+def test_summary_without_state_file() -> None:
+    assert render(None, NOW, alive=False) == "gb10d is not running (no state file)\n"
+
+
+def test_odd_field_types_are_skipped_not_fatal() -> None:
+    text = render(
+        {"pid": "4242", "state": 7, "memory": "lots", "progress": [1], "served_names": "qwen3", "attempt": True,
+         "last_failure": "yes", "model": "m"},
+        NOW,
+        alive=True,
+    )
+    assert text.splitlines()[0] == "gb10d is running: unknown"
+    assert rows(text) == {"Model": "m"}
+
+
+def test_summary_is_ascii_for_any_terminal_or_status_line() -> None:
+    assert render(state(), NOW, alive=True).isascii()
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0, "0s"), (59.9, "59s"), (61, "1min 1s"), (3600, "1h 0min"), (7000, "1h 56min"), (86400, "1 day 0h"),
+     (3 * 86400 + 7200, "3 days 2h"), (-5, "0s")],
+)
+def test_durations_read_like_systemd(seconds: float, text: str) -> None:
+    assert duration(seconds) == text
+
+
+# --- the command ----------------------------------------------------------------
+
+
+def gb10d(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "GB10D_CONFIG"}
+    return subprocess.run(
+        [sys.executable, "-m", "gb10d", *args], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+@pytest.fixture
+def daemon_pid() -> Iterator[subprocess.Popen[bytes]]:
+    """A real process standing in for the daemon; the test may kill it."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield process
+    if process.poll() is None:
+        process.kill()
+    process.wait(timeout=60)
+
+
+def test_running_daemon_is_summarised_with_exit_0(tmp_path: Path, daemon_pid: subprocess.Popen[bytes]) -> None:
+    path = tmp_path / "state.json"
+    write_state(path, state(pid=daemon_pid.pid))
+    result = gb10d("status", "--state-file", str(path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "gb10d is running: serving"
+    assert "Attempt: 2 of 5" in result.stdout
+
+
+def test_exit_3_once_the_daemon_process_is_gone(tmp_path: Path, daemon_pid: subprocess.Popen[bytes]) -> None:
+    path = tmp_path / "state.json"
+    write_state(path, state(pid=daemon_pid.pid))
+    daemon_pid.kill()
+    daemon_pid.wait(timeout=60)
+    result = gb10d("status", "--state-file", str(path))
+    assert result.returncode == 3
+    assert result.stdout.startswith(f"gb10d is not running (pid {daemon_pid.pid} has exited;")
+
+
+def test_exit_3_when_the_state_says_stopped(tmp_path: Path, daemon_pid: subprocess.Popen[bytes]) -> None:
+    path = tmp_path / "state.json"
+    write_state(path, state(pid=daemon_pid.pid, state="stopped"))
+    result = gb10d("status", "--state-file", str(path))
+    assert result.returncode == 3
+    assert "state is stopped" in result.stdout.splitlines()[0]
+
+
+def test_exit_3_without_state_file(tmp_path: Path) -> None:
+    result = gb10d("status", "--state-file", str(tmp_path / "state.json"))
+    assert result.returncode == 3
+    assert result.stdout == "gb10d is not running (no state file)\n"
+    assert result.stderr == ""
+
+
+def test_json_output_is_one_object_with_running_flag(tmp_path: Path, daemon_pid: subprocess.Popen[bytes]) -> None:
+    path = tmp_path / "state.json"
+    write_state(path, state(pid=daemon_pid.pid))
+    result = gb10d("status", "--json", "--state-file", str(path))
+    assert result.returncode == 0
+    answer = json.loads(result.stdout)
+    assert answer == {**state(pid=daemon_pid.pid), "running": True, "state_file": str(path)}
+
+
+def test_json_output_when_not_running_gives_the_reason(tmp_path: Path) -> None:
+    result = gb10d("status", "--json", "--state-file", str(tmp_path / "state.json"))
+    assert result.returncode == 3
+    assert json.loads(result.stdout) == {
+        "running": False, "state_file": str(tmp_path / "state.json"), "reason": "no state file"
+    }
+
+
+def test_unreadable_state_file_exits_4_without_traceback(tmp_path: Path) -> None:
+    (tmp_path / "state.json").mkdir()
+    result = gb10d("status", "--state-file", str(tmp_path / "state.json"))
+    assert result.returncode == 4
+    assert result.stderr.startswith(f"gb10d: cannot read the state file {tmp_path / 'state.json'}:")
+    assert "Traceback" not in result.stderr
+
+
+def test_state_file_location_comes_from_the_config(tmp_path: Path, daemon_pid: subprocess.Popen[bytes]) -> None:
+    path = tmp_path / "run" / "state.json"
+    config = tmp_path / "gb10d.toml"
+    config.write_text(
+        f'[vllm]\nmodel = "m"\nexecutable = "{sys.executable}"\n\n[daemon]\nstate_file = "{path}"\n',
+        encoding="utf-8",
+    )
+    write_state(path, state(pid=daemon_pid.pid))
+    result = gb10d("status", "--config", str(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[0] == "gb10d is running: serving"
+
+
+def test_unloadable_config_falls_back_to_the_default_state_file(tmp_path: Path) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text("[vllm\n", encoding="utf-8")
+    result = gb10d("status", "--json", "--config", str(config))
+    assert json.loads(result.stdout)["state_file"] == str(DEFAULT_STATE_FILE)
+    assert "Traceback" not in result.stderr
