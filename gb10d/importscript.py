@@ -1,0 +1,723 @@
+"""Turn a hand-written `vllm serve` start script into gb10d.toml data.
+
+People start vLLM on GB10 with a few lines of shell: variables, `source
+venv/bin/activate`, `nohup vllm serve "$MODEL" --flag value ... > log 2>&1 &`.
+This module reads such a script the way the shell would for the parts that
+matter (variables with `${X:-default}`, quoting, backslash continuations,
+assignments before the command, exports) and says what it could not
+reproduce, so that nothing is lost silently. It never runs anything.
+
+Words are scanned here (quote-aware, keeping the quotes) because expansion
+depends on them; `shlex` then unquotes and splits each expanded word.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from .config import normalize_flag
+from .errors import ConfigError, ConfigProblem
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ASSIGNMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.DOTALL)
+_OPERATOR_CHARS = ";&|<>\n"
+_NEGATIVE_NUMBER = re.compile(r"-\d+(\.\d+)?")
+
+# Prefixes of variables vLLM, PyTorch, CUDA or Hugging Face read; exported ones go to [vllm.env].
+_RELEVANT_ENV = (
+    "VLLM_", "CUDA_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "TRITON_", "NCCL_",
+    "NVIDIA_", "OMP_", "MKL_", "TOKENIZERS_", "SAFETENSORS_", "UCX_", "GLOO_", "TP_SOCKET_", "RAY_",
+    "MASTER_", "FLASHINFER_", "LD_LIBRARY_PATH", "XDG_CACHE_HOME", "TMPDIR", "PYTHON",
+)
+# Commands with no effect on vLLM once gb10d runs it (it owns output, restarts and the process).
+_HARMLESS = {
+    "echo", "printf", "set", "shopt", "sleep", "mkdir", "touch", "date", "tail", "cat", "tee", "true", ":",
+    "umask", "disown", "wait", "exit", "deactivate", "nvidia-smi", "sync", "trap", "rm", "ls", "pwd",
+}
+_STOPPERS = {"pkill", "kill", "killall"}
+_CONTROL = {"if", "then", "elif", "else", "fi", "for", "while", "until", "do", "done", "case", "esac", "function", "{", "}", "(", ")"}
+# Wrappers before the program that gb10d makes unnecessary: systemd keeps it running and owns the process.
+_WRAPPERS = {"nohup", "exec", "setsid", "time", "env"}
+_SHORT_FLAGS = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size", "-dp": "data-parallel-size", "-q": "quantization"}
+_OLD_ENTRY = "vllm.entrypoints.openai.api_server"
+_CLI_ENTRY = "vllm.entrypoints.cli.main"
+_SYSTEM_PREFIXES = ("/usr", "/usr/local", "/")
+
+
+@dataclass
+class _Command:
+    """One simple command as written: raw words with their quotes, and how it was ended."""
+
+    line: int
+    words: list[str] = field(default_factory=list)
+    redirects: list[str] = field(default_factory=list)
+    background: bool = False
+    piped_from: bool = False
+
+
+def _read_word(text: str, i: int) -> int:
+    """The index just past the raw word starting at `i` (quotes, `${}`, `$()` and escapes kept whole)."""
+    n = len(text)
+    while i < n:
+        c = text[i]
+        if c in " \t" or c in _OPERATOR_CHARS:
+            return i
+        if c == "\\":
+            if text.startswith("\\\n", i):
+                return i
+            i += 2
+        elif c == "'":
+            end = text.find("'", i + 1)
+            i = n if end < 0 else end + 1
+        elif c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+            i += 1
+        elif text.startswith("$(", i) or text.startswith("${", i):
+            open_char = text[i + 1]
+            end = _matching(text, i + 1, open_char, ")" if open_char == "(" else "}")
+            i = n if end < 0 else end + 1
+        elif c == "`":
+            end = text.find("`", i + 1)
+            i = n if end < 0 else end + 1
+        else:
+            i += 1
+    return i
+
+
+def _commands(text: str) -> list[_Command]:
+    """Split a script into simple commands, handling continuations, comments and operators."""
+    commands: list[_Command] = []
+    line = 1
+    current = _Command(line)
+    piped = False
+    i, n = 0, len(text)
+    word_end = -1
+
+    def finish(background: bool = False, pipe_next: bool = False) -> None:
+        nonlocal current, piped
+        if current.words or current.redirects:
+            current.background = background
+            current.piped_from = piped
+            commands.append(current)
+        piped = pipe_next
+        current = _Command(line)
+
+    while i < n:
+        c = text[i]
+        if text.startswith("\\\n", i):
+            i += 2
+            line += 1
+        elif c in " \t":
+            i += 1
+        elif c == "\n":
+            finish()
+            i += 1
+            line += 1
+            current.line = line
+        elif c == "#" and i != word_end:
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+        elif c == ";":
+            finish()
+            i += 1
+        elif c == "&" and not text.startswith("&>", i):
+            if text.startswith("&&", i):
+                finish()
+                i += 2
+            else:
+                finish(background=True)
+                i += 1
+        elif c == "|":
+            if text.startswith("||", i):
+                finish()
+                i += 2
+            else:
+                finish(pipe_next=True)
+                i += 1
+        elif c in "<>&":
+            fd = current.words.pop() if current.words and word_end == i and current.words[-1].isdigit() else ""
+            start = i
+            while i < n and text[i] in "<>&|":
+                i += 1
+            op = fd + text[start:i]
+            if op.endswith("&") and i < n and (text[i].isdigit() or text[i] == "-"):
+                target_end = i + 1
+            else:
+                while i < n and text[i] in " \t":
+                    i += 1
+                target_end = _read_word(text, i)
+            current.redirects.append(op + ("" if op.endswith("&") else " ") + text[i:target_end])
+            line += text.count("\n", i, target_end)
+            i = target_end
+        else:
+            end = _read_word(text, i)
+            current.words.append(text[i:end])
+            line += text.count("\n", i, end)
+            i = word_end = end
+    finish()
+    return commands
+
+
+@dataclass
+class _Expansion:
+    """An expanded word: its fields, and what could not be known from the script."""
+
+    fields: list[str]
+    missing: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
+
+
+class _Shell:
+    """The variables the script has set so far, and the expansion of words with them."""
+
+    def __init__(self) -> None:
+        self.variables: dict[str, str] = {}
+        self.exported: set[str] = set()
+        self.referenced: set[str] = set()
+        # Variables whose value came from something unknown, so using them is just as unknown.
+        self.unknown: dict[str, list[str]] = {}
+
+    def assign(self, name: str, expanded: _Expansion) -> None:
+        """Set a variable to an expanded value, remembering what in it could not be known."""
+        self.variables[name] = " ".join(expanded.fields)
+        self.unknown[name] = expanded.missing + expanded.unsupported
+
+    def expand(self, raw: str) -> _Expansion:
+        """Expand `$X`, `${X}`, `${X:-d}` and friends as the shell would, then unquote and split with shlex."""
+        missing: list[str] = []
+        unsupported: list[str] = []
+        out: list[str] = []
+        i, n = 0, len(raw)
+        quoted = False
+        if raw.startswith("~"):
+            missing.append("~ (the home directory of whoever ran the script)")
+        while i < n:
+            c = raw[i]
+            if c == "'" and not quoted:
+                end = raw.find("'", i + 1)
+                end = n - 1 if end < 0 else end
+                out.append(raw[i : end + 1])
+                i = end + 1
+            elif c == '"':
+                quoted = not quoted
+                out.append(c)
+                i += 1
+            elif c == "\\":
+                out.append(raw[i : i + 2])
+                i += 2
+            elif c == "`" or raw.startswith("$(", i):
+                end = raw.find("`", i + 1) if c == "`" else _matching(raw, i + 1, "(", ")")
+                end = n - 1 if end < 0 else end
+                unsupported.append(raw[i : end + 1])
+                out.append(_escape(raw[i : end + 1], quoted))
+                i = end + 1
+            elif c == "$" and i + 1 < n:
+                value, i = self._parameter(raw, i, quoted, missing, unsupported)
+                out.append(value)
+            else:
+                out.append(c)
+                i += 1
+        try:
+            fields = shlex.split("".join(out))
+        except ValueError:
+            unsupported.append(raw)
+            fields = [raw]
+        return _Expansion(fields, missing, unsupported)
+
+    def _parameter(self, raw: str, i: int, quoted: bool, missing: list[str], unsupported: list[str]) -> tuple[str, int]:
+        """The escaped value of the `$...` starting at `i`, and the index after it."""
+        if raw[i + 1] == "{":
+            end = _matching(raw, i + 1, "{", "}")
+            if end < 0:
+                unsupported.append(raw[i:])
+                return _escape(raw[i:], quoted), len(raw)
+            inner = raw[i + 2 : end]
+            match = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-=+])(.*))?", inner, re.DOTALL)
+            if not match:
+                unsupported.append(raw[i : end + 1])
+                return _escape(raw[i : end + 1], quoted), end + 1
+            name, op, word = match.group(1), match.group(2), match.group(3)
+            self.referenced.add(name)
+            missing += self.unknown.get(name, [])
+            value = self.variables.get(name)
+            is_set = value is not None and (value != "" or not (op or "").startswith(":"))
+            if op and op.endswith(("-", "=")) and not is_set:
+                expanded = self.expand(f'"{word}"' if quoted else word)
+                missing += expanded.missing
+                value = " ".join(expanded.fields)
+                if op.endswith("="):
+                    self.assign(name, expanded)
+                return _escape(value, quoted), end + 1
+            if op and op.endswith("+"):
+                if not is_set:
+                    return "", end + 1
+                expanded = self.expand(f'"{word}"' if quoted else word)
+                return _escape(" ".join(expanded.fields), quoted), end + 1
+            if value is None:
+                missing.append(f"${name}")
+                return _escape(f"${{{name}}}", quoted), end + 1
+            return _escape(value, quoted), end + 1
+        match = _NAME.match(raw, i + 1)
+        if not match:
+            special = raw[i : i + 2]
+            if special[1:] in "0123456789@*#":
+                missing.append(f"{special} (the script's arguments)")
+            elif special[1:] in "$?!-":
+                unsupported.append(special)
+            else:
+                return "$", i + 1
+            return _escape(special, quoted), i + 2
+        name = match.group(0)
+        self.referenced.add(name)
+        missing += self.unknown.get(name, [])
+        if name not in self.variables:
+            missing.append(f"${name}")
+            return _escape(f"${name}", quoted), match.end()
+        return _escape(self.variables[name], quoted), match.end()
+
+
+def _matching(text: str, start: int, open_char: str, close_char: str) -> int:
+    """Index of the bracket closing the one at `start`, or -1."""
+    depth = 0
+    for index in range(start, len(text)):
+        if text[index] == open_char:
+            depth += 1
+        elif text[index] == close_char:
+            depth -= 1
+            if depth == 0:
+                return index
+    return -1
+
+
+def _escape(value: str, quoted: bool) -> str:
+    """`value` as shlex must see it to yield it literally: in "..." or, unquoted, split only on blanks."""
+    if quoted:
+        return re.sub(r'(["\\])', r"\\\1", value)
+    return re.sub(r"([^\sA-Za-z0-9_./:,=+@%^-])", r"\\\1", value)
+
+
+def _value(text: str) -> Any:
+    """A flag value in the TOML type that prints back the same: 131072 -> int, 0.5 -> float, JSON -> table."""
+    if re.fullmatch(r"-?\d+", text) and str(int(text)) == text:
+        return int(text)
+    if re.fullmatch(r"-?\d+\.\d+", text) and repr(float(text)) == text:
+        return float(text)
+    if text.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            return text
+        if isinstance(parsed, dict) and "null" not in json.dumps(parsed):
+            return parsed
+    return text
+
+
+def _is_vllm(word: str) -> bool:
+    return posixpath.basename(word) == "vllm"
+
+
+def _is_python(word: str) -> bool:
+    return re.fullmatch(r"python(\d+(\.\d+)?)?", posixpath.basename(word)) is not None
+
+
+@dataclass
+class _Import:
+    """What the script says, being collected line by line."""
+
+    vllm: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    venv: str | None = None
+    cwd: str | None = None
+    found: int = 0
+
+    def absolute(self, path: str, line: int, what: str) -> str:
+        """An absolute path, resolved against the script's `cd` when needed and possible."""
+        if path.startswith("/"):
+            return posixpath.normpath(path)
+        if self.cwd is not None:
+            return posixpath.normpath(posixpath.join(self.cwd, path))
+        self.warnings.append(
+            f"line {line}: {what} {path!r} is relative to the directory the script was started from; "
+            "write the absolute path (gb10d runs from /)"
+        )
+        return path
+
+
+def _interpret(shell: _Shell, command: _Command, result: _Import) -> None:
+    """Apply one command of the script: variables, venv activation, the vllm command, or a warning."""
+    line = command.line
+    assignments: list[tuple[str, _Expansion]] = []
+    index = 0
+    while index < len(command.words) and (match := _ASSIGNMENT.fullmatch(command.words[index])):
+        assignments.append((match.group(1), shell.expand(match.group(2))))
+        index += 1
+    words = command.words[index:]
+    if not words:
+        for name, expanded in assignments:
+            shell.assign(name, expanded)
+            if _relevant(name) and name not in shell.exported:
+                result.warnings.append(
+                    f"line {line}: {name} is set but not exported, so vLLM does not see it; "
+                    "add it to [vllm.env] if it should"
+                )
+        return
+    head = shell.expand(words[0])
+    program = head.fields[0] if head.fields else ""
+    if program in ("export", "declare", "readonly", "local", "typeset"):
+        _declare(shell, program, words[1:], line, result)
+        return
+    expansions = [shell.expand(w) for w in words]
+    fields = [f for e in expansions for f in e.fields]
+    if program in ("source", "."):
+        _source(fields[1:], line, result)
+        return
+    if program == "cd":
+        target = fields[1] if len(fields) > 1 else ""
+        result.cwd = result.absolute(target, line, "cd") if target.startswith("/") or result.cwd else None
+        if result.cwd is None:
+            result.warnings.append(f"line {line}: cd {target!r} cannot be followed; relative paths after it are not resolved")
+        return
+    start = next((k for k, f in enumerate(fields) if _is_vllm(f) or _is_python(f)), None)
+    if start is not None and (_is_vllm(fields[start]) or "-m" in fields[start + 1 : start + 2]):
+        _wrappers(fields[:start], line, result)
+        if result.found == 0:
+            for expanded in [*expansions, *(e for _, e in assignments)]:
+                _warn_unknowns(result, line, expanded)
+        _vllm_command(shell, fields[start:], [(n, " ".join(e.fields)) for n, e in assignments], command, result)
+        return
+    _other(fields, command, result)
+
+
+def _relevant(name: str) -> bool:
+    return name.startswith(_RELEVANT_ENV)
+
+
+def _warn_unknowns(result: _Import, line: int, expanded: _Expansion) -> None:
+    for name in expanded.missing:
+        result.warnings.append(f"line {line}: {name} is not set in the script; the value was kept as written, replace it")
+    for text in expanded.unsupported:
+        result.warnings.append(f"line {line}: {text} cannot be evaluated without running it; the text was kept as written, replace it")
+
+
+def _declare(shell: _Shell, program: str, words: list[str], line: int, result: _Import) -> None:
+    """`export X=1 Y` and friends: set variables, and remember which ones the child would inherit."""
+    exporting = program == "export"
+    for word in words:
+        if word.startswith("-"):
+            exporting = exporting or "x" in word
+            continue
+        match = _ASSIGNMENT.fullmatch(word)
+        if match:
+            name = match.group(1)
+            shell.assign(name, shell.expand(match.group(2)))
+        elif _NAME.fullmatch(word):
+            name = word
+        else:
+            result.warnings.append(f"line {line}: {program} {word!r} is not understood")
+            continue
+        if exporting:
+            shell.exported.add(name)
+
+
+def _source(fields: list[str], line: int, result: _Import) -> None:
+    """`source VENV/bin/activate` names the venv; other sourced files cannot be followed."""
+    target = fields[0] if fields else ""
+    if posixpath.basename(target) == "activate" and posixpath.basename(posixpath.dirname(target)) == "bin":
+        result.venv = result.absolute(posixpath.dirname(posixpath.dirname(target)), line, "venv")
+        return
+    result.warnings.append(
+        f"line {line}: source {target!r} was not read; if it sets variables vLLM needs, add them to [vllm.env]"
+    )
+
+
+def _wrappers(prefix: list[str], line: int, result: _Import) -> None:
+    """Words before the program: nohup/exec/env are not needed under systemd, others are not reproduced."""
+    if not prefix:
+        return
+    known = [w for w in prefix if w in _WRAPPERS]
+    unknown = [w for w in prefix if w not in _WRAPPERS]
+    if known:
+        result.notes.append(
+            f"line {line}: {' '.join(known)} not needed: systemd keeps gb10d running and gb10d owns the vLLM process"
+        )
+    if unknown:
+        result.warnings.append(
+            f"line {line}: {shlex.join(unknown)!r} before vllm is not reproduced; gb10d runs vLLM directly "
+            "(CPU pinning or priorities belong in a systemd drop-in: systemctl edit gb10d)"
+        )
+
+
+def _program(fields: list[str], line: int, result: _Import) -> tuple[list[str], bool]:
+    """Set venv or executable from the program word; return the words after `serve` and whether the old entry point was used."""
+    word = fields[0]
+    if _is_vllm(word):
+        rest = fields[1:]
+        if rest[:1] != ["serve"]:
+            result.warnings.append(f"line {line}: vllm {' '.join(rest[:1])!r} is not 'vllm serve'; read as if it were")
+        else:
+            rest = rest[1:]
+        if "/" in word:
+            path = result.absolute(word, line, "vllm")
+            if result.venv is not None and path == posixpath.join(result.venv, "bin", "vllm"):
+                return rest, False
+            result.vllm["executable"] = path
+            result.venv = None
+        elif result.venv is None:
+            result.warnings.append(
+                "the script runs 'vllm' from PATH; set vllm.executable to its full path (see: command -v vllm) or vllm.venv"
+            )
+        return rest, False
+    module = fields[2] if len(fields) > 2 else ""
+    rest = fields[3:]
+    old = module == _OLD_ENTRY
+    if module == _CLI_ENTRY and rest[:1] == ["serve"]:
+        rest = rest[1:]
+    elif not old:
+        result.warnings.append(f"line {line}: python -m {module} is not a vLLM server entry point; read as if it were")
+    if old:
+        result.notes.append(
+            f"line {line}: python -m {_OLD_ENTRY} is vLLM's old entry point; gb10d runs 'vllm serve', which takes the same flags"
+        )
+    if "/" in word:
+        bindir = posixpath.dirname(result.absolute(word, line, "python"))
+        root = posixpath.dirname(bindir)
+        if posixpath.basename(bindir) == "bin" and root not in _SYSTEM_PREFIXES:
+            result.venv = root
+        elif result.venv is None:
+            result.vllm["executable"] = "/usr/local/bin/vllm"
+            result.warnings.append(
+                f"line {line}: vLLM runs from the system Python {word}; executable was guessed as /usr/local/bin/vllm, check it"
+            )
+    elif result.venv is None:
+        result.warnings.append("the script runs 'python' from PATH; set vllm.venv to the virtualenv that has vLLM")
+    return rest, old
+
+
+def _vllm_command(shell: _Shell, fields: list[str], assignments: list[tuple[str, str]], command: _Command, result: _Import) -> None:
+    """The vllm serve command itself: program, model, flags, environment, and what wraps it."""
+    line = command.line
+    result.found += 1
+    if result.found > 1:
+        result.warnings.append(f"line {line}: another vLLM command; gb10d runs one vLLM per config, so only the first was imported")
+        return
+    rest, _ = _program(fields, line, result)
+    positional, flags = _split_flags(rest, line, result)
+    if positional:
+        result.vllm["model"] = positional[0]
+        if positional[0].startswith(("./", "../", "~")):
+            result.vllm["model"] = result.absolute(positional[0], line, "model")
+        if len(positional) > 1:
+            result.warnings.append(f"line {line}: extra words {shlex.join(positional[1:])!r} after the model; kept in extra_args")
+            result.extra_args += positional[1:]
+    for flag, values, spelled in flags:
+        _flag(flag, values, spelled, line, result)
+    if "model" not in result.vllm:
+        result.warnings.append(f"line {line}: no model was given; set vllm.model")
+    _environment(shell, assignments, line, result)
+    extras = [r for r in command.redirects] + (["&"] if command.background else [])
+    if extras:
+        result.notes.append(
+            f"line {line}: {' '.join(extras)} not needed: gb10d sends vLLM's output to the journal (journalctl -u gb10d)"
+        )
+    if command.piped_from:
+        result.warnings.append(f"line {line}: vllm reads from a pipe here; gb10d gives it no input")
+
+
+def _split_flags(words: list[str], line: int, result: _Import) -> tuple[list[str], list[tuple[str, list[str], str]]]:
+    """Positional words and (flag, values, as written) in order; a flag takes every value up to the next flag."""
+    positional: list[str] = []
+    flags: list[tuple[str, list[str], str]] = []
+    index = 0
+    while index < len(words):
+        word = words[index]
+        index += 1
+        if word.startswith("-") and word != "-" and not _NEGATIVE_NUMBER.fullmatch(word):
+            name, eq, value = word.partition("=")
+            if not name.startswith("--"):
+                if name not in _SHORT_FLAGS:
+                    result.warnings.append(f"line {line}: short option {word!r} is not known; kept in extra_args")
+                    result.extra_args.append(word)
+                    continue
+                name = "--" + _SHORT_FLAGS[name]
+            values = [value] if eq else []
+            while not eq and index < len(words) and (not words[index].startswith("-") or _NEGATIVE_NUMBER.fullmatch(words[index])):
+                values.append(words[index])
+                index += 1
+            flags.append((normalize_flag(name), values, word))
+        else:
+            positional.append(word)
+    return positional, flags
+
+
+def _flag(flag: str, values: list[str], spelled: str, line: int, result: _Import) -> None:
+    """Place one flag where gb10d.toml keeps it: a first-class [vllm] key or [vllm.args]."""
+    first_class = {"host": "host", "port": "port", "served-model-name": "served_model_name",
+                   "gpu-memory-utilization": "gpu_memory_utilization", "model": "model"}
+    key = first_class.get(flag)
+    if key in result.vllm or flag in result.args or (flag.startswith("no-") and flag[3:] in result.args):
+        result.warnings.append(f"line {line}: --{flag} is given twice; the last value is used, as vLLM does")
+    if key == "served_model_name" and values:
+        result.vllm[key] = values[0] if len(values) == 1 else values
+    elif key is not None:
+        if len(values) != 1:
+            result.warnings.append(f"line {line}: --{flag} needs one value (got {shlex.join(values) or 'none'}); set vllm.{key} yourself")
+            return
+        converted: Any = values[0]
+        try:
+            converted = {"port": int, "gpu_memory_utilization": float}.get(key, str)(values[0])
+        except ValueError:
+            result.warnings.append(f"line {line}: --{flag} {values[0]!r} is not a number; set vllm.{key} yourself")
+            return
+        result.vllm[key] = converted
+    elif not re.fullmatch(r"[a-z0-9][a-z0-9-]*(\.[A-Za-z0-9_-]+)*", flag):
+        result.warnings.append(f"line {line}: {spelled!r} is not a flag name gb10d can write as a key; kept in extra_args")
+        result.extra_args += [spelled, *values] if "=" not in spelled else [spelled]
+    elif not values:
+        if flag.startswith("no-"):
+            result.args[flag[3:]] = False
+        else:
+            result.args[flag] = True
+    else:
+        result.args[flag] = _value(values[0]) if len(values) == 1 else [_value(v) for v in values]
+    if flag in ("api-key", "hf-token"):
+        result.warnings.append(
+            f"line {line}: --{flag} is a secret and gb10d.toml is usually world-readable; better put "
+            f"{'VLLM_API_KEY' if flag == 'api-key' else 'HF_TOKEN'}=... in a file only root and gb10d can read "
+            f"(chmod 0640), set vllm.env_file to it, and remove {flag} from [vllm.args]"
+        )
+
+
+def _environment(shell: _Shell, assignments: list[tuple[str, str]], line: int, result: _Import) -> None:
+    """What vLLM would inherit from the script: exports and assignments before the command."""
+    inherited = {name: shell.variables.get(name, "") for name in sorted(shell.exported)}
+    for name, value in [*inherited.items(), *assignments]:
+        if name == "PATH":
+            result.notes.append(f"line {line}: PATH is not copied; gb10d puts the venv's bin first on its own PATH")
+            continue
+        if name == "VIRTUAL_ENV":
+            result.venv = result.venv or value
+            continue
+        if name in dict(assignments) or _relevant(name) or name not in shell.referenced:
+            if not _relevant(name) and name not in dict(assignments):
+                result.warnings.append(f"line {line}: exported {name} is passed to vLLM; remove it from [vllm.env] if vLLM does not need it")
+            result.env[name] = value
+        else:
+            result.notes.append(f"exported {name} is used only by the script itself; not passed to vLLM")
+    for name in result.env:
+        if re.search(r"TOKEN|KEY|SECRET|PASSWORD", name, re.IGNORECASE):
+            result.warnings.append(
+                f"{name} is a secret and gb10d.toml is usually world-readable; better move it to a file only root and "
+                f"gb10d can read (chmod 0640, lines like {name}=...), set vllm.env_file to it, and remove it from [vllm.env]"
+            )
+
+
+def _other(fields: list[str], command: _Command, result: _Import) -> None:
+    """A command that is not the vllm one: ignored with a note when harmless, else a warning."""
+    name = posixpath.basename(fields[0]) if fields else ""
+    text = shlex.join(fields)
+    if "drop_caches" in text:
+        result.notes.append(f"line {command.line}: page-cache dropping is done by gb10d itself ([memory] evict_page_cache)")
+    elif name in _HARMLESS:
+        result.ignored.append(f"{name} (line {command.line})")
+    elif name in _STOPPERS:
+        result.notes.append(f"line {command.line}: {name} not needed: gb10d stops the previous vLLM itself")
+    elif name == "ulimit":
+        result.warnings.append(
+            f"line {command.line}: {text!r} is not reproduced; set LimitNOFILE= or LimitMEMLOCK= with systemctl edit gb10d"
+        )
+    elif name in _CONTROL:
+        result.warnings.append(
+            f"line {command.line}: shell control flow ({name}) is not understood; every line was read as if it ran, check the result"
+        )
+    else:
+        result.warnings.append(f"line {command.line}: {text!r} is not understood and was not imported; if vLLM depends on it, do it another way (e.g. ExecStartPre= in a systemd drop-in)")
+
+
+@dataclass(frozen=True)
+class Imported:
+    """The gb10d.toml tables read from a script, and what the operator must know about them."""
+
+    data: dict[str, Any]
+    notes: list[str]
+    warnings: list[str]
+
+
+def import_script(text: str, shown: str = "<script>") -> Imported:
+    """Read a start script and return the equivalent gb10d.toml data; ConfigError if it runs no vLLM."""
+    shell = _Shell()
+    result = _Import()
+    for command in _commands(text):
+        _interpret(shell, command, result)
+    if not result.found:
+        raise ConfigError([ConfigProblem(shown, "", "no vllm serve (or python -m vllm.entrypoints.openai.api_server) command found; nothing to import")])
+    vllm: dict[str, Any] = {}
+    for key in ("model", "served_model_name"):
+        if key in result.vllm:
+            vllm[key] = result.vllm[key]
+    if result.venv is not None:
+        vllm["venv"] = result.venv
+    elif "executable" in result.vllm:
+        vllm["executable"] = result.vllm["executable"]
+    for key in ("host", "port", "gpu_memory_utilization"):
+        if key in result.vllm:
+            vllm[key] = result.vllm[key]
+    if "gpu_memory_utilization" not in vllm:
+        result.notes.append("the script sets no --gpu-memory-utilization; gb10d passes its default, 0.9 (vLLM's own default is 0.92)")
+    if result.extra_args:
+        vllm["extra_args"] = result.extra_args
+    if result.args:
+        vllm["args"] = result.args
+    if result.env:
+        vllm["env"] = result.env
+    notes = list(result.notes)
+    if result.ignored:
+        notes.append("ignored, no effect on vLLM under gb10d: " + ", ".join(result.ignored))
+    return Imported({"vllm": vllm}, notes, list(dict.fromkeys(result.warnings)))
+
+
+def render(imported: Imported, shown: str) -> str:
+    """gb10d.toml text: a header of notes and warnings, then the tables written by tomli-w."""
+    header = [
+        f"# gb10d.toml imported from {shown} by gb10d import-script.",
+        "# Check it with:   gb10d check-config --config THIS_FILE",
+        "# Compare it with: gb10d print-command --config THIS_FILE",
+        "# Tables not written here ([startup], [memory], [restart], [liveness], [metrics], [daemon])",
+        "# keep their defaults; the shipped /etc/gb10d.toml describes every key.",
+    ]
+    if imported.notes or imported.warnings:
+        header.append("#")
+    header += [f"# note: {n}" for n in imported.notes]
+    header += [f"# warning: {w}" for w in imported.warnings]
+    return "\n".join(header) + "\n\n" + tomli_w.dumps(imported.data)
+
+
+def import_script_file(path: Path) -> str:
+    """Read a script file (or stdin for `-`) and return the gb10d.toml text; ConfigError when unreadable."""
+    shown = "<stdin>" if str(path) == "-" else str(path)
+    try:
+        raw = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
+    except IsADirectoryError:
+        raise ConfigError([ConfigProblem(shown, "", "is a directory; pass the start script itself")]) from None
+    except OSError as exc:
+        raise ConfigError([ConfigProblem(shown, "", f"cannot read: {exc.strerror or exc}")]) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError([ConfigProblem(shown, "", "not UTF-8 text; is this really a shell script?")]) from None
+    return render(import_script(text, shown), shown)
