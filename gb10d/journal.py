@@ -59,7 +59,6 @@ MESSAGE_IDS: dict[str, str] = {
 # Syslog priorities, named for callers that would otherwise write bare numbers.
 PRIORITY_ERR = 3
 PRIORITY_WARNING = 4
-PRIORITY_NOTICE = 5
 PRIORITY_INFO = 6
 PRIORITY_DEBUG = 7
 
