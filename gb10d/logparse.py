@@ -319,16 +319,12 @@ class Classifier:
         """The record for one line; updates the traceback state."""
         m = self._log.match(text) if " [" in text or "] " in text else None
         if m is not None:
-            tag = m.group("t1") or m.group("t2")
-            pid_s = m.group("p1") or m.group("p2")
-            level = m.group("level")
+            t1, p1, t2, p2, level, ts, src, ln, msg = m.group("t1", "p1", "t2", "p2", "level", "ts", "src", "ln", "msg")
+            pid = int(p1 or p2) if (p1 or p2) else None
             if self._state:
-                self._state.pop(int(pid_s) if pid_s else None, None)
+                self._state.pop(pid, None)
                 self._state.pop(None, None)
-            return Record(
-                Kind.VLLM, _LEVEL_PRIORITY[level], m.group("msg"), tag, int(pid_s) if pid_s else None,
-                level, m.group("ts"), m.group("src"), int(m.group("ln")),
-            )
+            return Record(Kind.VLLM, _LEVEL_PRIORITY[level], msg, t1 or t2, pid, level, ts, src, int(ln))
         if ":" in text[:40]:
             u = _UVICORN.match(text)
             if u is not None:
@@ -441,7 +437,9 @@ class BarCollapser:
     def forward(self, text: str) -> bool:
         """Whether this line should be written to the journal."""
         if "%" not in text:
-            return bool(text.strip()) and not _is_blank_tagged(text)
+            if text.endswith(" "):
+                return bool(text.strip()) and not _is_blank_tagged(text)
+            return bool(text)
         tag = None
         body = text
         if text.startswith("("):
@@ -602,9 +600,15 @@ def _failures(msg: str) -> list[Event]:
     return out
 
 
-# Cheap substring gates: a message that contains none of these cannot hold a failure.
-_FAILURE_WORDS = ("Error", "error", "memory", "Exception", "failed", "in use", "not a local", "Invalid repository",
-                  "Not Found", "gated", "parser", "unexpectedly", "Interrupt", "Exit", "positional", "Fault")
+# Cheap gates: a message with none of these words holds no progress event, or no failure.
+_PROGRESS_GATE = re.compile(
+    "%|Engine|SpecDecoding|compile|Dynamo|KV cache|Maximum concurrency|took|Graph capturing|Starting|Loading model"
+    "|Filesystem type|Application startup|version|Initializing a V1|non-default args|shutdown triggered|Shutting down"
+)
+_FAILURE_GATE = re.compile(
+    "Error|error|memory|Exception|failed|in use|not a local|Invalid repository|Not Found|gated|parser"
+    "|unexpectedly|Interrupt|Exit|positional|Fault|yaml"
+)
 
 
 def _stats(msg: str) -> StatsLogged | None:
@@ -658,7 +662,17 @@ def _compile(msg: str) -> CompileProgressed | None:
 
 def parse_message(msg: str) -> list[Event]:
     """The events in one message (a line with its tag, level, timestamp and source already removed)."""
-    out: list[Event] = []
+    if _PROGRESS_GATE.search(msg) is not None:
+        progress = _progress(msg)
+        if progress:
+            return progress
+    if _FAILURE_GATE.search(msg) is not None:
+        return _failures(msg)
+    return []
+
+
+def _progress(msg: str) -> list[Event]:
+    """The startup, steady-state and shutdown events of a message that passed the cheap gate."""
     if "%" in msg:
         if "% Completed |" in msg:
             s = _SHARD_BAR.search(msg)
@@ -734,12 +748,10 @@ def parse_message(msg: str) -> list[Event]:
     if msg.startswith("non-default args:"):
         return [ArgsSeen(msg[len("non-default args:"):].strip())]
     if "shutdown triggered" in msg or msg == "Shutting down" or msg.startswith("Shutting down FastAPI"):
-        out.append(ShutdownStarted())
-    for word in _FAILURE_WORDS:
-        if word in msg:
-            out.extend(_failures(msg))
-            break
-    return out
+        return [ShutdownStarted()]
+    return []
+
+
 
 
 def parse_line(text: str, prefix: str = "") -> list[Event]:
@@ -759,44 +771,60 @@ _SPLITTABLE: tuple[tuple[str, type[Failure]], ...] = (
 _KV_TAIL = ("Try increasing", "Decreasing", "See http")
 
 
-class EventScanner:
-    """`parse_line` over a stream, joining a failure message that was split across two lines.
+# The first letters of a splittable failure message at the end of a line (at least four).
+_WRAPPED_LEAD = re.compile(
+    "(?:" + "|".join(re.escape(lead[:k]) for lead, _ in _SPLITTABLE for k in range(len(lead), 3, -1)) + ")$"
+)
+_MAX_JOIN = 5  # a 300-character record wrapped at 80 columns is 4 lines; more is not one message
 
-    A long failure text can arrive in two pieces: a terminal or pager wrapped
-    it, or the message itself held a newline (vLLM then prints the rest as a
-    new record with the same prefix). When a line starts a known failure
-    message whose numbers are not all there, the scanner holds that line's
-    failure events back and, on the next line, tries the two messages joined
-    (directly and with a space). So a failure may be reported one line late,
-    never twice; call `flush()` when the stream ends. Other events are never
-    delayed.
+
+class EventScanner:
+    """`parse_line` over a stream, joining a failure message that was split across lines.
+
+    A long failure text can arrive in pieces: the message itself held a
+    newline (vLLM then prints the rest as a new record with the same prefix),
+    or a terminal or pager wrapped it before it was pasted. When a line starts
+    a known failure message whose numbers are not all there, the scanner holds
+    that line's failure events back and tries the message joined with the
+    following lines (directly, and with a space), up to `_MAX_JOIN` lines. So
+    a failure may be reported a few lines late, never twice; call `flush()`
+    when the stream ends. Other events are never delayed.
     """
 
-    def __init__(self, prefix: str = "") -> None:
+    def __init__(self, prefix: str = "", wrapped: bool = False) -> None:
+        # `wrapped`: the text may have been wrapped at any character (pasted
+        # logs), so a line ending in the first letters of a failure message is
+        # held too. Pipes never wrap, so the supervisor leaves this off.
         self._prefix = prefix
-        self._held: tuple[str, list[Event]] | None = None
+        self._wrapped = wrapped
+        self._held: list[str] = []
+        self._held_events: list[Event] = []
 
     def feed(self, text: str) -> list[Event]:
         """The events this line completes."""
         msg = message_of(text, self._prefix)
         events = parse_message(msg)
-        out: list[Event] = []
-        held, self._held = self._held, None
-        if held is not None:
-            joined = _join(held[0], msg)
+        failures = [e for e in events if isinstance(e, Failure)]
+        others = [e for e in events if not isinstance(e, Failure)]
+        if self._held:
+            self._held.append(msg)
+            joined = _join(self._held)
             if joined:
-                return joined + [e for e in events if not isinstance(e, Failure)]
-            out.extend(held[1])
-        if _incomplete(msg, events):
-            self._held = (msg, [e for e in events if isinstance(e, Failure)])
-            events = [e for e in events if not isinstance(e, Failure)]
-        out.extend(events)
-        return out
+                self._held, self._held_events = [], []
+                return joined + others
+            self._held_events.extend(failures)
+            if len(self._held) < _MAX_JOIN and not any(_complete(e, msg) for e in failures):
+                return others
+            return self.flush() + others
+        if _incomplete(msg, events) or (self._wrapped and _WRAPPED_LEAD.search(msg[-40:]) is not None):
+            self._held, self._held_events = [msg], failures
+            return others
+        return events
 
     def flush(self) -> list[Event]:
         """The failure events held back for a continuation that never came."""
-        held, self._held = self._held, None
-        return held[1] if held else []
+        held, self._held, self._held_events = self._held_events, [], []
+        return held
 
 
 def _incomplete(msg: str, events: list[Event]) -> bool:
@@ -808,9 +836,10 @@ def _incomplete(msg: str, events: list[Event]) -> bool:
     return False
 
 
-def _join(held: str, msg: str) -> list[Event]:
-    for glue in ("", " "):
-        joined = held + glue + msg.lstrip()
+def _join(pieces: list[str]) -> list[Event]:
+    # A terminal wrap keeps every character ("utiliza" + "tion"); a newline in
+    # the message replaced a space, and the next piece may be indented.
+    for joined in ("".join(pieces), " ".join(p.strip() for p in pieces)):
         failures = [e for e in parse_message(joined) if isinstance(e, Failure)]
         if failures and any(_complete(e, joined) for e in failures):
             return failures

@@ -502,8 +502,18 @@ def test_an_unfinished_failure_is_still_reported_when_no_continuation_comes() ->
     scanner = EventScanner()
     oom = "torch.OutOfMemoryError: CUDA out of memory."
     assert scanner.feed(oom) == []
-    assert scanner.feed(API + "Loading weights took 1.00 seconds") == [CudaOutOfMemory(None), WeightsLoaded(seconds=1.0)]
+    later = [scanner.feed(API + f"Loading weights took {n}.00 seconds") for n in range(4)]
+    assert later[:3] == [[WeightsLoaded(seconds=n)] for n in range(3)]
+    assert later[3] == [CudaOutOfMemory(None), WeightsLoaded(seconds=3.0)]
     assert scanner.feed(oom) == [] and scanner.flush() == [CudaOutOfMemory(None)]
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+def test_a_record_wrapped_by_a_terminal_is_joined(width: int) -> None:
+    text = ENGINE_ERR + "ValueError: " + FREE
+    scanner = EventScanner(wrapped=True)
+    events = [e for i in range(0, len(text), width) for e in scanner.feed(text[i : i + width])] + scanner.flush()
+    assert events == [FreeMemoryShort(103.45, 123.73, 0.92, 113.83, "cuda:0")]
 
 
 def test_scanner_passes_ordinary_lines_straight_through() -> None:
