@@ -13,6 +13,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -337,3 +338,71 @@ def test_journalctl_indexes_the_catalog(tmp_path: Path) -> None:
         check=True, capture_output=True, text=True, timeout=60,
     ).stdout
     assert {line.split()[0] for line in listed.splitlines() if line.strip()} == set(MESSAGE_IDS.values())
+
+
+# --- the whole forwarding path on real vLLM output ------------------------------
+
+RECORDED = REPO / "tests" / "fixtures" / "real-vllm-0.23.0"
+
+
+def forward_recording(name: str) -> list[str]:
+    """Push a recorded vLLM stream through framing, bar collapsing, classification and the journal into a pipe."""
+    from gb10d.logparse import BarCollapser, Classifier, LineFramer
+
+    read_fd, write_fd = os.pipe()
+    collected: list[str] = []
+    with os.fdopen(read_fd) as reader:
+        thread = threading.Thread(target=lambda: collected.extend(reader))
+        thread.start()
+        with os.fdopen(write_fd, "w") as writer:
+            journal = Journal(out=writer, socket_path=None)
+            collapser, classifier = BarCollapser(), Classifier()
+            framer = LineFramer()
+            data = (RECORDED / name).read_bytes()
+            # Chunks of a pipe's read size, as the supervisor receives them.
+            for start in range(0, len(data), 4096):
+                for line in framer.feed(data[start : start + 4096]):
+                    if collapser.forward(line.text):
+                        journal.vllm_line(line.text, classifier.classify(line.text).priority)
+                journal.flush()
+            for line in framer.flush():
+                if collapser.forward(line.text):
+                    journal.vllm_line(line.text, classifier.classify(line.text).priority)
+            journal.close()
+        thread.join(60)
+    return [line.rstrip("\n") for line in collected]
+
+
+def priority_of(line: str) -> int:
+    match = re.match(r"<([0-7])>", line)
+    assert match, f"journal line without a level prefix: {line!r}"
+    return int(match.group(1))
+
+
+@pytest.mark.parametrize("name", ["healthy.stdout", "healthy.stderr", "enginedeath.stdout", "enginedeath.stderr"])
+def test_every_recorded_vllm_line_reaches_the_journal_with_a_level(name: str) -> None:
+    lines = forward_recording(name)
+    assert lines
+    for line in lines:
+        priority_of(line)
+        assert "\r" not in line
+
+
+def test_warning_filter_of_a_healthy_start_shows_only_vllm_warnings() -> None:
+    lines = forward_recording("healthy.stdout")
+    problems = [line for line in lines if priority_of(line) <= 4]
+    assert problems, "the recording has WARNING lines"
+    assert all(" WARNING " in line for line in problems), problems
+
+
+def test_engine_death_traceback_is_logged_as_errors() -> None:
+    lines = forward_recording("enginedeath.stdout")
+    dead = [line for line in lines if "EngineDeadError: EngineCore encountered an issue" in line]
+    assert dead and all(priority_of(line) == 3 for line in dead)
+    assert all(priority_of(line) == 3 for line in lines if " ERROR " in line)
+
+
+def test_progress_bars_reach_the_journal_once_per_step() -> None:
+    lines = [line for line in forward_recording("healthy.stderr") if "Completed |" in line or "Capturing CUDA graphs" in line]
+    steps = [re.sub(r"\[.*$", "", line) for line in lines]
+    assert len(steps) == len(set(steps)), "a bar redraw of the same step was forwarded twice"
