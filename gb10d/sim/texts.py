@@ -1,0 +1,273 @@
+"""vLLM's failure texts and tracebacks, character for character (REFERENCE §3).
+
+Only pure functions returning strings: the processes decide when to print
+them. Paths in tracebacks are those of the recorded installation
+(`/opt/vllm/...`), so that a traceback looks exactly like a real one.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+GIB = 2**30
+SITE = "/opt/vllm/lib/python3.12/site-packages"
+VLLM = f"{SITE}/vllm"
+PYLIB = "/usr/lib/python3.12"
+CONSERVING_MEMORY = "https://docs.vllm.ai/en/latest/configuration/conserving_memory/"
+
+Frame = tuple[str, int, str, str]  # file, line, function, source line
+
+
+def format_gib(num_bytes: float) -> str:
+    """vLLM's format_gib: round to two decimals, no padding (`80.0`, `103.45`)."""
+    return f"{round(num_bytes / GIB, 2)}"
+
+
+def free_memory_error(free_bytes: int, total_bytes: int, utilization: float, requested_bytes: int, device: str = "cuda:0") -> str:
+    """The ValueError of v1/worker/utils.py request_memory()."""
+    return (
+        f"Free memory on device {device} ({format_gib(free_bytes)}/{format_gib(total_bytes)} GiB) on startup "
+        f"is less than desired GPU memory utilization ({utilization}, {format_gib(requested_bytes)} GiB). "
+        "Decrease GPU memory utilization or reduce GPU memory used by other processes."
+    )
+
+
+def kv_insufficient_error(max_model_len: int, needed_gib: float, available_gib: float, estimated_max_len: int) -> str:
+    """check_enough_kv_cache_memory()'s ValueError (0.23-0.33)."""
+    estimated = (
+        f"Based on the available memory, the estimated maximum model length is {estimated_max_len}. "
+        if estimated_max_len > 0
+        else ""
+    )
+    return (
+        f"To serve at least one request with the model's max seq len ({max_model_len}), "
+        f"({needed_gib:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
+        f"({available_gib:.2f} GiB). {estimated}Try increasing `gpu_memory_utilization` (which also controls "
+        "CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. "
+        f"See {CONSERVING_MEMORY} for more details."
+    )
+
+
+NO_KV_BLOCKS = (
+    "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the "
+    "engine (this flag also controls CPU memory reservation on the CPU backend, despite its name). "
+    f"See {CONSERVING_MEMORY} for more details."
+)
+
+
+def cuda_oom_message(tried_gib: float, total_gib: float, free_gib: float, in_use_gib: float) -> str:
+    """PyTorch's CUDA OOM text as 2.11 words it."""
+    return (
+        f"CUDA out of memory. Tried to allocate {tried_gib:.2f} GiB. GPU 0 has a total capacity of {total_gib:.2f} GiB "
+        f"of which {free_gib:.2f} GiB is free. Including non-PyTorch memory, this process has {in_use_gib:.2f} GiB "
+        f"memory in use. Of the allocated memory {in_use_gib - 0.42:.2f} GiB is allocated by PyTorch, and "
+        "112.50 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+        "Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
+
+
+def load_oom_error(original: str) -> str:
+    """The V1 runner's ERROR line when weights do not fit."""
+    return (
+        "Failed to load model - not enough GPU memory. Try lowering --gpu-memory-utilization to free memory for "
+        "weights, increasing --tensor-parallel-size, or using --quantization. "
+        f"See {CONSERVING_MEMORY} for more tips. (original error: {original})"
+    )
+
+
+def engine_init_failed() -> str:
+    """The API server's last line when the EngineCore did not start (as 0.23.0 prints it)."""
+    return "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+
+
+def traceback_text(frames: Sequence[Frame], final: str) -> str:
+    """A Python traceback, without trailing newline."""
+    lines = ["Traceback (most recent call last):"]
+    for file, line, function, source in frames:
+        lines.append(f'  File "{file}", line {line}, in {function}')
+        if source:
+            lines.append(f"    {source}")
+    lines.append(final)
+    return "\n".join(lines)
+
+
+# --- frames -------------------------------------------------------------------
+
+_ENGINE_START: list[Frame] = [
+    (f"{VLLM}/v1/engine/core.py", 1011, "run_engine_core", "engine_core = EngineCoreProc(*args, engine_index=dp_rank, **kwargs)"),
+    (f"{VLLM}/v1/engine/core.py", 773, "__init__", "super().__init__("),
+]
+_EXECUTOR: list[Frame] = [
+    (f"{VLLM}/v1/engine/core.py", 104, "__init__", "self.model_executor = executor_class(vllm_config)"),
+    (f"{VLLM}/v1/executor/abstract.py", 101, "__init__", "self._init_executor()"),
+]
+_KV_INIT: list[Frame] = [
+    (f"{VLLM}/v1/engine/core.py", 115, "__init__", "num_gpu_blocks, num_cpu_blocks, kv_cache_config = self._initialize_kv_caches("),
+]
+
+ENGINE_FRAMES: dict[str, list[Frame]] = {
+    "free_memory": _ENGINE_START + _EXECUTOR + [
+        (f"{VLLM}/v1/executor/uniproc_executor.py", 47, "_init_executor", "self.driver_worker.init_device()"),
+        (f"{VLLM}/v1/worker/worker_base.py", 326, "init_device", "self.worker.init_device()  # type: ignore"),
+        (f"{VLLM}/v1/worker/gpu_worker.py", 264, "init_device", "self.requested_memory = request_memory(init_snapshot, self.cache_config)"),
+        (f"{VLLM}/v1/worker/utils.py", 402, "request_memory", "raise ValueError("),
+    ],
+    "load": _ENGINE_START + _EXECUTOR + [
+        (f"{VLLM}/v1/executor/uniproc_executor.py", 48, "_init_executor", "self.driver_worker.load_model()"),
+        (f"{VLLM}/v1/worker/gpu_worker.py", 318, "load_model", "self.model_runner.load_model(eep_scale_up=eep_scale_up)"),
+        (f"{VLLM}/v1/worker/gpu/model_runner.py", 305, "load_model", "self.model = model_loader.load_model("),
+        (f"{VLLM}/model_executor/model_loader/base_loader.py", 58, "load_model", "self.load_weights(model, model_config)"),
+        (f"{VLLM}/model_executor/model_loader/default_loader.py", 301, "load_weights", "loaded_weights = model.load_weights(self.get_all_weights(model_config, model))"),
+        (f"{SITE}/torch/utils/_device.py", 109, "__torch_function__", "return func(*args, **kwargs)"),
+    ],
+    "profile": _ENGINE_START + _KV_INIT + [
+        (f"{VLLM}/v1/engine/core.py", 232, "_initialize_kv_caches", "available_gpu_memory = self.model_executor.determine_available_memory()"),
+        (f"{VLLM}/v1/executor/abstract.py", 136, "determine_available_memory", 'return self.collective_rpc("determine_available_memory")'),
+        (f"{VLLM}/v1/worker/gpu_worker.py", 437, "determine_available_memory", "self.model_runner.profile_run()"),
+        (f"{VLLM}/v1/worker/gpu/model_runner.py", 402, "profile_run", "self._dummy_run(self.max_num_tokens, skip_attn=True)"),
+        (f"{SITE}/torch/utils/_device.py", 109, "__torch_function__", "return func(*args, **kwargs)"),
+    ],
+    "graphs": _ENGINE_START + _KV_INIT + [
+        (f"{VLLM}/v1/engine/core.py", 259, "_initialize_kv_caches", "self.model_executor.initialize_from_config(kv_cache_configs)"),
+        (f"{VLLM}/v1/executor/abstract.py", 117, "initialize_from_config", 'self.collective_rpc("compile_or_warm_up_model")'),
+        (f"{VLLM}/v1/worker/gpu_worker.py", 532, "compile_or_warm_up_model", "cuda_graph_memory_bytes = self.model_runner.capture_model()"),
+        (f"{VLLM}/v1/worker/gpu/model_runner.py", 688, "capture_model", "self.cudagraph_manager.capture(self._dummy_run)"),
+        (f"{SITE}/torch/cuda/graphs.py", 268, "__exit__", "self.cuda_graph.capture_end()"),
+    ],
+    "kv": _ENGINE_START + _KV_INIT + [
+        (f"{VLLM}/v1/engine/core.py", 244, "_initialize_kv_caches", "kv_cache_configs = get_kv_cache_configs("),
+        (f"{VLLM}/v1/core/kv_cache_utils.py", 1460, "get_kv_cache_configs", "check_enough_kv_cache_memory("),
+        (f"{VLLM}/v1/core/kv_cache_utils.py", 704, "check_enough_kv_cache_memory", "raise ValueError("),
+    ],
+    "no_blocks": _ENGINE_START + _KV_INIT + [
+        (f"{VLLM}/v1/engine/core.py", 244, "_initialize_kv_caches", "kv_cache_configs = get_kv_cache_configs("),
+        (f"{VLLM}/v1/core/kv_cache_utils.py", 1460, "get_kv_cache_configs", "check_enough_kv_cache_memory("),
+        (f"{VLLM}/v1/core/kv_cache_utils.py", 684, "check_enough_kv_cache_memory", "raise ValueError("),
+    ],
+}
+
+PROCESS_FRAMES: list[Frame] = [
+    (f"{PYLIB}/multiprocessing/process.py", 314, "_bootstrap", "self.run()"),
+    (f"{PYLIB}/multiprocessing/process.py", 108, "run", "self._target(*self._args, **self._kwargs)"),
+]
+
+_API_MAIN: list[Frame] = [
+    ("/opt/vllm/bin/vllm", 10, "<module>", "sys.exit(main())"),
+    (f"{VLLM}/entrypoints/cli/main.py", 75, "main", "args.dispatch_function(args)"),
+    (f"{VLLM}/entrypoints/cli/serve.py", 118, "cmd", "uvloop.run(run_server(args))"),
+    (f"{SITE}/uvloop/__init__.py", 96, "run", "return __asyncio.run("),
+    (f"{PYLIB}/asyncio/runners.py", 195, "run", "return runner.run(main)"),
+    (f"{PYLIB}/asyncio/runners.py", 118, "run", "return self._loop.run_until_complete(task)"),
+    ("uvloop/loop.pyx", 1518, "uvloop.loop.Loop.run_until_complete", ""),
+    (f"{SITE}/uvloop/__init__.py", 48, "wrapper", "return await main"),
+]
+_API_ENGINE_CLIENT: list[Frame] = _API_MAIN + [
+    (f"{VLLM}/entrypoints/openai/api_server.py", 1245, "run_server", "await run_server_worker(listen_address, sock, args, **uvicorn_kwargs)"),
+    (f"{VLLM}/entrypoints/openai/api_server.py", 1264, "run_server_worker", "async with build_async_engine_client("),
+    (f"{PYLIB}/contextlib.py", 210, "__aenter__", "return await anext(self.gen)"),
+    (f"{VLLM}/entrypoints/openai/api_server.py", 171, "build_async_engine_client", "async with build_async_engine_client_from_engine_args("),
+    (f"{PYLIB}/contextlib.py", 210, "__aenter__", "return await anext(self.gen)"),
+]
+_API_WAIT: list[Frame] = _API_ENGINE_CLIENT + [
+    (f"{VLLM}/entrypoints/openai/api_server.py", 212, "build_async_engine_client_from_engine_args", "async_llm = AsyncLLM.from_vllm_config("),
+    (f"{VLLM}/v1/engine/async_llm.py", 240, "from_vllm_config", "return cls("),
+    (f"{VLLM}/v1/engine/async_llm.py", 146, "__init__", "self.engine_core = EngineCoreClient.make_async_mp_client("),
+    (f"{VLLM}/v1/engine/core_client.py", 124, "make_async_mp_client", "return AsyncMPClient(*client_args)"),
+    (f"{VLLM}/v1/engine/core_client.py", 835, "__init__", "super().__init__("),
+    (f"{VLLM}/v1/engine/core_client.py", 490, "__init__", "with launch_core_engines(vllm_config, executor_class, log_stats) as ("),
+    (f"{PYLIB}/contextlib.py", 144, "__exit__", "next(self.gen)"),
+    (f"{VLLM}/v1/engine/utils.py", 1040, "launch_core_engines", "wait_for_engine_startup("),
+]
+
+API_FRAMES: dict[str, list[Frame]] = {
+    "engine_failed": _API_WAIT + [(f"{VLLM}/v1/engine/utils.py", 1131, "wait_for_engine_startup", "raise RuntimeError(")],
+    "terminated": _API_WAIT + [
+        (f"{VLLM}/v1/engine/utils.py", 1094, "wait_for_engine_startup", "events = poller.poll(STARTUP_POLL_PERIOD_MS)"),
+        (f"{VLLM}/entrypoints/cli/serve.py", 92, "signal_handler", 'raise KeyboardInterrupt("terminated")'),
+    ],
+    "port_in_use": _API_MAIN + [
+        (f"{VLLM}/entrypoints/openai/api_server.py", 1244, "run_server", "listen_address, sock = setup_server(args)"),
+        (f"{VLLM}/entrypoints/openai/api_server.py", 1209, "setup_server", "sock = create_server_socket(sock_addr)"),
+        (f"{VLLM}/entrypoints/openai/api_server.py", 1150, "create_server_socket", "sock.bind(addr)"),
+    ],
+    "bad_parser": _API_MAIN + [
+        (f"{VLLM}/entrypoints/openai/api_server.py", 1244, "run_server", "listen_address, sock = setup_server(args)"),
+        (f"{VLLM}/entrypoints/openai/api_server.py", 1187, "setup_server", "validate_api_server_args(args)"),
+    ],
+    "model_config": _API_ENGINE_CLIENT + [
+        (f"{VLLM}/entrypoints/openai/api_server.py", 197, "build_async_engine_client_from_engine_args", "vllm_config = engine_args.create_engine_config(usage_context=usage_context)"),
+        (f"{VLLM}/engine/arg_utils.py", 1392, "create_engine_config", "model_config = self.create_model_config()"),
+        (f"{VLLM}/engine/arg_utils.py", 1246, "create_model_config", "return ModelConfig("),
+        (f"{SITE}/pydantic/_internal/_dataclasses.py", 121, "__init__", "s.__pydantic_validator__.validate_python(ArgsKwargs(args, kwargs), self_instance=s)"),
+        (f"{VLLM}/config/model.py", 467, "__post_init__", "hf_config = get_config("),
+        (f"{VLLM}/transformers_utils/config.py", 602, "get_config", "raise ValueError("),
+    ],
+}
+
+TOOL_PARSERS = (
+    "deepseek_v3", "deepseek_v31", "ernie45", "glm45", "granite-20b-fc", "granite", "hermes", "hunyuan_a13b",
+    "internlm", "jamba", "kimi_k2", "llama3_json", "llama4_json", "llama4_pythonic", "longcat", "minimax_m2",
+    "minimax", "mistral", "olmo3", "openai", "phi4_mini_json", "pythonic", "qwen3_coder", "qwen3_xml",
+    "seed_oss", "step3", "xlam",
+)
+REASONING_PARSERS = (
+    "deepseek_r1", "deepseek_v3", "ernie45", "glm45", "gpt_oss", "granite", "hunyuan_a13b", "minimax_m2",
+    "minimax_m2_append_think", "mistral", "olmo3", "qwen3", "seed_oss", "step3",
+)
+
+
+def bad_tool_parser(name: str) -> str:
+    """The KeyError for an unknown --tool-call-parser."""
+    return f"KeyError: 'invalid tool call parser: {name} (chose from {{ {','.join(TOOL_PARSERS)} }})'"
+
+
+def bad_reasoning_parser(name: str) -> str:
+    """The KeyError for an unknown --reasoning-parser."""
+    return f"KeyError: 'invalid reasoning parser: {name} (chose from {{ {','.join(REASONING_PARSERS)} }})'"
+
+
+AUTO_TOOL_CHOICE_NEEDS_PARSER = "TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser"
+
+PORT_IN_USE = "OSError: [Errno 98] Address already in use"
+
+
+def model_not_found(model: str) -> str:
+    """transformers' OSError, then vLLM's ValueError raised from it."""
+    hub = [
+        (f"{SITE}/transformers/utils/hub.py", 479, "cached_files", "raise OSError("),
+    ]
+    first = traceback_text(
+        [(f"{VLLM}/transformers_utils/config.py", 581, "get_config", "config_dict, _ = PretrainedConfig.get_config_dict("), *hub],
+        f"OSError: {model} is not a local folder and is not a valid model identifier listed on 'https://huggingface.co/models'\n"
+        "If this is a private repository, make sure to pass a token having permission to this repo either by logging "
+        "in with `hf auth login` or by passing `token=<your_token>`",
+    )
+    second = traceback_text(
+        API_FRAMES["model_config"],
+        f"ValueError: Invalid repository ID or local directory specified: '{model}'.\n"
+        "Please verify the following requirements:\n"
+        "1. Provide a valid Hugging Face repository ID.\n"
+        "2. Specify a local directory that contains a recognized configuration file.\n"
+        "   - For Hugging Face models: ensure the presence of a 'config.json'.\n"
+        "   - For Mistral models: ensure the presence of a 'params.json'.",
+    )
+    return f"{first}\n\nThe above exception was the direct cause of the following exception:\n\n{second}"
+
+
+def not_found_body(model: str, served: Sequence[str], minor: int) -> str:
+    """The 404 body for a request naming a model that is not served."""
+    aliases = f" Valid aliases: {', '.join(served)}." if minor >= 32 else ""
+    return (
+        '{"error":{"message":"The model `' + model + "` does not exist." + aliases
+        + '","type":"NotFoundError","param":"model","code":404}}'
+    )
+
+
+ENGINE_DEAD_TRACEBACK = traceback_text(
+    [
+        (f"{VLLM}/v1/engine/async_llm.py", 660, "output_handler", "outputs = await engine_core.get_output_async()\n" + " " * 14 + "^" * 36),
+        (f"{VLLM}/v1/engine/core_client.py", 1046, "get_output_async", "raise self._format_exception(outputs) from None"),
+    ],
+    "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.",
+)
