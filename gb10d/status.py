@@ -205,10 +205,9 @@ def render(state: Mapping[str, Any] | None, now: float, alive: bool) -> str:
         rows.append(("Action", _text(failure, "action")))
     rows.append(("Status", _text(state, "status_text")))
     rows.append(("Metrics", _text(state, "metrics_url")))
-    width = max(len(label) for label, _ in rows)
-    for label, value in rows:
-        if value is not None:
-            lines.append(f"{label.rjust(width)}{':' if label else ' '} {value}")
+    shown = [(label, value) for label, value in rows if value is not None]
+    width = max((len(label) for label, _ in shown), default=0)
+    lines.extend(f"{label.rjust(width)}{':' if label else ' '} {value}" for label, value in shown)
     return "\n".join(lines) + "\n"
 
 
