@@ -127,6 +127,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.scenario, args.speed)
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    """Say what happened in a vLLM log or journal excerpt and what to change (exit 0 whatever the verdict)."""
+    from .diagnose import diagnose
+
+    if args.stall_timeout <= 0:
+        print(f"gb10d: --stall-timeout must be > 0 seconds (got {args.stall_timeout:g})", file=sys.stderr)
+        return 64  # EX_USAGE
+    try:
+        raw = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+    except OSError as exc:
+        print(f"gb10d: cannot read {args.file}: {exc.strerror or exc}", file=sys.stderr)
+        return 66  # EX_NOINPUT
+    result = diagnose(raw.decode("utf-8", "replace"), args.stall_timeout)
+    sys.stdout.write(json.dumps(result.to_json()) + "\n" if args.json else result.render())
+    return EXIT_OK
+
+
 _CONFIG_HELP = f"config file (default: ${CONFIG_ENV} if set, else {DEFAULT_CONFIG_PATH}); drop-ins are read from <file without .toml>.d/*.toml"
 
 
@@ -222,6 +239,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("scenario", nargs="?", default="free-memory", choices=sorted(SCENARIOS), help="what to show (default: free-memory)")
     p.add_argument("--speed", type=float, default=0.02, help="time factor of the simulated vLLM (1 = real GB10 minutes; default 0.02)")
+    p = add(
+        "diagnose",
+        cmd_diagnose,
+        "explain a vLLM log: what happened and what to change",
+        "Read a vLLM log or journalctl -u gb10d output as pasted (journal, docker and docker compose prefixes, "
+        "colours, progress bars, both vLLM log eras) and say what happened to the latest start: a verdict, the "
+        "numbers found, and the gb10d.toml key to change. Exit 0 whatever the verdict; 66 if FILE cannot be read.",
+        config=False,
+    )
+    p.add_argument("file", metavar="FILE", nargs="?", default="-", help="the log to read ('-' or nothing reads stdin)")
+    p.add_argument("--json", action="store_true", help='print one JSON object {"verdict", "facts", "advice"}')
+    p.add_argument("--stall-timeout", metavar="S", type=float, default=300.0,
+                   help="seconds without loading progress that count as a stall (default 300, as startup.stall_timeout_s)")
     return parser
 
 

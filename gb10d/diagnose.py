@@ -1,0 +1,469 @@
+"""`gb10d diagnose`: what happened in a pasted vLLM log, and which gb10d.toml key to change.
+
+Pure: `diagnose(text)` takes the whole log as people paste it (journalctl
+output in its usual forms, docker and docker compose logs, ANSI colours, `\\r`
+progress bars, both vLLM tag eras, pre-0.23 untagged lines, lines wrapped by a
+terminal, records run together where a newline was lost) and returns a
+`Diagnosis`. Wrappers are removed by families of patterns rather than per
+example, so logs in shapes not seen before still read.
+
+The verdict is about the latest start in the input: a new banner, a new
+`non-default args` line, a new API-server pid, an argparse `usage:` line or
+gb10d's own `started vLLM` line begins a new attempt once the current one has
+shown anything beyond its banner.
+"""
+
+from __future__ import annotations
+
+import calendar
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from .events import (
+    ArgsSeen,
+    BadArgument,
+    CudaOutOfMemory,
+    EngineDied,
+    EngineStartFailed,
+    Event,
+    ExceptionRaised,
+    Failure,
+    FreeMemoryShort,
+    KvCacheInsufficient,
+    ModelGated,
+    ModelNotFound,
+    NoKvCacheMemory,
+    PortInUse,
+    ServerStarting,
+    SpecDecodingLogged,
+    StartupCompleted,
+    StatsLogged,
+    VersionSeen,
+)
+from .logparse import Classifier, EventScanner, Kind, LineFramer
+from .phases import Phase, StartupState, advance
+
+VERDICTS = (
+    "ready", "loading", "free_memory", "shard_stall", "cuda_oom", "kv_cache_insufficient", "port_in_use",
+    "model_not_found", "engine_dead", "crash", "unknown",
+)
+HEADROOM_GIB = 1.0  # gb10d's default memory.headroom_gib, so the advice matches what gb10d would do
+DEFAULT_PORT = 8000  # vLLM's, when the log does not say
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """A verdict (one of `VERDICTS`), the numbers behind it, and what to change."""
+
+    verdict: str
+    facts: dict[str, Any]
+    advice: str
+    summary: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The `--json` object: exactly verdict, facts and advice."""
+        return {"verdict": self.verdict, "facts": dict(self.facts), "advice": self.advice}
+
+    def render(self) -> str:
+        """The human report: verdict and summary, the facts, then the advice."""
+        lines = [f"verdict: {self.verdict}"]
+        if self.summary:
+            lines.append(self.summary)
+        if self.facts:
+            lines.append("facts:")
+            lines.extend(f"  {key}: {value}" for key, value in self.facts.items())
+        lines.append(f"advice: {self.advice}")
+        return "\n".join(lines) + "\n"
+
+
+# --- reading pasted text -------------------------------------------------------------
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_MONTHS = {name: number for number, name in enumerate(calendar.month_abbr) if name}
+_JOURNAL_SHORT = re.compile(
+    r"^(?P<mon>[A-Z][a-z]{2}) (?P<day>[ \d]?\d) (?P<time>\d\d:\d\d:\d\d(?:\.\d+)?) (?P<host>\S+) "
+    r"(?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?"
+)
+_JOURNAL_ISO = re.compile(
+    r"^(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?) (?P<host>\S+) "
+    r"(?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?"
+)
+_JOURNAL_MONOTONIC = re.compile(r"^\[\s*(?P<mono>\d+\.\d+)\] (?P<host>\S+) (?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?")
+_DOCKER_TS = re.compile(r"^(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)) ")
+_COMPOSE = re.compile(r"^[\w][\w.-]*\s*\| ?")
+_KUBECTL = re.compile(r"^\[pod/[^\]\s]+\] ")
+_SYSLOG_LEVEL = re.compile(r"^<[0-7]>")
+_JOURNAL_NOTE = re.compile(r"^-- .* --$")
+# Where a newline was lost: a journal prefix, a process tag or a vLLM record start in mid-line.
+_GLUED_JOURNAL = re.compile(
+    r"(?<=\S)(?=(?:[A-Z][a-z]{2} [ \d]?\d \d\d:\d\d:\d\d(?:\.\d+)?|\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\S*) \S+ [^\s\[\]:]+\[\d+\]: )"
+)
+_GLUED_RECORD = re.compile(
+    r"(?<=\S)(?=\((?:APIServer|EngineCore|MainProcess|Worker|DPCoordinator)[\w.\[\]-]* pid=\d+\) )"
+    r"|(?<=[^\s)])(?=(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[)"
+    r"|(?<=[^\s)])(?=(?:INFO|WARNING|ERROR):\s{2,})"
+)
+_VLLM_TS = re.compile(r"^(?P<mon>\d\d)-(?P<day>\d\d) (?P<h>\d\d):(?P<m>\d\d):(?P<s>\d\d)$")
+_ASSUMED_YEAR = 2024  # year-less timestamps: a leap year, so 02-29 exists
+
+
+def _yearless(month: int, day: int, clock: str) -> float | None:
+    try:
+        h, m, s = clock.split(":")
+        moment = datetime(_ASSUMED_YEAR, month, day, int(h), int(m), int(float(s)))
+    except ValueError:
+        return None
+    return calendar.timegm(moment.timetuple()) + (float(s) % 1)
+
+
+def _iso(text: str) -> float | None:
+    try:
+        return datetime.fromisoformat(text.replace(",", ".").replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _strip_wrappers(line: str) -> tuple[str, float | None]:
+    """The line without journal/docker/compose/kubectl prefixes, and the wrapper's timestamp if any."""
+    when: float | None = None
+    for _ in range(6):
+        m = _SYSLOG_LEVEL.match(line) or _KUBECTL.match(line)
+        if m is None:
+            m = _JOURNAL_SHORT.match(line)
+            if m is not None:
+                when = _yearless(_MONTHS.get(m.group("mon"), 0) or 1, int(m.group("day")), m.group("time"))
+        if m is None:
+            m = _JOURNAL_ISO.match(line) or _DOCKER_TS.match(line)
+            if m is not None:
+                when = _iso(m.group("iso"))
+        if m is None:
+            m = _JOURNAL_MONOTONIC.match(line)
+            if m is not None:
+                when = float(m.group("mono"))
+        if m is None:
+            m = _COMPOSE.match(line)
+        if m is None or m.end() == 0:
+            break
+        line = line[m.end():]
+    return line, when
+
+
+@dataclass(frozen=True)
+class _Line:
+    text: str
+    when: float | None  # the wrapper's time, seconds (year-less times in an assumed year)
+
+
+def read_lines(text: str) -> list[_Line]:
+    """Pasted text as clean logical lines with the time each wrapper gave it."""
+    out: list[_Line] = []
+    for physical in text.replace("\r\n", "\n").split("\n") if "\r\n" in text else text.split("\n"):
+        physical = _ANSI.sub("", physical) if "\x1b" in physical else physical
+        if _JOURNAL_NOTE.match(physical.strip()):
+            continue
+        for piece in _GLUED_JOURNAL.split(physical):
+            body, when = _strip_wrappers(piece)
+            for record in _GLUED_RECORD.split(body):
+                framer = LineFramer()
+                for line in framer.feed(record.encode("utf-8", "replace") + b"\n"):
+                    out.append(_Line(line.text, when))
+    return out
+
+
+# --- attempts -----------------------------------------------------------------------
+
+_API_TAGS = ("APIServer", "MainProcess")
+_START_WORDS = re.compile(r"^(?:vLLM (?:API )?server version|non-default args:|usage: vllm)|started vLLM as pid")
+_ARGS_UTIL = re.compile(r"'gpu_memory_utilization': ([\d.]+)")
+_ARGS_PORT = re.compile(r"'port': (\d+)")
+_ARGS_MODEL = re.compile(r"'model(?:_tag)?': '([^']+)'")
+_GB10D_STALL = re.compile(r"no loading progress for (\d+) s")
+
+
+@dataclass
+class _Attempt:
+    """What one start printed, in order."""
+
+    events: list[tuple[int, Event]] = field(default_factory=list)
+    first_line: int = 0
+    api_pid: int | None = None
+    substantive: bool = False
+    args: str = ""
+    gb10d_stall: bool = False
+
+
+def _times(lines: list[_Line], records: list[tuple[str | None, int | None, str | None]]) -> list[float | None]:
+    """One time per line: the wrapper's when the paste has them, else vLLM's own record time."""
+    if any(line.when is not None for line in lines):
+        raw = [line.when for line in lines]
+    else:
+        raw = []
+        for _, _, ts in records:
+            m = _VLLM_TS.match(ts) if ts else None
+            raw.append(_yearless(int(m.group("mon")), int(m.group("day")), f"{m.group('h')}:{m.group('m')}:{m.group('s')}")
+                       if m else None)
+    # Year-less times wrap at New Year: keep them increasing.
+    out: list[float | None] = []
+    offset = 0.0
+    last: float | None = None
+    for value in raw:
+        if value is not None:
+            value += offset
+            if last is not None and value < last - 180 * 86400:
+                offset += 366 * 86400
+                value += 366 * 86400
+            last = value
+        out.append(value)
+    return out
+
+
+def _split_attempts(lines: list[_Line]) -> tuple[list[_Attempt], list[float | None], list[Event]]:
+    classifier = Classifier()
+    scanner = EventScanner(wrapped=True)
+    attempts = [_Attempt()]
+    records: list[tuple[str | None, int | None, str | None]] = []
+    every: list[Event] = []
+    for index, line in enumerate(lines):
+        record = classifier.classify(line.text)
+        records.append((record.tag, record.pid, record.ts))
+        current = attempts[-1]
+        message = record.message
+        # The ASCII-logo banner's first line (the logo is drawn with full blocks).
+        starts = _START_WORDS.search(message) is not None or (record.kind is Kind.VLLM and "\u2588" in message)
+        new_api = record.tag in _API_TAGS and record.pid is not None and current.api_pid not in (None, record.pid)
+        if (starts or new_api) and current.substantive:
+            current = _Attempt(first_line=index)
+            attempts.append(current)
+        if record.tag in _API_TAGS and record.pid is not None and current.api_pid is None:
+            current.api_pid = record.pid
+        if _GB10D_STALL.search(message):
+            current.gb10d_stall = True
+        for event in scanner.feed(line.text):
+            _add(current, index, event)
+            every.append(event)
+    for event in scanner.flush():
+        _add(attempts[-1], len(lines) - 1, event)
+        every.append(event)
+    return attempts, _times(lines, records), every
+
+
+def _add(attempt: _Attempt, index: int, event: Event) -> None:
+    attempt.events.append((index, event))
+    if isinstance(event, ArgsSeen):
+        attempt.args = event.text
+    elif not isinstance(event, VersionSeen):
+        attempt.substantive = True
+
+
+# --- the verdict --------------------------------------------------------------------
+
+_ORDER: tuple[tuple[type[Failure], ...], ...] = (
+    (FreeMemoryShort,), (KvCacheInsufficient, NoKvCacheMemory), (CudaOutOfMemory,), (PortInUse,),
+    (ModelNotFound, ModelGated), (BadArgument,), (EngineDied,), (ExceptionRaised, EngineStartFailed),
+)
+# Exceptions that mean someone stopped vLLM, not that it broke.
+_STOP_EXCEPTIONS = ("KeyboardInterrupt", "SystemExit", "CancelledError")
+
+
+def _gib(value: float) -> str:
+    return f"{value:g}"
+
+
+def suggested_utilization(free_gib: float, total_gib: float, headroom_gib: float = HEADROOM_GIB) -> float:
+    """floor((free - headroom) / total) to two decimals: what gb10d retries with after the free-memory failure."""
+    if total_gib <= 0:
+        return 0.0
+    return math.floor(round((free_gib - headroom_gib) / total_gib * 100, 6)) / 100
+
+
+def diagnose(text: str, stall_timeout_s: float = 300.0) -> Diagnosis:
+    """The verdict about the latest start in `text`, its facts and the advice."""
+    lines = read_lines(text)
+    attempts, times, every = _split_attempts(lines)
+    attempt = attempts[-1]
+    facts: dict[str, Any] = {}
+    version = next((e.version for e in reversed(every) if isinstance(e, VersionSeen)), None)
+    if version:
+        facts["vllm_version"] = version
+    _stats_facts(every, facts)
+
+    failures = [e for _, e in attempt.events if isinstance(e, Failure)]
+    failures = [e for e in failures if not (isinstance(e, ExceptionRaised) and e.exc_type.split(".")[-1] in _STOP_EXCEPTIONS)]
+    for group in _ORDER:
+        found = [e for e in failures if isinstance(e, group)]
+        if found:
+            return _failure_verdict(_best(found), attempt, facts)
+
+    state = StartupState(phase=Phase.SPAWNING)
+    progress_index: int | None = None
+    for index, event in attempt.events:
+        state = advance(state, event, float(index))
+        if state.progressed:
+            progress_index = index
+    if any(isinstance(e, (StartupCompleted, ServerStarting)) for _, e in attempt.events):
+        url = next((e.url for _, e in attempt.events if isinstance(e, ServerStarting)), None)
+        where = f" on {url}" if url else ""
+        return Diagnosis("ready", facts, "vLLM started and serves; nothing to change.", f"vLLM is serving{where}.")
+    if not attempt.events:
+        return Diagnosis(
+            "unknown", facts,
+            "Found no vLLM startup in the input; pass the whole log, e.g. journalctl -u gb10d -b --no-pager.",
+            "No vLLM startup lines found.",
+        )
+    if state.shards_total:
+        facts["shards_loaded"] = state.shards_done
+        facts["shards_total"] = state.shards_total
+    quiet_s = _quiet_seconds(times, progress_index, attempt.first_line)
+    loading_phase = state.phase in (Phase.SPAWNING, Phase.DOWNLOADING, Phase.LOADING_WEIGHTS)
+    stalled = attempt.gb10d_stall or (quiet_s is not None and quiet_s > stall_timeout_s)
+    if stalled and loading_phase and not (state.shards_total and state.shards_done >= state.shards_total):
+        where = f" at shard {state.shards_done}/{state.shards_total}" if state.shards_total else ""
+        how_long = f" for {quiet_s:.0f} s" if quiet_s is not None else ""
+        return Diagnosis(
+            "shard_stall", facts,
+            'Set vllm.args.safetensors_load_strategy = "eager" in gb10d.toml (reads each shard into memory instead '
+            "of mmap, which avoids this stall on GB10); gb10d's startup.load_strategy_ladder does this on the next attempt.",
+            f"Weight loading made no progress{how_long}{where} (stall timeout {stall_timeout_s:g} s).",
+        )
+    where = f" ({state.shards_done}/{state.shards_total} shards)" if state.phase is Phase.LOADING_WEIGHTS and state.shards_total else ""
+    return Diagnosis(
+        "loading", facts,
+        f"Nothing failed yet; vLLM is still starting. If it stays silent longer than startup.stall_timeout_s "
+        f"({stall_timeout_s:g} s), set vllm.args.safetensors_load_strategy = \"eager\".",
+        f"The latest start is in phase {state.phase.value}{where}.",
+    )
+
+
+def _best(found: list[Failure]) -> Failure:
+    """The most informative of several events of one kind (a joined message has the numbers)."""
+    def score(event: Failure) -> int:
+        return sum(value is not None and value != "" for value in vars(event).values())
+    return max(reversed(found), key=score)
+
+
+def _quiet_seconds(times: list[float | None], progress_index: int | None, first_line: int) -> float | None:
+    """Seconds from the last progress to the last line, when timestamps show it; None when they cannot."""
+    last = next((t for t in reversed(times[first_line:]) if t is not None), None)
+    if last is None or progress_index is None:
+        return None
+    # A progress line without its own time (a bar) happened no earlier than the
+    # next timed line: take that, so a stall is only claimed on evidence.
+    at = next((t for t in times[progress_index:] if t is not None), None)
+    return None if at is None else max(last - at, 0.0)
+
+
+def _stats_facts(events: list[Event], facts: dict[str, Any]) -> None:
+    stats = next((e for e in reversed(events) if isinstance(e, StatsLogged)), None)
+    if stats is not None:
+        facts["generation_tokens_per_second"] = stats.generation_tokens_per_s
+    spec = next((e for e in reversed(events) if isinstance(e, SpecDecodingLogged)), None)
+    if spec is not None:
+        facts["mean_acceptance_length"] = spec.mean_acceptance_length
+        if spec.acceptance_rate_percent is not None:
+            facts["acceptance_rate_percent"] = spec.acceptance_rate_percent
+
+
+def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any]) -> Diagnosis:
+    args_util = _ARGS_UTIL.search(attempt.args)
+    current_util = float(args_util.group(1)) if args_util else None
+    if isinstance(event, FreeMemoryShort):
+        suggested = suggested_utilization(event.free_gib, event.total_gib)
+        facts.update(free_gib=event.free_gib, total_gib=event.total_gib, requested_utilization=event.requested_utilization,
+                     requested_gib=event.requested_gib, suggested_utilization=suggested)
+        return Diagnosis(
+            "free_memory", facts,
+            f"Set vllm.gpu_memory_utilization = {suggested:.2f} in gb10d.toml (free {_gib(event.free_gib)} GiB minus "
+            f"{_gib(HEADROOM_GIB)} GiB headroom, of {_gib(event.total_gib)} GiB); gb10d does this by itself on retry, "
+            "and dropping the page cache first can let a higher value fit.",
+            f"vLLM refused to start: free memory {_gib(event.free_gib)} of {_gib(event.total_gib)} GiB is below "
+            f"gpu_memory_utilization {event.requested_utilization:g} ({_gib(event.requested_gib)} GiB).",
+        )
+    if isinstance(event, KvCacheInsufficient):
+        facts.update(max_model_len=event.max_model_len, needed_gib=event.needed_gib, available_gib=event.available_gib)
+        if event.estimated_max_model_len is not None:
+            facts["estimated_max_model_len"] = event.estimated_max_model_len
+            fix = f"Set vllm.args.max_model_len = {event.estimated_max_model_len} (vLLM's estimate of what fits)"
+        else:
+            fix = f"Lower vllm.args.max_model_len below {event.max_model_len}"
+        return Diagnosis(
+            "kv_cache_insufficient", facts,
+            f"{fix} in gb10d.toml, or raise vllm.gpu_memory_utilization if memory allows.",
+            f"The KV cache cannot hold one request of max_model_len {event.max_model_len}: it needs "
+            f"{_gib(event.needed_gib)} GiB, {_gib(event.available_gib)} GiB are available.",
+        )
+    if isinstance(event, NoKvCacheMemory):
+        raise_to = f" above {current_util:g}" if current_util is not None else ""
+        return Diagnosis(
+            "kv_cache_insufficient", facts,
+            f"Raise vllm.gpu_memory_utilization{raise_to} in gb10d.toml, or lower vllm.args.max_model_len; "
+            "the weights left no memory for the KV cache.",
+            "No memory was left for the KV cache blocks after loading the weights.",
+        )
+    if isinstance(event, CudaOutOfMemory):
+        if event.tried_gib is not None:
+            facts["tried_to_allocate"] = event.tried_gib
+        lower = f"{max(current_util - 0.05, 0.05):.2f}" if current_util is not None else "0.05 lower than now"
+        where = " while loading the weights" if event.during_load else ""
+        tried = f" allocating {_gib(event.tried_gib)} GiB" if event.tried_gib is not None else ""
+        return Diagnosis(
+            "cuda_oom", facts,
+            f"Set vllm.gpu_memory_utilization = {lower} in gb10d.toml, or lower vllm.args.max_model_len; "
+            "on GB10 also check what else uses the shared memory.",
+            f"CUDA ran out of memory{where}{tried}.",
+        )
+    if isinstance(event, PortInUse):
+        args_port = _ARGS_PORT.search(attempt.args)
+        port = event.port or (int(args_port.group(1)) if args_port else DEFAULT_PORT)
+        facts["port"] = port
+        return Diagnosis(
+            "port_in_use", facts,
+            f"Stop what listens on port {port} (ss -ltnp 'sport = :{port}' shows it; often an old vLLM that survived), "
+            f"or set vllm.port = {port + 1} in gb10d.toml.",
+            f"vLLM could not bind port {port}: another process has it.",
+        )
+    if isinstance(event, (ModelNotFound, ModelGated)):
+        model = event.model
+        if model is None:
+            m = _ARGS_MODEL.search(attempt.args)
+            model = m.group(1) if m else None
+        if model:
+            facts["model"] = model
+        if isinstance(event, ModelGated):
+            return Diagnosis(
+                "model_not_found", facts,
+                "The repository is gated: accept its terms on huggingface.co, then set HF_TOKEN in [vllm.env] of "
+                "gb10d.toml (or point vllm.model at a local copy).",
+                f"Hugging Face refused access to the gated repository {model or ''}".rstrip() + ".",
+            )
+        return Diagnosis(
+            "model_not_found", facts,
+            f"Set vllm.model in gb10d.toml to an existing local directory or a Hugging Face repository id "
+            f"(now {model!r}); clients use vllm.served_model_name, not this.",
+            f"vLLM cannot find the model {model!r}.",
+        )
+    if isinstance(event, BadArgument):
+        return Diagnosis(
+            "crash", facts,
+            f"vLLM rejected its command line ({event.message}); fix that flag in vllm.args or vllm.extra_args of "
+            "gb10d.toml (gb10d print-command shows the command).",
+            f"vLLM exited at once: {event.message}.",
+        )
+    if isinstance(event, EngineDied):
+        return Diagnosis(
+            "engine_dead", facts,
+            "The engine process died; the lines before its death name the cause. gb10d restarts it; if it keeps "
+            "dying under load, lower vllm.gpu_memory_utilization or vllm.args.max_model_len.",
+            "vLLM's engine core died" + (" after startup." if attempt.substantive else "."),
+        )
+    exc = next((e for _, e in reversed(attempt.events) if isinstance(e, ExceptionRaised)
+                and e.exc_type.split(".")[-1] not in _STOP_EXCEPTIONS), None)
+    cause = f"{exc.exc_type}: {exc.message}" if exc else "the engine core failed to start"
+    return Diagnosis(
+        "crash", facts,
+        "Read the error above the verdict's line; if it names a flag or value, change it in vllm.args of "
+        "gb10d.toml (gb10d print-command shows the full command).",
+        f"vLLM crashed: {cause}.",
+    )
