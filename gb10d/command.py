@@ -170,7 +170,8 @@ def runnable_problems(loaded: LoadedConfig) -> list[ConfigProblem]:
         try:
             read_env_file(vllm.env_file)
         except ConfigError as exc:
-            problems += exc.problems
+            # An unreadable file is blamed on the line that names it; a bad line in it, on that line.
+            problems += [p if p.line is not None else loaded.problem("vllm.env_file", f"{p.path}: {p.message}") for p in exc.problems]
     return problems
 
 
