@@ -249,8 +249,15 @@ class LivenessSection(_Table):
 
     enabled: bool = True
     health_interval_s: float = Field(default=10.0, gt=0)
+    # A 27B model on GB10 decodes ~20 tokens/s per stream, but a long prompt's
+    # prefill moves no generation counter for tens of seconds: 120 s covers it
+    # with room. Raise it for prompts near a 256k max_model_len.
     progress_timeout_s: float = Field(default=120.0, gt=0)
+    # One 1-token completion a minute costs nothing and bounds how long an idle
+    # hung engine goes unnoticed (interval + timeout, about 2 minutes).
     idle_probe_interval_s: float = Field(default=60.0, gt=0)
+    # Generous: the probe normally takes well under a second, but it shares the
+    # engine with whatever arrives after it (and tokens flowing excuse it anyway).
     probe_timeout_s: float = Field(default=60.0, gt=0)
 
 
