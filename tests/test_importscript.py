@@ -1,0 +1,224 @@
+"""import-script: a hand-written start script becomes a gb10d.toml that runs the same vLLM.
+
+The round trips go script -> gb10d.toml text -> load_config -> build_argv,
+and compare flags by value: `0.80` and `0.8` are the same utilization, and
+the speculative config is the same JSON object however it is spaced.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gb10d.command import build_argv
+from gb10d.config import load_config, normalize_flag
+from gb10d.errors import ConfigError
+from gb10d.importscript import import_script, import_script_file
+
+SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
+
+# The command of the reference script in issue 2, word by word, as the shell passes it to vllm.
+REFERENCE_ARGV = [
+    "/home/hayashi/vllm-pip-env/bin/vllm", "serve", "Qwen/Qwen3.6-27B-FP8",
+    "--served-model-name", "Qwen3.6-27B-FP8-Agent",
+    "--language-model-only",
+    "--max-model-len", "131072",
+    "--reasoning-parser", "qwen3",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser", "qwen3_xml",
+    "--enable-prefix-caching",
+    "--kv-cache-dtype", "fp8",
+    "--mamba-cache-dtype", "float16",
+    "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}',
+    "--max-num-batched-tokens", "8192",
+    "--gpu-memory-utilization", "0.80",
+    "--safetensors-load-strategy", "eager",
+    "--host", "0.0.0.0",
+    "--port", "8000",
+]
+
+
+def _by_value(word: str) -> Any:
+    if word.startswith("{"):
+        return json.loads(word)
+    if re.fullmatch(r"-?\d+(\.\d+)?", word):
+        return float(word)
+    return word
+
+
+def flags(argv: list[str]) -> dict[str, tuple[Any, ...]]:
+    """Each flag after `serve MODEL` with its values, compared by value; `--x=v` is `--x v`."""
+    result: dict[str, tuple[Any, ...]] = {}
+    current = ""
+    for word in argv[3:]:
+        if word.startswith("--"):
+            name, eq, value = word.partition("=")
+            current = normalize_flag(name)
+            result[current] = (_by_value(value),) if eq else ()
+        else:
+            result[current] += (_by_value(word),)
+    return result
+
+
+def imported_argv(tmp_path: Path, script_text: str) -> tuple[list[str], str]:
+    """Import a script, save the result as a config, and build the command it gives."""
+    script = tmp_path / "start.sh"
+    script.write_text(script_text)
+    toml_text = import_script_file(script)
+    config = tmp_path / "gb10d.toml"
+    config.write_text(toml_text)
+    return build_argv(load_config(config).vllm), toml_text
+
+
+def test_reference_script_round_trips_to_the_same_flags(tmp_path: Path) -> None:
+    argv, _ = imported_argv(tmp_path, (SCRIPTS / "reference.sh").read_text())
+    assert argv[:3] == REFERENCE_ARGV[:3]
+    assert flags(argv) == flags(REFERENCE_ARGV)
+
+
+def test_reference_script_gives_venv_and_first_class_keys() -> None:
+    data = import_script((SCRIPTS / "reference.sh").read_text()).data["vllm"]
+    assert data["venv"] == "/home/hayashi/vllm-pip-env"
+    assert data["model"] == "Qwen/Qwen3.6-27B-FP8"
+    assert data["served_model_name"] == "Qwen3.6-27B-FP8-Agent"
+    assert (data["host"], data["port"], data["gpu_memory_utilization"]) == ("0.0.0.0", 8000, 0.8)
+    assert data["args"]["speculative-config"] == {"method": "mtp", "num_speculative_tokens": 3}
+
+
+def test_reference_script_explains_nohup_redirection_and_background(tmp_path: Path) -> None:
+    imported = import_script((SCRIPTS / "reference.sh").read_text())
+    notes = "\n".join(imported.notes)
+    assert "nohup" in notes
+    assert '> "$LOG_FILE" 2>&1 &' in notes and "journal" in notes
+    assert imported.warnings == []
+
+
+def test_output_is_toml_with_a_comment_header(tmp_path: Path) -> None:
+    _, text = imported_argv(tmp_path, (SCRIPTS / "reference.sh").read_text())
+    assert text.startswith("# gb10d.toml imported from ")
+    assert "gb10d check-config" in text
+    assert tomllib.loads(text)["vllm"]["model"] == "Qwen/Qwen3.6-27B-FP8"
+
+
+VARIANTS = {
+    "defaults_and_equals_forms": (
+        'MODEL=${MODEL:-Qwen/Qwen3.6-27B-FP8}\nUTIL="${UTIL:-0.80}"\nsource /opt/vllm-env/bin/activate\n'
+        "vllm serve $MODEL --gpu-memory-utilization=$UTIL --max-model-len=32k --port=${PORT-8001}\n",
+        ["/opt/vllm-env/bin/vllm", "serve", "Qwen/Qwen3.6-27B-FP8", "--gpu-memory-utilization", "0.80", "--max-model-len", "32k", "--port", "8001"],
+    ),
+    "dot_activate_and_exec": (
+        "cd /srv/llm\n. venv/bin/activate\nexec vllm serve /srv/models/q --enable-prefix-caching --port 8000\n",
+        ["/srv/llm/venv/bin/vllm", "serve", "/srv/models/q", "--enable-prefix-caching", "--port", "8000"],
+    ),
+    "absolute_executable_single_quotes": (
+        "/usr/local/bin/vllm serve 'Qwen/Qwen3.6-27B-FP8' --speculative-config '{\"method\":\"mtp\"}' --no-enable-log-requests\n",
+        ["/usr/local/bin/vllm", "serve", "Qwen/Qwen3.6-27B-FP8", "--speculative-config", '{"method":"mtp"}', "--no-enable-log-requests"],
+    ),
+    "old_entry_point": (
+        "/opt/env/bin/python3 -m vllm.entrypoints.openai.api_server --model m --served-model-name a b --port 8000 -tp 1\n",
+        ["/opt/env/bin/vllm", "serve", "m", "--served-model-name", "a", "b", "--port", "8000", "--tensor-parallel-size", "1"],
+    ),
+    "unquoted_variable_splits_into_words": (
+        'ARGS="--max-model-len 4096 --enable-chunked-prefill"\n/usr/local/bin/vllm serve m $ARGS --port 8000\n',
+        ["/usr/local/bin/vllm", "serve", "m", "--max-model-len", "4096", "--enable-chunked-prefill", "--port", "8000"],
+    ),
+    "continuations_with_comments_and_negative_value": (
+        "# start it\n/usr/local/bin/vllm serve m \\\n    --max-model-len -1 \\\n    --port 8000  # main port\n",
+        ["/usr/local/bin/vllm", "serve", "m", "--max-model-len", "-1", "--port", "8000"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_scripts_round_trip_to_the_same_flags(name: str, tmp_path: Path) -> None:
+    script, expected = VARIANTS[name]
+    argv, _ = imported_argv(tmp_path, script)
+    assert argv[:3] == expected[:3]
+    produced = flags(argv)
+    for flag, values in flags(expected).items():
+        assert produced.get(flag) == values, flag
+
+
+def test_old_entry_point_is_named_as_such() -> None:
+    notes = import_script(VARIANTS["old_entry_point"][0]).notes
+    assert any("old entry point" in n for n in notes)
+
+
+def test_environment_before_the_command_and_exports_go_to_vllm_env() -> None:
+    script = (
+        "export VLLM_LOGGING_LEVEL=DEBUG\nexport MODEL=m\nexport LOG_DIR=/var/log/x\n"
+        "CUDA_VISIBLE_DEVICES=0 /usr/local/bin/vllm serve $MODEL\n"
+    )
+    imported = import_script(script)
+    assert imported.data["vllm"]["env"] == {"VLLM_LOGGING_LEVEL": "DEBUG", "LOG_DIR": "/var/log/x", "CUDA_VISIBLE_DEVICES": "0"}
+    assert any("MODEL is used only by the script" in n for n in imported.notes)
+    assert any("LOG_DIR is passed to vLLM" in w for w in imported.warnings)
+
+
+def test_secrets_are_kept_but_flagged_with_env_file_advice() -> None:
+    imported = import_script("export HF_TOKEN=hf_x\n/usr/local/bin/vllm serve m --api-key sk\n")
+    assert imported.data["vllm"]["env"]["HF_TOKEN"] == "hf_x"
+    assert imported.data["vllm"]["args"]["api-key"] == "sk"
+    text = "\n".join(imported.warnings)
+    assert "HF_TOKEN is a secret" in text and "env_file" in text
+    assert "--api-key is a secret" in text
+
+
+def test_unknown_commands_and_unset_variables_become_warnings_not_silence() -> None:
+    script = (
+        "ulimit -n 65536\ndocker pull something\nif true; then echo x; fi\n"
+        "taskset -c 0-9 /usr/local/bin/vllm serve $MODEL_PATH --download-dir $(pwd)/cache\n"
+    )
+    text = "\n".join(import_script(script).warnings)
+    assert "line 1: 'ulimit -n 65536' is not reproduced" in text
+    assert "line 2: 'docker pull something' is not understood" in text
+    assert "control flow (if)" in text
+    assert "line 4: 'taskset -c 0-9' before vllm is not reproduced" in text
+    assert "line 4: $MODEL_PATH is not set in the script" in text
+    assert "line 4: $(pwd) cannot be evaluated" in text
+
+
+def test_set_but_not_exported_relevant_variable_is_flagged() -> None:
+    warnings = import_script("CUDA_VISIBLE_DEVICES=1\n/usr/local/bin/vllm serve m\n").warnings
+    assert any("CUDA_VISIBLE_DEVICES is set but not exported" in w for w in warnings)
+
+
+def test_harmless_commands_are_listed_as_ignored() -> None:
+    notes = import_script("set -e\nmkdir -p logs\necho starting\n/usr/local/bin/vllm serve m\n").notes
+    assert any(n.startswith("ignored, no effect on vLLM under gb10d: set (line 1), mkdir (line 2), echo (line 3)") for n in notes)
+
+
+def test_bare_vllm_without_venv_asks_for_the_path() -> None:
+    imported = import_script("vllm serve m\n")
+    assert "venv" not in imported.data["vllm"] and "executable" not in imported.data["vllm"]
+    assert any("set vllm.executable" in w for w in imported.warnings)
+
+
+def test_relative_venv_without_cd_is_flagged() -> None:
+    imported = import_script(". venv/bin/activate\nvllm serve m\n")
+    assert any("relative to the directory the script was started from" in w for w in imported.warnings)
+
+
+def test_second_vllm_command_is_not_imported_silently() -> None:
+    imported = import_script("/usr/local/bin/vllm serve a\n/usr/local/bin/vllm serve b\n")
+    assert imported.data["vllm"]["model"] == "a"
+    assert any("line 2: another vLLM command" in w for w in imported.warnings)
+
+
+def test_script_without_vllm_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    script = tmp_path / "start.sh"
+    script.write_text("echo hello\n")
+    with pytest.raises(ConfigError) as caught:
+        import_script_file(script)
+    assert caught.value.problems[0].path == str(script)
+    assert "no vllm serve" in caught.value.problems[0].message
+
+
+def test_every_warning_is_written_as_a_comment(tmp_path: Path) -> None:
+    _, text = imported_argv(tmp_path, "docker pull x\n/usr/local/bin/vllm serve m\n")
+    assert "# warning: line 1: 'docker pull x' is not understood" in text
