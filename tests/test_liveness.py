@@ -1,0 +1,239 @@
+"""The liveness core: evidence over time in, a verdict out (a hung engine is not a busy one).
+
+Each case is a timeline of what gb10d saw (a /metrics sample, a /health
+answer, the idle probe going out and coming back) and the verdict at a
+given moment, with the limits of a 27B model on GB10 (the defaults).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import pytest
+
+from gb10d.config import LivenessSection
+from gb10d.liveness import (
+    Alive,
+    Dead,
+    Hung,
+    LivenessState,
+    MetricsSample,
+    next_deadline,
+    next_probe_due,
+    observe_health,
+    observe_metrics,
+    observe_probe,
+    parse_metrics,
+    probe_sent,
+    start,
+    verdict,
+)
+from gb10d.probe import ProbeResult
+
+LIMITS = LivenessSection()  # progress_timeout_s 120, idle_probe_interval_s 60, probe_timeout_s 60
+
+
+@dataclass(frozen=True)
+class M:
+    """A /metrics sample at `t`."""
+
+    t: float
+    running: float | None
+    tokens: float | None
+    waiting: float | None = 0
+
+
+@dataclass(frozen=True)
+class H:
+    """A /health answer at `t` (status None: no HTTP answer, for `reason`)."""
+
+    t: float
+    status: int | None
+    reason: str = "OK"
+
+
+@dataclass(frozen=True)
+class Sent:
+    """The idle probe went out at `t`."""
+
+    t: float
+
+
+@dataclass(frozen=True)
+class P:
+    """The idle probe came back at `t`."""
+
+    t: float
+    status: int | None
+    reason: str
+    seconds: float
+
+
+Seen = Union[M, H, Sent, P]
+
+
+def replay(timeline: list[Seen]) -> LivenessState:
+    state = start(0.0)
+    for item in timeline:
+        if isinstance(item, M):
+            state = observe_metrics(state, MetricsSample(item.running, item.waiting, item.tokens), item.t)
+        elif isinstance(item, H):
+            state = observe_health(state, ProbeResult(item.status, item.reason, 0.01), item.t)
+        elif isinstance(item, Sent):
+            state = probe_sent(state, item.t)
+        else:
+            state = observe_probe(state, ProbeResult(item.status, item.reason, item.seconds), item.t)
+    return state
+
+
+def every(step: float, until: float, running: float, tokens_at: Callable[[float], float], since: float = 0.0) -> list[Seen]:
+    """Samples every `step` s from `since` to `until` inclusive."""
+    count = int((until - since) / step)
+    return [M(since + i * step, running, tokens_at(since + i * step)) for i in range(count + 1)]
+
+
+def decoding(t: float) -> float:
+    """About 20 tokens/s per stream, four streams."""
+    return 80 * t
+
+
+def stuck_after(moment: float) -> Callable[[float], float]:
+    return lambda t: decoding(min(t, moment))
+
+
+CASES = [
+    pytest.param(every(10, 600, 4, decoding), 600, Alive, None, [], id="busy_and_advancing_is_alive"),
+    pytest.param(every(10, 230, 4, stuck_after(100)), 230, Hung, "hung",
+                 ["no generated token for 130 s", "liveness.progress_timeout_s 120", "counter at 8000", "last moved 130 s ago",
+                  "4 request(s) running, 0 waiting"],
+                 id="busy_and_stuck_past_progress_timeout_is_hung"),
+    pytest.param(every(10, 210, 4, stuck_after(100)), 210, Alive, None, [], id="busy_and_stuck_within_progress_timeout_is_alive"),
+    pytest.param(every(10, 500, 0, lambda t: 0.0) + every(10, 600, 1, lambda t: 0.0, since=510), 600, Alive, None, [],
+                 id="long_prefill_within_progress_timeout_is_alive_however_long_it_was_idle_before"),
+    pytest.param(every(10, 500, 0, lambda t: 0.0) + every(10, 640, 1, lambda t: 0.0, since=510), 640, Hung, "hung",
+                 ["no generated token for 130 s"], id="prefill_that_never_ends_is_hung_counting_from_when_it_began"),
+    pytest.param([M(0, 0, 500), M(10, 0, 500), M(20, 0, 0, waiting=3), M(150, 0, 0, waiting=3)], 150, Hung, "hung",
+                 ["0 request(s) running, 3 waiting"], id="queued_requests_never_scheduled_are_hung"),
+    pytest.param([M(0, 0, 500), Sent(60), P(60.4, 200, "OK", 0.4), M(70, 0, 501), Sent(121), P(121.3, 200, "OK", 0.3),
+                  M(200, 0, 502)], 200, Alive, None, [], id="idle_and_probe_ok_is_alive"),
+    pytest.param([M(0, 0, 500), M(50, 0, 500), Sent(60), M(70, 1, 500), P(120, None, "timed out", 60.0)], 120, Hung,
+                 "probe_timeout",
+                 ["the idle probe (a 1-token completion) sent 60 s ago did not finish within liveness.probe_timeout_s 60",
+                  "counter at 500, last moved 120 s ago", "1 request(s) running"],
+                 id="idle_and_probe_timing_out_is_hung"),
+    pytest.param([M(0, 0, 500), Sent(60), M(70, 1, 500), H(125, 200), M(125, 1, 500)], 125, Hung, "probe_timeout",
+                 ["sent 65 s ago", "/health 200"], id="probe_still_out_past_probe_timeout_is_hung"),
+    pytest.param([M(0, 0, 500), Sent(60), M(70, 1, 500), M(110, 1, 500)], 110, Alive, None, [],
+                 id="probe_out_within_probe_timeout_is_alive"),
+    pytest.param([M(0, 0, 500), Sent(60)] + every(10, 120, 17, lambda t: 500 + 160 * (t - 60), since=70)
+                 + [P(121, None, "timed out", 61.0), M(130, 17, 500 + 160 * 70)], 130, Alive, None, [],
+                 id="slow_probe_while_tokens_flow_is_alive"),
+    pytest.param([M(0, 3, 100), H(10, 503, "Service Unavailable")], 10, Dead, "health", ["/health answered 503"],
+                 id="health_503_is_dead_at_once"),
+    pytest.param([M(0, 0, 100), H(10, None, "connection refused")], 10, Dead, "health", ["/health was refused"],
+                 id="refused_health_is_dead_at_once"),
+    pytest.param([M(0, 0, 100), Sent(60), P(60.1, None, "connection refused", 0.001)], 60.1, Dead, "health",
+                 ["the idle probe was refused"], id="refused_probe_is_dead_at_once"),
+    pytest.param([M(0, 2, 100), H(10, None, "timed out"), M(20, 2, 140)], 20, Alive, None, [],
+                 id="one_slow_health_answer_is_not_death"),
+    pytest.param([M(0, 2, 100), H(10, 503, "Service Unavailable"), M(20, 2, 140)], 20, Dead, "health", [],
+                 id="death_is_not_forgotten_when_later_figures_look_fine"),
+]
+
+
+@pytest.mark.parametrize("timeline, now, kind, cause, facts", CASES)
+def test_verdict(timeline: list[Seen], now: float, kind: type, cause: str | None, facts: list[str]) -> None:
+    found = verdict(replay(timeline), now, LIMITS)
+    assert isinstance(found, kind), found
+    if isinstance(found, Hung):
+        assert found.cause == cause
+        for fact in facts:
+            assert fact in found.evidence, found.evidence
+    if isinstance(found, Dead):
+        assert found.cause == cause
+        for fact in facts:
+            assert fact in found.reason, found.reason
+
+
+def test_hung_evidence_names_the_last_probe_when_there_was_one() -> None:
+    timeline: list[Seen] = [M(0, 0, 10), Sent(60), P(60.5, 200, "OK", 0.5), M(70, 2, 10), M(200, 2, 10)]
+    found = verdict(replay(timeline), 200, LIMITS)
+    assert isinstance(found, Hung)
+    assert "last idle probe answered 200 in 0.5 s, 140 s ago" in found.evidence
+
+
+@pytest.mark.parametrize(
+    "timeline, now, due",
+    [
+        pytest.param([M(10, 0, 5)], 10, 60, id="idle_after_ready_probes_one_interval_after_ready"),
+        pytest.param([M(10, 3, 5)], 10, None, id="never_while_requests_run"),
+        pytest.param([M(10, 0, 5, waiting=1)], 10, None, id="never_while_requests_wait"),
+        pytest.param([M(10, 0, 5), Sent(60)], 70, None, id="never_while_a_probe_is_out"),
+        pytest.param([M(10, 2, 5), M(100, 2, 900), M(110, 0, 950)], 110, 170, id="tokens_moving_are_proof_of_life"),
+        pytest.param([M(10, 0, 5), Sent(60), P(60.5, 200, "OK", 0.5)], 61, 120.5, id="next_probe_one_interval_after_the_last"),
+        pytest.param([], 0, 60, id="before_any_sample"),
+    ],
+)
+def test_next_probe_due(timeline: list[Seen], now: float, due: float | None) -> None:
+    assert next_probe_due(replay(timeline), now, LIMITS) == due
+
+
+@pytest.mark.parametrize(
+    "timeline, deadline",
+    [
+        pytest.param([M(10, 0, 5)], None, id="idle_without_probe_has_no_deadline"),
+        pytest.param([M(10, 4, 5), M(20, 4, 9)], 140, id="busy_counts_from_the_last_token"),
+        pytest.param([M(10, 0, 5), Sent(60), M(70, 1, 5)], 120, id="probe_out_ends_at_probe_timeout"),
+        pytest.param([M(10, 4, 5), M(20, 4, 9), M(141, 4, 9)], None, id="a_deadline_judged_on_a_later_sample_is_spent"),
+    ],
+)
+def test_next_deadline(timeline: list[Seen], deadline: float | None) -> None:
+    assert next_deadline(replay(timeline), LIMITS) == deadline
+
+
+SIM_LIKE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 1.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 7.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="tiny"} 12345.0
+# HELP vllm:generation_tokens_created Number of generation tokens processed.
+# TYPE vllm:generation_tokens_created gauge
+vllm:generation_tokens_created{engine="0",model_name="tiny"} 1.7646e+09
+"""
+
+
+@pytest.mark.parametrize(
+    "text, sample",
+    [
+        pytest.param(SIM_LIKE, MetricsSample(3, 1, 12345), id="vllm_exposition_with_comments_labels_and_created"),
+        pytest.param(
+            'vllm:num_requests_running{engine="0"} 2\nvllm:num_requests_running{engine="1"} 5\n'
+            'vllm:generation_tokens_total{engine="0"} 10\nvllm:generation_tokens_total{engine="1"} 32\n',
+            MetricsSample(7, None, 42),
+            id="summed_over_engines",
+        ),
+        pytest.param("", MetricsSample(None, None, None), id="empty"),
+        pytest.param("http_requests_total 4\n# vllm:num_requests_running 9\n", MetricsSample(None, None, None),
+                     id="missing_families_stay_unknown_not_zero"),
+        pytest.param("vllm:num_requests_running NaN\nvllm:generation_tokens_total{a=\"b\"} +Inf\nvllm:num_requests_waiting 0\n",
+                     MetricsSample(None, 0, None), id="nan_and_inf_are_unknown"),
+        pytest.param('vllm:generation_tokens_total{model_name="a {b} c",engine="0"} 99 1700000000000\n',
+                     MetricsSample(None, None, 99), id="label_values_with_braces_and_a_timestamp"),
+        pytest.param("vllm:num_requests_running{engine=\"0\"} lots\nvllm:num_requests_running{engine=\"1\"} 2\n",
+                     MetricsSample(2, None, None), id="unparsable_values_are_skipped"),
+    ],
+)
+def test_parse_metrics(text: str, sample: MetricsSample) -> None:
+    assert parse_metrics(text) == sample
+
+
+def test_unanswered_scrape_keeps_the_last_figures() -> None:
+    state = replay([M(0, 2, 100)])
+    assert observe_metrics(state, None, 50) == state
