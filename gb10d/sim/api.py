@@ -118,7 +118,7 @@ def render_metrics(m: Metrics, model_name: str, running: int, kv_usage: float, s
         if created:
             out.append(f"# HELP {name}_created {help_text}")
             out.append(f"# TYPE {name}_created gauge")
-            out += [f"{name}_created{_labels({**base, **extra})} {float(value)!r}" for _, extra, value in created]
+            out.extend([f"{name}_created{_labels({**base, **extra})} {float(value)!r}" for _, extra, value in created])
 
     def counter(value: float) -> list[tuple[str, dict[str, str], float]]:
         return [("_total", {}, value), ("_created", {}, m.created)]

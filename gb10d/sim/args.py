@@ -203,9 +203,10 @@ def _split_dotted(words: list[str]) -> tuple[list[str], list[tuple[str, tuple[st
         word = words[index]
         if word.startswith("--") and len(word) > 2:
             name, eq, value = word[2:].partition("=")
+            name, dot, key = name.partition(".")
             name = name.replace("_", "-")
-            if "." in name:
-                base, _, key = name.partition(".")
+            if dot:
+                base = name
                 if not eq and index + 1 < len(words):
                     index += 1
                     value = words[index]
