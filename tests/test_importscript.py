@@ -222,3 +222,10 @@ def test_script_without_vllm_is_an_error_naming_the_file(tmp_path: Path) -> None
 def test_every_warning_is_written_as_a_comment(tmp_path: Path) -> None:
     _, text = imported_argv(tmp_path, "docker pull x\n/usr/local/bin/vllm serve m\n")
     assert "# warning: line 1: 'docker pull x' is not understood" in text
+
+
+def test_shipped_config_gives_every_flag_of_the_reference_script() -> None:
+    shipped = Path(__file__).parent.parent / "etc" / "gb10d.toml"
+    argv = build_argv(load_config(shipped).vllm)
+    assert argv[1:3] == REFERENCE_ARGV[1:3]
+    assert flags(argv) == flags(REFERENCE_ARGV)

@@ -1,0 +1,184 @@
+"""The gb10d command line: help, where the config comes from, print-command, --explain, import-script."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from gb10d.cli import main
+from gb10d.command import build_argv
+from gb10d.config import Config, load_config
+from gb10d.errors import EXIT_CONFIG
+
+ROOT = Path(__file__).parent.parent
+SHIPPED = ROOT / "etc" / "gb10d.toml"
+REFERENCE_SCRIPT = ROOT / "tests" / "fixtures" / "scripts" / "reference.sh"
+
+
+@pytest.fixture(autouse=True)
+def no_config_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GB10D_CONFIG", raising=False)
+
+
+@pytest.fixture
+def fake_venv(tmp_path: Path) -> Path:
+    """A venv with a `vllm` program that exists and is executable, which is all check-config verifies."""
+    venv = tmp_path / "vllm-env"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "vllm").write_text("#!/bin/sh\nexit 0\n")
+    (venv / "bin" / "vllm").chmod(0o755)
+    return venv
+
+
+@pytest.fixture
+def shipped_copy(tmp_path: Path, fake_venv: Path) -> Path:
+    """etc/gb10d.toml with its venv pointed at the fake one."""
+    copy = tmp_path / "gb10d.toml"
+    copy.write_text(SHIPPED.read_text().replace('venv = "/opt/vllm-env"', f'venv = "{fake_venv}"'))
+    return copy
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_help_lists_the_subcommands_exit_codes_and_config_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for name in ("check-config", "print-command", "import-script", "run"):
+        assert name in text
+    assert "$GB10D_CONFIG" in text and "/etc/gb10d.toml" in text and "78 config error" in text
+
+
+@pytest.mark.parametrize("name", ["check-config", "print-command", "import-script", "run"])
+def test_every_subcommand_has_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([name, "--help"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: gb10d {name}")
+
+
+def test_check_config_reads_the_file_named_by_gb10d_config(
+    shipped_copy: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GB10D_CONFIG", str(shipped_copy))
+    status, out, _ = run(capsys, "check-config")
+    assert status == 0
+    assert out.splitlines()[0] == "OK"
+    assert f"{shipped_copy}: serve Qwen/Qwen3.6-27B-FP8 as Qwen3.6-27B-FP8-Agent on 0.0.0.0:8000" in out
+
+
+def test_config_option_works_before_and_after_the_subcommand(shipped_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "--config", str(shipped_copy), "check-config")[0] == 0
+    assert run(capsys, "check-config", "--config", str(shipped_copy))[0] == 0
+
+
+def test_shipped_config_without_its_venv_fails_check_config_naming_vllm_venv(capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = run(capsys, "check-config", "--config", str(SHIPPED))
+    if Path("/opt/vllm-env/bin/vllm").exists():
+        pytest.skip("this machine has a real /opt/vllm-env")
+    assert status == EXIT_CONFIG
+    assert f"gb10d: {SHIPPED}:" in err and "vllm.venv: /opt/vllm-env/bin/vllm does not exist" in err
+
+
+def test_print_command_does_not_need_vllm_installed(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "print-command", "--config", str(SHIPPED))
+    assert status == 0
+    assert shlex.split(out) == build_argv(load_config(SHIPPED).vllm)
+
+
+def test_print_command_is_one_pasteable_line_of_the_exact_argv(shipped_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run(capsys, "print-command", "--config", str(shipped_copy))
+    assert out.count("\n") == 1
+    assert shlex.split(out) == build_argv(load_config(shipped_copy).vllm)
+
+
+def test_print_command_env_shows_what_gb10d_sets_with_secrets_masked(
+    tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text("HF_TOKEN=hf_very_secret\n")
+    config = tmp_path / "gb10d.toml"
+    config.write_text(
+        f'[vllm]\nvenv = "{fake_venv}"\nmodel = "m"\nenv_file = "{secrets}"\n'
+        'extra_args = ["--api-key", "sk-1"]\n[vllm.env]\nCUDA_VISIBLE_DEVICES = "0"\n'
+    )
+    _, out, _ = run(capsys, "print-command", "--env", "--config", str(config))
+    assert "hf_very_secret" not in out and "sk-1" not in out
+    assert out.startswith(f'PATH={fake_venv}/bin:"$PATH" ')
+    words = shlex.split(out.replace('"$PATH"', "x"))
+    assert "HF_TOKEN=***" in words and "CUDA_VISIBLE_DEVICES=0" in words and f"VIRTUAL_ENV={fake_venv}" in words
+    assert words[words.index("--api-key") + 1] == "***"
+
+
+def test_explain_names_the_dropin_that_set_a_value(shipped_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dropins = shipped_copy.with_suffix(".d")
+    dropins.mkdir()
+    (dropins / "50-context.toml").write_text("[vllm.args]\nmax_model_len = 65536\n")
+    status, out, _ = run(capsys, "print-command", "--explain", "--config", str(shipped_copy))
+    assert status == 0
+    assert "--max-model-len 65536" in out.splitlines()[0]
+    line = next(x for x in out.splitlines() if x.startswith("vllm.args.max_model_len"))
+    assert line.endswith(f"# {dropins / '50-context.toml'}:2")
+    port = next(x for x in out.splitlines() if x.startswith("vllm.port"))
+    port_line = next(n for n, x in enumerate(shipped_copy.read_text().splitlines(), 1) if x.startswith("port = "))
+    assert port.endswith(f"# {shipped_copy}:{port_line}")
+
+
+def test_check_config_explain_lists_defaults_and_hides_secrets(tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(f'[vllm]\nvenv = "{fake_venv}"\nmodel = "m"\n[vllm.env]\nHF_TOKEN = "hf_x"\n')
+    status, out, _ = run(capsys, "check-config", "--explain", "--config", str(config))
+    assert status == 0
+    assert "hf_x" not in out
+    assert any(x.startswith("vllm.env.HF_TOKEN = ***") and x.endswith(f"# {config}:5") for x in out.splitlines())
+    assert any(x.startswith("restart.max_attempts = 5") and x.endswith("# default") for x in out.splitlines())
+
+
+def test_shipped_config_mentions_every_key_of_every_table() -> None:
+    text = SHIPPED.read_text()
+    for table, section in Config.model_fields.items():
+        assert f"[{table}]" in text, table
+        for key in section.annotation.model_fields:  # type: ignore[union-attr]
+            forms = (f"\n{key} = ", f"\n# {key} = ", f"\n[{table}.{key}]\n")
+            assert any(form in text for form in forms), f"{table}.{key} is neither set nor commented in etc/gb10d.toml"
+
+
+def test_import_script_writes_toml_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "import-script", str(REFERENCE_SCRIPT))
+    assert status == 0
+    assert tomllib.loads(out)["vllm"]["venv"] == "/home/hayashi/vllm-pip-env"
+
+
+def test_import_script_of_a_missing_file_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capsys, "import-script", str(tmp_path / "start.sh"))
+    assert status == EXIT_CONFIG and out == ""
+    assert err == f"gb10d: {tmp_path / 'start.sh'}: cannot read: No such file or directory\n"
+
+
+def test_import_then_print_command_through_the_real_cli(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GB10D_CONFIG"}
+    imported = subprocess.run(
+        [sys.executable, "-m", "gb10d", "import-script", "-"],
+        input=REFERENCE_SCRIPT.read_text(), capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert imported.returncode == 0, imported.stderr
+    config = tmp_path / "gb10d.toml"
+    config.write_text(imported.stdout)
+    printed = subprocess.run(
+        [sys.executable, "-m", "gb10d", "print-command", "--config", str(config)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert printed.returncode == 0, printed.stderr
+    assert shlex.split(printed.stdout)[:3] == ["/home/hayashi/vllm-pip-env/bin/vllm", "serve", "Qwen/Qwen3.6-27B-FP8"]
+    assert "Traceback" not in imported.stderr + printed.stderr
