@@ -1,0 +1,194 @@
+"""diagnose: verdicts, facts and advice for logs as people paste them, and the `gb10d diagnose` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gb10d.diagnose import VERDICTS, diagnose, suggested_utilization
+
+CORPUS = Path(__file__).parent / "corpus"
+EXPECTED: dict[str, dict[str, object]] = json.loads((CORPUS / "expected.json").read_text())
+REAL = Path(__file__).parent / "fixtures" / "real-vllm-0.23.0"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_corpus_log_gets_its_verdict_and_facts(name: str) -> None:
+    expected = EXPECTED[name]
+    result = diagnose((CORPUS / name).read_text(encoding="utf-8"))
+    assert result.verdict == expected["verdict"], result.render()
+    facts = expected["facts"]
+    assert isinstance(facts, dict)
+    assert {k: result.facts.get(k) for k in facts} == facts, result.render()
+
+
+def test_corpus_covers_every_verdict() -> None:
+    assert {e["verdict"] for e in EXPECTED.values()} == set(VERDICTS)
+
+
+def real(name: str) -> str:
+    return (REAL / f"{name}.stdout").read_text(encoding="utf-8") + (REAL / f"{name}.stderr").read_text(encoding="utf-8")
+
+
+def test_the_real_healthy_start_is_ready_with_its_version_and_throughput() -> None:
+    result = diagnose(real("healthy"))
+    assert result.verdict == "ready"
+    assert result.facts == {"vllm_version": "0.23.0", "generation_tokens_per_second": 0.5}
+
+
+def test_the_real_engine_death_is_engine_dead() -> None:
+    assert diagnose(real("enginedeath")).verdict == "engine_dead"
+
+
+def test_suggested_utilization_matches_the_worked_example() -> None:
+    assert suggested_utilization(103.45, 123.73) == 0.82
+    assert suggested_utilization(100.0, 100.0, headroom_gib=0.0) == 1.0
+    assert suggested_utilization(84.0, 100.0) == 0.83  # no float artefact turns 0.83 into 0.82
+
+
+FREE = ("(EngineCore pid=4300) ERROR 12-02 14:00:22 [core.py:1019] ValueError: Free memory on device cuda:0 "
+        "(103.45/123.73 GiB) on startup is less than desired GPU memory utilization (0.92, 113.83 GiB). "
+        "Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+
+
+def test_free_memory_advice_names_the_key_and_the_value() -> None:
+    result = diagnose(FREE)
+    assert result.verdict == "free_memory"
+    assert "vllm.gpu_memory_utilization = 0.82" in result.advice
+
+
+def shard_log(stamps: list[str], last: str) -> str:
+    lines = [f"{stamp} spark gb10d[77]: (EngineCore pid=9) \rLoading safetensors checkpoint shards: "
+             f"{n * 100 // 66:3d}% Completed | {n}/66 [00:00<?, ?it/s]" for n, stamp in enumerate(stamps)]
+    lines.append(f"{last} spark gb10d[77]: (APIServer pid=8) DEBUG 12-02 14:00:00 [utils.py:1] Waiting for 1 local, "
+                 "0 remote core engine proc(s) to start.")
+    return "\n".join(lines) + "\n"
+
+
+def test_silence_longer_than_the_stall_timeout_is_a_stall_and_shorter_is_loading() -> None:
+    text = shard_log(["Dec 02 14:00:00", "Dec 02 14:00:30"], "Dec 02 14:06:00")
+    stalled = diagnose(text)
+    assert (stalled.verdict, stalled.facts) == ("shard_stall", {"shards_loaded": 1, "shards_total": 66})
+    assert 'vllm.args.safetensors_load_strategy = "eager"' in stalled.advice
+    assert diagnose(text, stall_timeout_s=600).verdict == "loading"
+
+
+def test_a_slow_but_advancing_load_is_loading() -> None:
+    stamps = [f"Dec 02 14:{m:02d}:{s:02d}" for m in range(0, 20) for s in (0, 30)]
+    assert diagnose(shard_log(stamps, "Dec 02 14:20:00")).verdict == "loading"
+
+
+def test_a_stall_is_only_claimed_on_timestamp_evidence() -> None:
+    text = "(EngineCore pid=9) \rLoading safetensors checkpoint shards:   0% Completed | 0/66 [00:00<?, ?it/s]\n"
+    assert diagnose(text).verdict == "loading"
+
+
+def test_gb10d_own_stall_line_makes_a_stall_without_timestamps() -> None:
+    text = ("(EngineCore pid=9) \rLoading safetensors checkpoint shards:   0% Completed | 0/66 [00:00<?, ?it/s]\n"
+            "gb10d: no loading progress for 300 s (startup.stall_timeout_s 300) at shard 0/66, and vLLM's processes "
+            "did no I/O; stopping the process group\n")
+    assert diagnose(text).verdict == "shard_stall"
+
+
+def test_the_year_boundary_does_not_look_like_a_stall() -> None:
+    text = shard_log(["Dec 31 23:59:50"], "Jan 01 00:00:10")
+    assert diagnose(text).verdict == "loading"
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "<3>",
+        "[  512.123456] spark gb10d[1234]: ",
+        "[pod/vllm-0/vllm] ",
+        "2026-12-02T14:00:22.123456+00:00 spark gb10d[1234]: ",
+        "Dec  2 14:00:22 spark gb10d.service[1234]: ",
+        "vllm_server.1  | 2026-12-02T14:00:22.000000000Z ",
+    ],
+)
+def test_other_wrapper_shapes_are_stripped(prefix: str) -> None:
+    assert diagnose(prefix + FREE + "\n").verdict == "free_memory"
+
+
+@pytest.mark.parametrize("width", [72, 100, 120])
+def test_a_paste_wrapped_at_any_terminal_width_is_unwrapped(width: int) -> None:
+    text = (CORPUS / "kv_insufficient__0.30__plain.log").read_text(encoding="utf-8")
+    wrapped = "\n".join(line[i : i + width] for line in text.splitlines() for i in range(0, max(len(line), 1), width))
+    result = diagnose(wrapped)
+    assert (result.verdict, result.facts.get("estimated_max_model_len")) == ("kv_cache_insufficient", 40960)
+
+
+def test_the_latest_start_decides_after_an_earlier_success() -> None:
+    ready = (CORPUS / "ready__0.31__plain.log").read_text(encoding="utf-8")
+    failed = (CORPUS / "free_memory__0.31__plain.log").read_text(encoding="utf-8").replace("pid=4242", "pid=9999")
+    assert diagnose(ready + failed).verdict == "free_memory"
+    assert diagnose(failed + ready.replace("pid=4242", "pid=5555")).verdict == "ready"
+
+
+def test_an_interrupted_start_is_not_a_crash() -> None:
+    text = ("(APIServer pid=1) INFO 12-02 14:00:00 [api_utils.py:330] vLLM server version 0.31.0, serving model m\n"
+            "(EngineCore pid=2) INFO 12-02 14:00:20 [weight_utils.py:922] Filesystem type for checkpoints: EXT4.\n"
+            "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nKeyboardInterrupt: terminated\n")
+    assert diagnose(text).verdict == "loading"
+
+
+def test_empty_input_is_unknown() -> None:
+    result = diagnose("")
+    assert result.verdict == "unknown" and result.facts == {}
+
+
+def test_rendering_shows_verdict_facts_and_advice() -> None:
+    text = diagnose(FREE).render()
+    assert text.startswith("verdict: free_memory\n")
+    assert "  suggested_utilization: 0.82\n" in text and "advice: Set vllm.gpu_memory_utilization = 0.82" in text
+
+
+# --- the command ----------------------------------------------------------------------
+
+
+def gb10d(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gb10d", "diagnose", *args], input=stdin.decode() if stdin else None,
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_json_output_is_exactly_one_object_with_three_keys(tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    log.write_text(FREE + "\n")
+    done = gb10d(str(log), "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert set(out) == {"verdict", "facts", "advice"} and out["verdict"] == "free_memory"
+    assert out["facts"]["suggested_utilization"] == 0.82
+    assert done.stdout.count("\n") == 1
+
+
+def test_stdin_and_human_output() -> None:
+    done = gb10d("-", stdin=FREE.encode())
+    assert done.returncode == 0 and done.stdout.startswith("verdict: free_memory")
+
+
+def test_stall_timeout_option_is_used(tmp_path: Path) -> None:
+    log = tmp_path / "stall.log"
+    log.write_text(shard_log(["Dec 02 14:00:00"], "Dec 02 14:02:00"))
+    assert json.loads(gb10d(str(log), "--json").stdout)["verdict"] == "loading"
+    assert json.loads(gb10d(str(log), "--json", "--stall-timeout", "60").stdout)["verdict"] == "shard_stall"
+
+
+def test_a_missing_file_is_one_clear_line_and_exit_66(tmp_path: Path) -> None:
+    done = gb10d(str(tmp_path / "nope.log"))
+    assert done.returncode == 66
+    assert done.stderr.strip().splitlines() == [f"gb10d: cannot read {tmp_path / 'nope.log'}: No such file or directory"]
+    assert done.stdout == ""
+
+
+def test_binary_garbage_is_diagnosed_not_a_traceback(tmp_path: Path) -> None:
+    log = tmp_path / "junk.bin"
+    log.write_bytes(bytes(range(256)) * 10)
+    done = gb10d(str(log), "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["verdict"] == "unknown"
