@@ -100,7 +100,7 @@ def test_prefix_and_logging_switches_are_honoured(sim) -> None:  # type: ignore[
     assert all(line.startswith("[gpu0] (") for line in physical_lines(bytes(s.stdout)) if not ACCESS.match(line))
     quiet = sim("m", env={"VLLM_CONFIGURE_LOGGING": "0"})
     quiet.wait_ready()
-    assert bytes(quiet.stdout) == b""
+    assert all(ACCESS.match(line) for line in physical_lines(bytes(quiet.stdout)))  # uvicorn logs on its own
     assert b"pid=" not in bytes(quiet.stderr)
 
 
