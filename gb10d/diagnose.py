@@ -38,6 +38,7 @@ from .events import (
     NoKvCacheMemory,
     PortInUse,
     ServerStarting,
+    ShutdownStarted,
     SpecDecodingLogged,
     StartupCompleted,
     StatsLogged,
@@ -52,6 +53,7 @@ VERDICTS = (
 )
 HEADROOM_GIB = 1.0  # gb10d's default memory.headroom_gib, so the advice matches what gb10d would do
 DEFAULT_PORT = 8000  # vLLM's, when the log does not say
+VLLM_DEFAULT_UTILIZATION = 0.92
 
 
 @dataclass(frozen=True)
@@ -157,11 +159,34 @@ class _Line:
     when: float | None  # the wrapper's time, seconds (year-less times in an assumed year)
 
 
+def _unwrap(lines: list[str]) -> list[str]:
+    """Undo a terminal's wrapping: when many lines are exactly as long as the longest, they were cut there.
+
+    A wrapped paste has every long line cut at the terminal width, so that
+    width is both the maximum length and a frequent one; a real log almost
+    never has several lines of exactly its maximum length.
+    """
+    lengths = [len(line) for line in lines]
+    width = max(lengths, default=0)
+    if width < 40 or lengths.count(width) < 3:
+        return lines
+    out: list[str] = []
+    joining = False
+    for line, length in zip(lines, lengths):
+        if joining:
+            out[-1] += line
+        else:
+            out.append(line)
+        joining = length == width
+    return out
+
+
 def read_lines(text: str) -> list[_Line]:
     """Pasted text as clean logical lines with the time each wrapper gave it."""
     out: list[_Line] = []
-    for physical in text.replace("\r\n", "\n").split("\n") if "\r\n" in text else text.split("\n"):
-        physical = _ANSI.sub("", physical) if "\x1b" in physical else physical
+    physicals = text.replace("\r\n", "\n").split("\n") if "\r\n" in text else text.split("\n")
+    physicals = [_ANSI.sub("", p) if "\x1b" in p else p for p in physicals]
+    for physical in _unwrap(physicals):
         if _JOURNAL_NOTE.match(physical.strip()):
             continue
         for piece in _GLUED_JOURNAL.split(physical):
@@ -290,7 +315,10 @@ def diagnose(text: str, stall_timeout_s: float = 300.0) -> Diagnosis:
         facts["vllm_version"] = version
     _stats_facts(every, facts)
 
-    failures = [e for _, e in attempt.events if isinstance(e, Failure)]
+    # What fails after a stop was asked for (the engine "exiting unexpectedly" on
+    # SIGTERM, KeyboardInterrupt tracebacks) is the stop, not a fault.
+    stop_at = next((i for i, e in attempt.events if isinstance(e, ShutdownStarted)), None)
+    failures = [e for i, e in attempt.events if isinstance(e, Failure) and (stop_at is None or i < stop_at)]
     failures = [e for e in failures if not (isinstance(e, ExceptionRaised) and e.exc_type.split(".")[-1] in _STOP_EXCEPTIONS)]
     for group in _ORDER:
         found = [e for e in failures if isinstance(e, group)]
@@ -366,9 +394,20 @@ def _stats_facts(events: list[Event], facts: dict[str, Any]) -> None:
             facts["acceptance_rate_percent"] = spec.acceptance_rate_percent
 
 
+def _current_utilization(attempt: _Attempt) -> float | None:
+    """The start's gpu_memory_utilization: from `non-default args`, else vLLM's default where it has a fixed one."""
+    found = _ARGS_UTIL.search(attempt.args)
+    if found:
+        return float(found.group(1))
+    version = next((e.version for _, e in attempt.events if isinstance(e, VersionSeen)), "")
+    # Not listed means the default: 0.92 up to 0.33; 0.34 resolves its own (extensible KV cache).
+    if attempt.args and version and not version.startswith("0.34"):
+        return VLLM_DEFAULT_UTILIZATION
+    return None
+
+
 def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any]) -> Diagnosis:
-    args_util = _ARGS_UTIL.search(attempt.args)
-    current_util = float(args_util.group(1)) if args_util else None
+    current_util = _current_utilization(attempt)
     if isinstance(event, FreeMemoryShort):
         suggested = suggested_utilization(event.free_gib, event.total_gib)
         facts.update(free_gib=event.free_gib, total_gib=event.total_gib, requested_utilization=event.requested_utilization,
@@ -405,12 +444,13 @@ def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any]) -
     if isinstance(event, CudaOutOfMemory):
         if event.tried_gib is not None:
             facts["tried_to_allocate"] = event.tried_gib
-        lower = f"{max(current_util - 0.05, 0.05):.2f}" if current_util is not None else "0.05 lower than now"
+        lower = (f"Set vllm.gpu_memory_utilization = {max(current_util - 0.05, 0.05):.2f}" if current_util is not None
+                 else "Lower vllm.gpu_memory_utilization by 0.05")
         where = " while loading the weights" if event.during_load else ""
         tried = f" allocating {_gib(event.tried_gib)} GiB" if event.tried_gib is not None else ""
         return Diagnosis(
             "cuda_oom", facts,
-            f"Set vllm.gpu_memory_utilization = {lower} in gb10d.toml, or lower vllm.args.max_model_len; "
+            f"{lower} in gb10d.toml, or lower vllm.args.max_model_len; "
             "on GB10 also check what else uses the shared memory.",
             f"CUDA ran out of memory{where}{tried}.",
         )

@@ -231,4 +231,4 @@ class SpecDecodingLogged(Event):
 
 @dataclass(frozen=True)
 class ShutdownStarted(Event):
-    """`[shutdown] API server: shutdown triggered` or uvicorn's `Shutting down`."""
+    """A stop was asked for: `[shutdown] API server: shutdown triggered`, `EngineCore: trigger received signal=...`, uvicorn's `Shutting down`."""

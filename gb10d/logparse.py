@@ -603,7 +603,8 @@ def _failures(msg: str) -> list[Event]:
 # Cheap gates: a message with none of these words holds no progress event, or no failure.
 _PROGRESS_GATE = re.compile(
     "%|Engine|SpecDecoding|compile|Dynamo|KV cache|Maximum concurrency|took|Graph capturing|Starting|Loading model"
-    "|Filesystem type|Application startup|version|Initializing a V1|non-default args|shutdown triggered|Shutting down"
+    "|Filesystem type|Application startup|version|Initializing a V1|non-default args|shutdown triggered|trigger received"
+    "|Shutting down"
 )
 _FAILURE_GATE = re.compile(
     "Error|error|memory|Exception|failed|in use|not a local|Invalid repository|Not Found|gated|parser"
@@ -747,7 +748,8 @@ def _progress(msg: str) -> list[Event]:
             return [VersionSeen(v.group("v"))]
     if msg.startswith("non-default args:"):
         return [ArgsSeen(msg[len("non-default args:"):].strip())]
-    if "shutdown triggered" in msg or msg == "Shutting down" or msg.startswith("Shutting down FastAPI"):
+    if ("shutdown triggered" in msg or "trigger received signal" in msg or msg == "Shutting down"
+            or msg.startswith("Shutting down FastAPI")):
         return [ShutdownStarted()]
     return []
 
