@@ -1,0 +1,194 @@
+"""The stand-in's HTTP side, compared with what the real vLLM 0.23.0 answered (probes.txt)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from sim_support import DEADLINE_S, FIXTURES, SPEC, STATS, http, messages, physical_lines, port_refuses
+
+
+def _probe(section: str) -> str:
+    """The body recorded under `--- section` in probes.txt."""
+    text = (FIXTURES / "probes.txt").read_text()
+    part = text.split(f"--- {section}\n", 1)[1].split("\n--- ", 1)[0]
+    return part.strip().splitlines()[-1]
+
+
+def _keys(value: object) -> object:
+    """The shape of a JSON value: dict keys (recursively), first list element."""
+    if isinstance(value, dict):
+        return {k: _keys(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_keys(value[0])] if value else []
+    return None
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not exported")
+
+
+def _scrape(port: int) -> str:
+    return http(port, "/metrics").body.decode()
+
+
+@pytest.fixture
+def served(sim):  # type: ignore[no-untyped-def]
+    s = sim("/srv/models/tiny-llama", "--served-model-name", "tiny", "alias", "--max-model-len", "2048")
+    s.wait_ready()
+    return s
+
+
+def test_health_ping_and_version_answer_like_vllm(served) -> None:  # type: ignore[no-untyped-def]
+    health = http(served.port, "/health")
+    assert (health.status, health.body, health.headers["server"], health.headers["content-length"]) == (200, b"", "uvicorn", "0")
+    assert http(served.port, "/ping").status == 200
+    assert http(served.port, "/version").body == b'{"version":"0.23.0"}'
+    assert b'"GET /health HTTP/1.1" 200 OK' in bytes(served.stdout)
+
+
+def test_models_lists_every_served_name_in_vllms_card_shape(served) -> None:  # type: ignore[no-untyped-def]
+    body = http(served.port, "/v1/models").json()
+    assert _keys(body) == _keys(json.loads(_probe("models")))
+    assert [card["id"] for card in body["data"]] == ["tiny", "alias"]
+    assert {card["root"] for card in body["data"]} == {"/srv/models/tiny-llama"}
+    assert body["data"][0]["max_model_len"] == 2048
+
+
+def test_completion_has_vllms_shape_and_honours_max_tokens(served) -> None:  # type: ignore[no-untyped-def]
+    first = http(served.port, "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 5}).json()
+    again = http(served.port, "/v1/completions", {"model": "alias", "prompt": "Hello", "max_tokens": 5}).json()
+    assert _keys(first) == _keys(json.loads(_probe("completion ok")))
+    assert first["usage"]["completion_tokens"] == 5
+    assert first["choices"][0]["finish_reason"] == "length"
+    assert first["choices"][0]["text"] == again["choices"][0]["text"]  # deterministic
+    assert again["model"] == "alias"
+
+
+def test_chat_completion_stops_naturally_or_at_max_tokens(served) -> None:  # type: ignore[no-untyped-def]
+    full = http(served.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    short = http(served.port, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).json()
+    assert full["object"] == "chat.completion"
+    assert (full["choices"][0]["finish_reason"], short["choices"][0]["finish_reason"]) == ("stop", "length")
+    assert short["usage"]["completion_tokens"] == 3
+    assert full["choices"][0]["message"]["content"].startswith(short["choices"][0]["message"]["content"])
+
+
+def test_streaming_sends_sse_chunks_ending_with_done(served) -> None:  # type: ignore[no-untyped-def]
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{served.port}/v1/completions",
+        data=json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 6, "stream": True}).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=DEADLINE_S) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in response.read().decode().split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    streamed = "".join(c["choices"][0]["text"] for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    whole = http(served.port, "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 6}).json()
+    assert streamed == whole["choices"][0]["text"]
+
+
+def test_wrong_model_name_gets_vllms_exact_404(served) -> None:  # type: ignore[no-untyped-def]
+    reply = http(served.port, "/v1/completions", {"model": "Qwen3.6-27B-FP8", "prompt": "x", "max_tokens": 1})
+    assert (reply.status, reply.body.decode()) == (404, _probe("completion wrong model"))
+    assert b'"POST /v1/completions HTTP/1.1" 404 Not Found' in bytes(served.stdout)
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_api_key_guards_v1_paths_only(sim, how: str) -> None:  # type: ignore[no-untyped-def]
+    s = sim("m", "--api-key", "s3cret") if how == "flag" else sim("m", env={"VLLM_API_KEY": "s3cret"})
+    s.wait_ready()
+    denied = http(s.port, "/v1/models")
+    assert (denied.status, denied.body) == (401, b'{"error":"Unauthorized"}')
+    assert http(s.port, "/v1/models", headers={"authorization": "Bearer s3cret"}).status == 200
+    assert [http(s.port, p).status for p in ("/health", "/metrics", "/version", "/ping")] == [200] * 4
+
+
+def test_metrics_use_vllms_names_and_move_with_requests(served) -> None:  # type: ignore[no-untyped-def]
+    before = _scrape(served.port)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count"):
+        _metric(before, name, model_name="tiny", engine="0")
+    assert "# TYPE vllm:prompt_tokens_total counter" in before
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in before
+    assert "vllm:gpu_cache_usage_perc" not in before
+    http(served.port, "/v1/completions", {"model": "tiny", "prompt": "one two three", "max_tokens": 4})
+    after = _scrape(served.port)
+    assert _metric(after, "vllm:prompt_tokens_total") - _metric(before, "vllm:prompt_tokens_total") == 4
+    assert _metric(after, "vllm:generation_tokens_total") - _metric(before, "vllm:generation_tokens_total") == 4
+    assert _metric(after, "vllm:request_success_total", finished_reason="length") == _metric(before, "vllm:request_success_total", finished_reason="length") + 1
+
+
+def test_stats_line_follows_served_requests(served) -> None:  # type: ignore[no-untyped-def]
+    http(served.port, "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 5})
+    served.wait_output(lambda out, err: any(m.startswith("Engine 000:") for m in messages(out)))
+    line = next(m for m in messages(bytes(served.stdout)) if m.startswith("Engine 000:"))
+    assert STATS.match(line), line
+    assert "Avg generation throughput: 0.5 tokens/s" in line  # 5 tokens in a 10 s interval
+
+
+def test_speculative_config_adds_spec_decoding_lines_and_counters(sim) -> None:  # type: ignore[no-untyped-def]
+    s = sim("m", "--speculative-config", '{"method":"mtp","num_speculative_tokens":3}')
+    s.wait_ready()
+    http(s.port, "/v1/completions", {"prompt": "Hello", "max_tokens": 40})
+    s.wait_output(lambda out, err: any(m.startswith("SpecDecoding metrics:") for m in messages(out)))
+    found = messages(bytes(s.stdout))
+    index = next(i for i, m in enumerate(found) if m.startswith("SpecDecoding metrics:"))
+    assert found[index - 1].startswith("Engine 000:")
+    match = SPEC.match(found[index])
+    assert match and len(match.group(6).split(", ")) == 3
+    text = _scrape(s.port)
+    assert _metric(text, "vllm:spec_decode_num_drafts_total") > 0
+    assert _metric(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="2") >= 0
+    assert _metric(text, "vllm:generation_tokens_total") == 40
+
+
+def _wait_status(port: int, wanted: int) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while http(port, "/health").status != wanted:
+        assert time.monotonic() < deadline, f"/health never answered {wanted}"
+
+
+def test_killed_engine_core_turns_health_503_with_the_recorded_lines(sim) -> None:  # type: ignore[no-untyped-def]
+    s = sim("m", env={"VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"})
+    s.wait_ready()
+    os.kill(s.engine_pid(), signal.SIGKILL)
+    _wait_status(s.port, 503)
+    found = messages(bytes(s.stdout))
+    assert "[shutdown] MPClient: engine core exited unexpectedly; starting cleanup" in found
+    assert "AsyncLLM output_handler failed." in found
+    assert "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause." in found
+    assert http(s.port, "/v1/completions", {"prompt": "x"}).status == 500
+
+
+def test_after_engine_death_the_port_closes_and_the_api_server_exits_0(sim) -> None:  # type: ignore[no-untyped-def]
+    s = sim("m", env={"GB10D_SIM_SCENARIO": "engine_dies_after=1"})
+    s.wait_ready()
+    assert s.wait_exit() == 0
+    s.drain()
+    assert port_refuses(s.port)
+    assert physical_lines(bytes(s.stderr))[-1] == f"(APIServer pid={s.process.pid}) INFO:     Finished server process [{s.process.pid}]"
+    assert s.group_pids() == []
+
+
+def test_hung_engine_keeps_health_200_but_never_finishes_a_completion(sim) -> None:  # type: ignore[no-untyped-def]
+    s = sim("m", env={"GB10D_SIM_SCENARIO": "hang_after=0"})
+    s.wait_ready()
+    before = _metric(_scrape(s.port), "vllm:generation_tokens_total")
+    with pytest.raises((socket.timeout, TimeoutError)):
+        http(s.port, "/v1/completions", {"prompt": "x", "max_tokens": 2}, timeout=1.0)
+    assert http(s.port, "/health").status == 200
+    assert _metric(_scrape(s.port), "vllm:generation_tokens_total") == before
+    assert _metric(_scrape(s.port), "vllm:num_requests_running") == 1
