@@ -421,7 +421,9 @@ def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any]) -
             f"gpu_memory_utilization {event.requested_utilization:g} ({_gib(event.requested_gib)} GiB).",
         )
     if isinstance(event, KvCacheInsufficient):
-        facts.update(max_model_len=event.max_model_len, needed_gib=event.needed_gib, available_gib=event.available_gib)
+        facts["max_model_len"] = event.max_model_len
+        if event.needed_gib is not None and event.available_gib is not None:
+            facts.update(needed_gib=event.needed_gib, available_gib=event.available_gib)
         if event.estimated_max_model_len is not None:
             facts["estimated_max_model_len"] = event.estimated_max_model_len
             fix = f"Set vllm.args.max_model_len = {event.estimated_max_model_len} (vLLM's estimate of what fits)"
@@ -430,8 +432,9 @@ def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any]) -
         return Diagnosis(
             "kv_cache_insufficient", facts,
             f"{fix} in gb10d.toml, or raise vllm.gpu_memory_utilization if memory allows.",
-            f"The KV cache cannot hold one request of max_model_len {event.max_model_len}: it needs "
-            f"{_gib(event.needed_gib)} GiB, {_gib(event.available_gib)} GiB are available.",
+            f"The KV cache cannot hold one request of max_model_len {event.max_model_len}"
+            + (f": it needs {_gib(event.needed_gib)} GiB, {_gib(event.available_gib)} GiB are available."
+               if event.needed_gib is not None and event.available_gib is not None else "."),
         )
     if isinstance(event, NoKvCacheMemory):
         raise_to = f" above {current_util:g}" if current_util is not None else ""

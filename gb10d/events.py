@@ -142,8 +142,8 @@ class KvCacheInsufficient(Failure):
     """The KV cache cannot hold one request of max_model_len."""
 
     max_model_len: int
-    needed_gib: float
-    available_gib: float
+    needed_gib: float | None  # None: the V0 engine's wording (before 0.8) counts tokens, not GiB
+    available_gib: float | None
     estimated_max_model_len: int | None = None
 
 

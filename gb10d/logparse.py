@@ -519,16 +519,23 @@ _GRAPH_BAR = re.compile(r"Capturing CUDA graph[^:]*:\s+\d+%\|[^|]*\|\s*(?P<n>\d+
 _GRAPH_DONE = re.compile(r"Graph capturing finished in [\d.]+ secs?(?:, took (?P<gib>-?[\d.]+) GiB)?")
 _WEIGHTS_TOOK = re.compile(r"Loading weights took (?P<s>[\d.]+) seconds")
 _MODEL_LOADING_TOOK = re.compile(r"Model loading took (?P<gib>[\d.]+) GiB(?: memory)? and (?P<s>[\d.]+) seconds")
+_V0_WEIGHTS_TOOK = re.compile(r"Loading model weights took (?P<gib>[\d.]+) GB")
+_V0_BLOCKS = re.compile(r"# (?:GPU|CUDA) blocks: (?P<n>\d+)")
+_V0_KV_INSUFFICIENT = re.compile(
+    r"The model's max seq len \((?P<len>\d+)\) is larger than the maximum number of tokens that can be stored in KV "
+    r"cache \((?P<fit>\d+)\)"
+)
 _SECONDS = re.compile(r"(?:took|takes|time:) (?P<s>[\d.]+) ?s\b")
 _KV_AVAILABLE = re.compile(r"Available KV cache memory: (?P<gib>-?[\d.]+) GiB")
 _KV_SIZE = re.compile(r"KV cache size: (?P<tokens>[\d,]+) tokens")
 _MAX_CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: (?P<x>[\d.]+)x")
 _INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took (?P<s>[\d.]+) s")
-_SERVER_ON = re.compile(r"Starting vLLM (?:API )?server on (?P<url>\S+)")
+_SERVER_ON = re.compile(r"(?:Starting vLLM (?:API )?server on|Uvicorn running on) (?P<url>[^\s)]+)")
 _BANNER = re.compile(r"vLLM (?:API )?server version (?P<v>[^\s,]+)")
 _LOGO_VERSION = re.compile(r"\bversion\s+(?P<v>\d+\.\d+[\w.+-]*)\s*$")
 _ENGINE_VERSION = re.compile(r"Initializing a V1 LLM engine \(v(?P<v>[^)\s]+)\)")
-_STATS_HEAD = re.compile(r"^(?:Engine (?P<engine>\d+)|(?P<n>\d+) Engines Aggregated): ")
+# V0 engines (before 0.8) printed the same parts without the engine head.
+_STATS_HEAD = re.compile(r"^(?:Engine (?P<engine>\d+): |(?P<n>\d+) Engines Aggregated: |(?=Avg prompt throughput))")
 _SPEC = re.compile(
     r"SpecDecoding metrics: Mean acceptance length: (?P<mal>[\d.]+|nan|inf), Accepted throughput: (?P<acc_s>[\d.]+) tokens/s, "
     r"Drafted throughput: (?P<dr_s>[\d.]+) tokens/s, Accepted: (?P<acc>\d+) tokens, Drafted: (?P<dr>\d+) tokens, "
@@ -563,6 +570,11 @@ def _failures(msg: str) -> list[Event]:
         if m is not None:
             est = m.group("est")
             out.append(KvCacheInsufficient(int(m.group("len")), _f(m.group("need")), _f(m.group("avail")), int(est) if est else None))
+    if "stored in KV cache" in msg:
+        # The V0 engine's wording counts tokens, not GiB; what fits is the longest possible max_model_len.
+        m = _V0_KV_INSUFFICIENT.search(msg)
+        if m is not None:
+            out.append(KvCacheInsufficient(int(m.group("len")), None, None, int(m.group("fit"))))
     if "No available memory for the cache blocks" in msg:
         out.append(NoKvCacheMemory())
     if "ddress already in use" in msg:
@@ -603,7 +615,7 @@ def _failures(msg: str) -> list[Event]:
 # Cheap gates: a message with none of these words holds no progress event, or no failure.
 _PROGRESS_GATE = re.compile(
     "%|Engine|SpecDecoding|compile|Dynamo|KV cache|Maximum concurrency|took|Graph capturing|Starting|Loading model"
-    "|Filesystem type|Application startup|version|Initializing a V1|non-default args|shutdown triggered|trigger received"
+    "|Filesystem type|blocks:|Uvicorn running|Application startup|version|Initializing a V1|non-default args|shutdown triggered|trigger received"
     "|Shutting down"
 )
 _FAILURE_GATE = re.compile(
@@ -621,18 +633,18 @@ def _stats(msg: str) -> StatsLogged | None:
         key, sep, value = part.partition(": ")
         if not sep:
             continue
-        number = value.split(" ", 1)[0].rstrip("%")
+        number = value.split(" ", 1)[0].rstrip("%.")
         try:
             values[key.strip()] = float(number)
         except ValueError:
             continue
     if "Avg prompt throughput" not in values or "Avg generation throughput" not in values:
         return None
-    kv = next((v for k, v in values.items() if k.endswith("KV cache usage")), None)
-    engine = head.group("engine") or f"{head.group('n')} aggregated"
+    kv = next((v for k, v in values.items() if k.endswith("KV cache usage") and not k.startswith("CPU")), None)
+    engine = head.group("engine") or (f"{head.group('n')} aggregated" if head.group("n") else "000")
     return StatsLogged(
         values["Avg prompt throughput"], values["Avg generation throughput"],
-        int(values.get("Running", 0)), int(values.get("Waiting", 0)),
+        int(values.get("Running", 0)), int(values.get("Waiting", values.get("Pending", 0))),
         kv, values.get("Prefix cache hit rate"), engine,
     )
 
@@ -687,7 +699,7 @@ def _progress(msg: str) -> list[Event]:
             if b is not None:
                 desc = b.group("desc").strip()
                 return [DownloadProgressed(_scaled(b.group("n"), b.group("nu")), _scaled(b.group("total"), b.group("tu")), desc)]
-    if msg.startswith("Engine ") or "Engines Aggregated" in msg:
+    if msg.startswith(("Engine ", "Avg prompt throughput")) or "Engines Aggregated" in msg:
         stats = _stats(msg)
         if stats is not None:
             return [stats]
@@ -709,6 +721,8 @@ def _progress(msg: str) -> list[Event]:
                 int(k.group("tokens").replace(",", "")) if k else None,
                 _f(c_.group("x")) if c_ else None,
             )]
+    if "blocks:" in msg and _V0_BLOCKS.search(msg) is not None:
+        return [KvCacheSized()]
     if msg.startswith("Maximum concurrency for"):
         c_ = _MAX_CONCURRENCY.search(msg)
         if c_ is not None:
@@ -722,6 +736,10 @@ def _progress(msg: str) -> list[Event]:
             w = _MODEL_LOADING_TOOK.search(msg)
             if w is not None:
                 return [WeightsLoaded(seconds=_f(w.group("s")), gib=_f(w.group("gib")))]
+        if "Loading model weights took" in msg:
+            w = _V0_WEIGHTS_TOOK.search(msg)
+            if w is not None:
+                return [WeightsLoaded(gib=_f(w.group("gib")))]
         if "init engine" in msg:
             i = _INIT_ENGINE.search(msg)
             if i is not None:
@@ -732,7 +750,7 @@ def _progress(msg: str) -> list[Event]:
         return [GraphsProgressed(finished=True, gib=_f(gib) if gib else None)]
     if msg.startswith(("Starting to load model", "Loading model from scratch", "Filesystem type for checkpoints")):
         return [LoadStarted()]
-    if "Starting vLLM" in msg:
+    if "Starting vLLM" in msg or "Uvicorn running on" in msg:
         s2 = _SERVER_ON.search(msg)
         if s2 is not None:
             return [ServerStarting(s2.group("url"))]

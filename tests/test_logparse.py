@@ -341,6 +341,10 @@ PROGRESS_CASES = [
     ("non-default args: {'model': 'x', 'port': 8001}", [ArgsSeen("{'model': 'x', 'port': 8001}")]),
     ("[shutdown] API server: shutdown triggered", [ShutdownStarted()]),
     ("Shutting down", [ShutdownStarted()]),
+    ("Loading model weights took 14.9935 GB", [WeightsLoaded(gib=14.9935)]),
+    ("# GPU blocks: 2345, # CPU blocks: 512", [KvCacheSized()]),
+    ("Uvicorn running on http://0.0.0.0:8000 (Press CTRL+C to quit)", [ServerStarting("http://0.0.0.0:8000")]),
+    ("[shutdown] EngineCore: trigger received signal=SIGTERM", [ShutdownStarted()]),
     ("Using FlashAttention version 3", []),
     ("Route: /v1/models, Methods: GET", []),
 ]
@@ -368,6 +372,12 @@ def test_stats_line_without_prefix_cache_and_aggregated_engines() -> None:
     line = API + ("2 Engines Aggregated: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
                   "Running: 0 reqs, Waiting: 0 reqs, GPU KV cache usage: 0.0%")
     assert parse_line(line) == [StatsLogged(0.0, 5.0, 0, 0, 0.0, None, "2 aggregated")]
+
+
+def test_v0_engine_stats_line_without_engine_head() -> None:
+    line = UNTAGGED + ("Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 30.5 tokens/s, Running: 1 reqs, "
+                       "Swapped: 0 reqs, Pending: 2 reqs, GPU KV cache usage: 3.5%, CPU KV cache usage: 0.0%.")
+    assert parse_line(line) == [StatsLogged(10.0, 30.5, 1, 2, 3.5, None, "000")]
 
 
 def test_spec_decoding_line_keeps_per_position_rates() -> None:
@@ -402,6 +412,9 @@ FAILURE_CASES = [
      "which is larger than the available KV cache memory (5.12 GiB). Based on the available memory, the estimated "
      "maximum model length is 40960. Lower --device-memory-utilization... Decreasing `max_model_len` also reduces "
      "what is needed. See https://docs.vllm.ai/", [KvCacheInsufficient(131072, 16.0, 5.12, 40960)]),
+    ("ValueError: The model's max seq len (131072) is larger than the maximum number of tokens that can be stored in "
+     "KV cache (45000). Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.",
+     [KvCacheInsufficient(131072, None, None, 45000)]),
     ("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing",
      [NoKvCacheMemory()]),
     ("OSError: [Errno 98] Address already in use", [PortInUse(None)]),
