@@ -93,6 +93,11 @@ _JOURNAL_ISO = re.compile(
     r"^(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?) (?P<host>\S+) "
     r"(?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?"
 )
+_JOURNAL_FULL = re.compile(  # -o short-full
+    r"^[A-Z][a-z]{2} (?P<date>\d{4}-\d\d-\d\d) (?P<time>\d\d:\d\d:\d\d(?:\.\d+)?) [A-Z]{2,5} (?P<host>\S+) "
+    r"(?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?"
+)
+_JOURNAL_UNIX = re.compile(r"^(?P<unix>\d{9,11}\.\d+) (?P<host>\S+) (?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?")
 _JOURNAL_MONOTONIC = re.compile(r"^\[\s*(?P<mono>\d+\.\d+)\] (?P<host>\S+) (?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?")
 _DOCKER_TS = re.compile(r"^(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)) ")
 _COMPOSE = re.compile(r"^[\w][\w.-]*\s*\| ?")
@@ -142,9 +147,13 @@ def _strip_wrappers(line: str) -> tuple[str, float | None]:
             if m is not None:
                 when = _iso(m.group("iso"))
         if m is None:
-            m = _JOURNAL_MONOTONIC.match(line)
+            m = _JOURNAL_FULL.match(line)
             if m is not None:
-                when = float(m.group("mono"))
+                when = _iso(f"{m.group('date')}T{m.group('time')}")
+        if m is None:
+            m = _JOURNAL_UNIX.match(line) or _JOURNAL_MONOTONIC.match(line)
+            if m is not None:
+                when = float(m.group("unix") if "unix" in m.re.groupindex else m.group("mono"))
         if m is None:
             m = _COMPOSE.match(line)
         if m is None or m.end() == 0:
@@ -189,9 +198,14 @@ def read_lines(text: str) -> list[_Line]:
     for physical in _unwrap(physicals):
         if _JOURNAL_NOTE.match(physical.strip()):
             continue
-        for piece in _GLUED_JOURNAL.split(physical):
+        # Cheap counts first: two journal prefixes, or two records' worth of colons or tags, before any split.
+        for piece in _GLUED_JOURNAL.split(physical) if physical.count("]: ") > 1 else (physical,):
             body, when = _strip_wrappers(piece)
-            for record in _GLUED_RECORD.split(body):
+            glued = body.count(" pid=") > 1 or body.count(":") >= 6
+            for record in _GLUED_RECORD.split(body) if glued else (body,):
+                if "\r" not in record:
+                    out.append(_Line(record, when))
+                    continue
                 framer = LineFramer()
                 for line in framer.feed(record.encode("utf-8", "replace") + b"\n"):
                     out.append(_Line(line.text, when))
@@ -245,9 +259,27 @@ def _times(lines: list[_Line], records: list[tuple[str | None, int | None, str |
     return out
 
 
+_PREFIXED_RECORD = re.compile(
+    r"^(?:\([\w.\[\]-]+ pid=\d+\) )?(?P<prefix>[^(\s][^\n]{0,38}?)(?:\([\w.\[\]-]+ pid=\d+\) )?"
+    r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d "
+)
+
+
+def logging_prefix(lines: list[_Line]) -> str:
+    """The VLLM_LOGGING_PREFIX the log was written with: the text that most records carry before the level."""
+    counts: dict[str, int] = {}
+    for line in lines[:2000]:
+        m = _PREFIXED_RECORD.match(line.text)
+        if m is not None:
+            counts[m.group("prefix")] = counts.get(m.group("prefix"), 0) + 1
+    best = max(counts, key=counts.__getitem__, default="")
+    return best if counts.get(best, 0) >= 3 else ""
+
+
 def _split_attempts(lines: list[_Line]) -> tuple[list[_Attempt], list[float | None], list[Event]]:
-    classifier = Classifier()
-    scanner = EventScanner(wrapped=True)
+    prefix = logging_prefix(lines)
+    classifier = Classifier(prefix)
+    scanner = EventScanner(prefix, wrapped=True)
     attempts = [_Attempt()]
     records: list[tuple[str | None, int | None, str | None]] = []
     every: list[Event] = []

@@ -108,6 +108,8 @@ def test_the_year_boundary_does_not_look_like_a_stall() -> None:
         "2026-12-02T14:00:22.123456+00:00 spark gb10d[1234]: ",
         "Dec  2 14:00:22 spark gb10d.service[1234]: ",
         "vllm_server.1  | 2026-12-02T14:00:22.000000000Z ",
+        "Wed 2026-12-02 14:00:22 UTC spark gb10d[1234]: ",
+        "1764684022.123456 spark gb10d[1234]: ",
     ],
 )
 def test_other_wrapper_shapes_are_stripped(prefix: str) -> None:
@@ -192,3 +194,15 @@ def test_binary_garbage_is_diagnosed_not_a_traceback(tmp_path: Path) -> None:
     log.write_bytes(bytes(range(256)) * 10)
     done = gb10d(str(log), "--json")
     assert done.returncode == 0 and json.loads(done.stdout)["verdict"] == "unknown"
+
+
+@pytest.mark.parametrize("era", ["0.30", "0.31"])
+def test_a_custom_logging_prefix_is_found_and_understood(era: str) -> None:
+    text = (CORPUS / f"kv_insufficient__{era}__plain.log").read_text(encoding="utf-8")
+    if era == "0.30":
+        prefixed = text.replace(") INFO ", ") [spark-1] INFO ").replace(") ERROR ", ") [spark-1] ERROR ")
+    else:
+        prefixed = text.replace("(APIServer pid", "[spark-1] (APIServer pid").replace("(EngineCore pid=4300) INFO", "[spark-1] (EngineCore pid=4300) INFO")
+    result = diagnose(prefixed)
+    assert (result.verdict, result.facts.get("estimated_max_model_len")) == ("kv_cache_insufficient", 40960)
+    assert result.facts.get("vllm_version") == ("0.30.0" if era == "0.30" else "0.31.0")
