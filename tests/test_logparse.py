@@ -237,9 +237,21 @@ def test_the_real_healthy_start_has_no_error_lines() -> None:
     for name in ("healthy.stdout", "healthy.stderr"):
         classifier = Classifier()
         for line in frame((REAL / name).read_bytes()):
-            record = classifier.classify(line.text)
-            assert record.priority >= 4, line.text
-            assert record.kind is not Kind.RAW or record.tag is None or not record.message.strip() or True
+            assert classifier.classify(line.text).priority >= 4, line.text
+
+
+def test_every_real_stdout_line_is_a_vllm_or_uvicorn_record() -> None:
+    for name in ("healthy.stdout", "enginedeath.stdout"):
+        classifier = Classifier()
+        kinds = {classifier.classify(line.text).kind for line in frame((REAL / name).read_bytes())}
+        assert kinds == {Kind.VLLM, Kind.UVICORN}, name
+
+
+def test_real_stderr_lines_are_bars_uvicorn_and_raw_text() -> None:
+    classifier = Classifier()
+    records = [classifier.classify(line.text) for line in frame((REAL / "healthy.stderr").read_bytes())]
+    assert sum(r.kind is Kind.BAR for r in records) == 15
+    assert {r.kind for r in records} == {Kind.BAR, Kind.UVICORN, Kind.RAW}
 
 
 def test_the_real_engine_death_traceback_is_all_errors() -> None:
