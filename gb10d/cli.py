@@ -120,6 +120,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     return show_status(state_file_path(args.state_file, _config_path(args)), json_output=args.json)
 
 
+def cmd_forget(args: argparse.Namespace) -> int:
+    """Remove the learned settings, so the next start begins from the config's values."""
+    from .learned import forget, load
+
+    path = Path(args.learned_file) if args.learned_file else _load(args).config.daemon.learned_file
+    state = load(path)
+    if not forget(path):
+        print(f"nothing was learned: {path} does not exist")
+        return EXIT_OK
+    what = f"forgot the settings {state.entry.describe()}" if state.entry else "it held nothing gb10d could use"
+    print(f"removed {path}: {what}. The next start of gb10d begins from the config's values (now: systemctl restart gb10d)")
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the real supervisor against gb10d.sim in a temporary directory."""
     from .demo import run_demo
@@ -225,6 +239,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     p.add_argument("--state-file", metavar="PATH", help="read this state file instead of the config's")
+    p = add(
+        "forget",
+        cmd_forget,
+        "clear the settings gb10d learned",
+        "Remove the settings gb10d learned from corrected starts (gpu_memory_utilization, load strategy, "
+        "max model length; [daemon] learned_file, default /var/lib/gb10d/state.toml) and say what they were. "
+        "The next start begins from the config's values. Exit 0, also when nothing was learned; "
+        "1 when the file cannot be removed (run as root or as the gb10d user).",
+    )
+    p.add_argument("--learned-file", metavar="PATH", help="remove this file instead of the config's learned_file")
     from .demo import SCENARIOS
 
     p = add(
