@@ -8,6 +8,7 @@ from typing import Sequence
 
 USAGE = """usage: python -m gb10d.sim serve MODEL [vllm serve flags]
        python -m gb10d.sim make-venv DIR
+       python -m gb10d.sim --version
 
 serve      behave like `vllm serve` (knobs: GB10D_SIM_ERA, GB10D_SIM_VERSION,
            GB10D_SIM_SCENARIO, GB10D_SIM_SPEED, GB10D_SIM_SHARDS,
@@ -27,6 +28,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import make_venv
 
         print(make_venv(Path(words[1])))
+        return 0
+    if words[:1] in (["--version"], ["-v"]):
+        from .settings import SettingsError, from_environ
+
+        try:
+            print(from_environ().version)
+        except SettingsError as exc:
+            print(f"gb10d.sim: {exc}", file=sys.stderr)
+            return 2
         return 0
     if words[:1] in (["-h"], ["--help"]):
         print(USAGE, end="")

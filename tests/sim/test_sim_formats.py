@@ -208,3 +208,22 @@ def test_memory_comes_from_meminfo_memtotal_and_memfree(tmp_path) -> None:  # ty
     path.write_text("MemTotal:       127601760 kB\nMemFree:        1048576 kB\n")
     assert settings.memory().free_bytes == 1048576 * 1024  # read again at every check
     assert parse_meminfo("Cached: 5 kB\n") == {"Cached": 5120}
+
+
+def test_colour_codes_only_decorate_the_plain_record() -> None:
+    import re
+
+    plain = format_record(LogStyle(wrapper_tag=False), "APIServer", 1, "INFO", WHEN, "a/b.py:3", "hello")
+    coloured = format_record(LogStyle(wrapper_tag=False, color=True), "APIServer", 1, "INFO", WHEN, "a/b.py:3", "hello")
+    assert "\x1b[" in coloured
+    assert re.sub(r"\x1b\[[0-9;]*m", "", coloured) == plain
+
+
+def test_no_color_wins_over_everything() -> None:
+    from gb10d.sim.settings import use_color
+
+    assert use_color({"NO_COLOR": "1", "VLLM_LOGGING_COLOR": "1"}, 31, True) is False
+    assert use_color({"VLLM_LOGGING_COLOR": "1"}, 23, False) is True
+    assert use_color({"FORCE_COLOR": "1"}, 23, False) is False
+    assert use_color({"FORCE_COLOR": "1"}, 31, False) is True
+    assert use_color({}, 23, True) is True

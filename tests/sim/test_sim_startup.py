@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 from gb10d.sim import make_venv
 from sim_support import (
-    ACCESS, DEADLINE_S, GRAPH_BAR, RECORD, SHARD_BAR, STARTUP_ORDER, UVICORN, UVICORN_STARTUP, kind_of, messages,
+    ACCESS, DEADLINE_S, GRAPH_BAR, http, RECORD, SHARD_BAR, STARTUP_ORDER, UVICORN, UVICORN_STARTUP, kind_of, messages,
     physical_lines, port_refuses,
 )
 
@@ -207,3 +208,32 @@ def test_eager_load_strategy_marks_the_bar(sim) -> None:  # type: ignore[no-unty
     assert "Loading safetensors checkpoint shards (eager):" in stderr
     assert "Capturing CUDA graphs" not in stderr
     assert not any(m.startswith("torch.compile took") for m in messages(bytes(s.stdout)))
+
+
+def test_newer_versions_print_the_one_line_kv_form_and_gib_memory(sim) -> None:  # type: ignore[no-untyped-def]
+    s = sim("m", "--max-model-len", "32k", env={"GB10D_SIM_VERSION": "0.29.0"})
+    s.wait_ready()
+    found = messages(bytes(s.stdout))
+    assert any(re.fullmatch(r"GPU KV cache size: [\d,]+ tokens, Maximum concurrency for 32,000 tokens per request: [\d.]+x", m) for m in found)
+    assert not any(m.startswith("Maximum concurrency") for m in found)
+    assert any(re.fullmatch(r"Model loading took [\d.]+ GiB memory and [\d.]+ seconds", m) for m in found)
+    assert http(s.port, "/version").json() == {"version": "0.29.0"}
+
+
+def test_a_local_model_folder_gives_its_shards_architecture_and_real_reads(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    for index in range(3):
+        (model / f"model-0000{index + 1}-of-00003.safetensors").write_bytes(b"\0" * 200_000)
+    s = sim(str(model))
+    s.wait_ready()
+    found = messages(bytes(s.stdout))
+    assert "Resolved architecture: LlamaForCausalLM" in found
+    assert any(m.startswith("Filesystem type for checkpoints: EXT4. Checkpoint size: 0.00 GiB.") for m in found)
+    assert "| 3/3 [" in bytes(s.stderr).decode()
+
+
+def test_version_flag_prints_the_simulated_version() -> None:
+    result = subprocess.run([sys.executable, "-m", "gb10d.sim", "--version"], capture_output=True, text=True, timeout=DEADLINE_S, env={**os.environ, "GB10D_SIM_VERSION": "0.33.0"})
+    assert (result.returncode, result.stdout) == (0, "0.33.0\n")
