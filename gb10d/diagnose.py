@@ -220,6 +220,11 @@ _ARGS_UTIL = re.compile(r"'gpu_memory_utilization': ([\d.]+)")
 _ARGS_PORT = re.compile(r"'port': (\d+)")
 _ARGS_MODEL = re.compile(r"'model(?:_tag)?': '([^']+)'")
 _GB10D_STALL = re.compile(r"no loading progress for (\d+) s")
+# SIGKILL from outside, told by a shell, systemd or the kernel (on GB10 almost always the OOM killer).
+_KILLED = re.compile(
+    r"(?:^|: )Killed\s*$|\d+ Killed\s|^\[\d+\][+-]?\s+Killed\s|status=9/KILL|killed by the OOM killer"
+    r"|Out of memory: Killed process"
+)
 
 
 @dataclass
@@ -232,6 +237,7 @@ class _Attempt:
     substantive: bool = False
     args: str = ""
     gb10d_stall: bool = False
+    killed: bool = False
 
 
 def _times(lines: list[_Line], records: list[tuple[str | None, int | None, str | None]]) -> list[float | None]:
@@ -298,6 +304,8 @@ def _split_attempts(lines: list[_Line]) -> tuple[list[_Attempt], list[float | No
             current.api_pid = record.pid
         if _GB10D_STALL.search(message):
             current.gb10d_stall = True
+        if "ill" in message and _KILLED.search(message):
+            current.killed = True
         for event in scanner.feed(line.text):
             _add(current, index, event)
             every.append(event)
@@ -357,6 +365,16 @@ def diagnose(text: str, stall_timeout_s: float = 300.0) -> Diagnosis:
         if found:
             return _failure_verdict(_best(found), attempt, facts)
 
+    if attempt.killed:
+        util = _current_utilization(attempt)
+        lower = (f"vllm.gpu_memory_utilization = {max(util - 0.05, 0.05):.2f}" if util is not None
+                 else "a lower vllm.gpu_memory_utilization")
+        return Diagnosis(
+            "crash", facts,
+            f"vLLM was killed from outside, most likely by the kernel's OOM killer (on GB10 the GPU's memory is the "
+            f"system's): set {lower} or a lower vllm.args.max_model_len in gb10d.toml, and stop other large processes.",
+            "vLLM was killed (SIGKILL), most likely out of host memory.",
+        )
     state = StartupState(phase=Phase.SPAWNING)
     progress_index: int | None = None
     for index, event in attempt.events:

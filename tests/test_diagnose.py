@@ -206,3 +206,20 @@ def test_a_custom_logging_prefix_is_found_and_understood(era: str) -> None:
     result = diagnose(prefixed)
     assert (result.verdict, result.facts.get("estimated_max_model_len")) == ("kv_cache_insufficient", 40960)
     assert result.facts.get("vllm_version") == ("0.30.0" if era == "0.30" else "0.31.0")
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "Killed",
+        "[1]+  Killed                  nohup vllm serve Qwen/Qwen3.6-27B-FP8",
+        "./start-vllm.sh: line 12: 48213 Killed                  vllm serve Qwen/Qwen3.6-27B-FP8",
+        "Dec 02 14:20:01 spark systemd[1]: gb10d.service: A process of this unit has been killed by the OOM killer.",
+        "Dec 02 14:20:01 spark kernel: Out of memory: Killed process 48213 (VLLM::EngineCor) total-vm:190000000kB",
+    ],
+)
+def test_a_kill_from_outside_mid_load_is_a_crash_with_memory_advice(line: str) -> None:
+    text = (CORPUS / "loading__0.31__plain.log").read_text(encoding="utf-8") + line + "\n"
+    result = diagnose(text)
+    assert result.verdict == "crash" and "OOM killer" in result.advice
+    assert "vllm.gpu_memory_utilization = 0.87" in result.advice
