@@ -1,0 +1,74 @@
+"""Fixtures for the packaging tests: real .deb builds and a real systemd in a container.
+
+Set GB10D_REQUIRE_SYSTEMD_E2E=1 (as .ci/run does) to turn "cannot boot a
+container here" from a skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from systemd_harness import REPO, BootFailed, Container, boot, cached_root, gb10d_version, missing_tools
+
+
+def skip_unless_tools(*names: str, package_hint: str) -> None:
+    """Skip the test, naming what to install, when a build tool is missing."""
+    missing = missing_tools(*names)
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (apt-get install {package_hint}; .ci/run installs it)")
+
+
+@pytest.fixture(scope="session")
+def build_deb(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Build (once per session and architecture) the .deb with packaging/build-deb, into a temporary dist dir."""
+    built: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("deb")
+
+    def build(arch: str) -> Path:
+        if arch in built:
+            return built[arch]
+        tools = ["dpkg-buildpackage", "dh"] + (["aarch64-linux-gnu-objdump"] if arch == "arm64" else [])
+        skip_unless_tools(*tools, package_hint="dpkg-dev debhelper binutils-aarch64-linux-gnu")
+        env = dict(os.environ, GB10D_BUILD_DIR=str(root / "build"), GB10D_DIST_DIR=str(root / "dist"))
+        result = subprocess.run(
+            [str(REPO / "packaging" / "build-deb"), arch], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, f"build-deb {arch} failed:\n{result.stdout}\n{result.stderr}"
+        deb = root / "dist" / f"gb10d_{gb10d_version()}_{arch}.deb"
+        assert deb.is_file(), f"build-deb {arch} did not write {deb}:\n{result.stdout}"
+        built[arch] = deb
+        return deb
+
+    return build
+
+
+def _cannot_boot(reason: str) -> None:
+    """Skip where containers cannot boot, unless the run requires them (CI)."""
+    if os.environ.get("GB10D_REQUIRE_SYSTEMD_E2E") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
+    """One booted container for all checks of a module; always torn down, even on failure."""
+    if os.geteuid() != 0:
+        _cannot_boot("needs root to debootstrap and boot a systemd-nspawn container")
+    missing = missing_tools("debootstrap", "systemd-nspawn", "nsenter")
+    if missing:
+        _cannot_boot(f"needs {', '.join(missing)} (apt-get install debootstrap systemd-container util-linux)")
+    share = tmp_path_factory.mktemp("share")
+    log = share.parent / f"{share.name}-console.log"
+    try:
+        box = boot(cached_root(), share, log)
+    except BootFailed as exc:
+        _cannot_boot(str(exc))
+    try:
+        yield box
+    finally:
+        box.halt()
