@@ -182,7 +182,8 @@ def next_attempt(outcome: Outcome, used: Tunables, history: History, config: Con
             f"{failure.requested_utilization:g} ({failure.requested_gib:g} GiB)",
         )
         if isinstance(retry, Retry):
-            retry = Retry(used.with_(gpu_memory_utilization=retry.tunables.gpu_memory_utilization), 0.0, retry.message)
+            new = retry.tunables.gpu_memory_utilization
+            retry = Retry(used.with_(gpu_memory_utilization=new), 0.0, f"restarting with {new:g}")
     elif outcome.cause is Cause.CUDA_OOM:
         retry = _lower_utilization(
             used.gpu_memory_utilization, used.gpu_memory_utilization - 0.05, config, "CUDA ran out of memory"
@@ -200,6 +201,9 @@ def next_attempt(outcome: Outcome, used: Tunables, history: History, config: Con
             )
         else:
             retry = Retry(used, backoff_delay(config, history.backoffs), "retrying with the same settings")
+    elif outcome.was_ready:
+        # It served before: a fresh start is the fix, and a full start is slow enough to pace itself.
+        retry = Retry(used, 0.0, "restarting with the same settings")
     else:
         retry = Retry(used, backoff_delay(config, history.backoffs), "restarting with the same settings")
 
@@ -216,7 +220,10 @@ def describe(outcome: Outcome) -> str:
     """A few words for the cause, used in give-up messages and STATUS=."""
     failure = outcome.failure
     if isinstance(failure, FreeMemoryShort):
-        return f"free memory {failure.free_gib:g} GiB below {failure.requested_gib:g} GiB requested"
+        return (
+            f"free memory {failure.free_gib:g} of {failure.total_gib:g} GiB is below gpu_memory_utilization "
+            f"{failure.requested_utilization:g} ({failure.requested_gib:g} GiB)"
+        )
     if isinstance(failure, CudaOutOfMemory) and failure.tried_gib is not None:
         return f"CUDA out of memory allocating {failure.tried_gib:g} GiB"
     if outcome.detail:

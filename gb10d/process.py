@@ -10,15 +10,17 @@ API server exited.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
-from dataclasses import dataclass
+import subprocess
 from pathlib import Path
-from typing import Awaitable, Callable, Mapping, Sequence
+from typing import IO, Awaitable, Callable, Mapping, Sequence
 
 from .errors import SpawnError
 
 READ_CHUNK = 1 << 16
+_PR_SET_CHILD_SUBREAPER = 36
 
 ChunkHandler = Callable[[bytes], None]
 
@@ -91,7 +93,9 @@ async def wait_group_gone(pgid: int, timeout_s: float) -> bool:
         remaining = deadline - loop.time()
         if remaining <= 0:
             return False
-        living = [pid for pid in group_members(pgid) if not _is_zombie(pid)]
+        members = group_members(pgid)
+        _reap_adopted(members, leader=pgid)
+        living = [pid for pid in members if not _is_zombie(pid)]
         if living:
             await _any_exit(living, remaining)
         else:
@@ -99,6 +103,40 @@ async def wait_group_gone(pgid: int, timeout_s: float) -> bool:
             # within moments, and the kernel offers no event for "reaped".
             await asyncio.sleep(min(0.02, remaining))
     return True
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants (vLLM's EngineCore after its API server died) our children.
+
+    The kernel then reparents them to gb10d rather than to PID 1, so gb10d can
+    see them, kill them and reap them itself, even where PID 1 is not an init
+    that reaps (containers). Returns False where prctl is unavailable.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _reap_adopted(members: list[int], leader: int) -> None:
+    """Reap zombies of the group that were reparented to us; the leader is asyncio's to reap."""
+    me = os.getpid()
+    for pid in members:
+        if pid == leader or not _is_zombie(pid) or _parent(pid) != me:
+            continue
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(b")") + 2 :].split()[1])
 
 
 async def _any_exit(pids: list[int], timeout_s: float) -> None:
@@ -131,31 +169,41 @@ def _is_zombie(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2 :].startswith(b"Z")
 
 
-@dataclass
 class VllmProcess:
-    """One running `vllm serve`, leader of its own process group."""
+    """One running `vllm serve`, leader of its own process group.
 
-    process: asyncio.subprocess.Process
-    argv: Sequence[str]
+    Exit and pipe EOF are watched separately on purpose: an orphaned
+    EngineCore keeps vLLM's pipes open after the API server died, and the
+    supervisor must learn of the exit at once (a pidfd becomes readable),
+    not when the last holder of the pipes goes away.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes], argv: Sequence[str], loop: asyncio.AbstractEventLoop) -> None:
+        self.popen = popen
+        self.argv = argv
+        self._loop = loop
+        self._exit: asyncio.Future[int] = loop.create_future()
+        self._pidfd = os.pidfd_open(popen.pid)
+        loop.add_reader(self._pidfd, self._on_exit)
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        return self.popen.pid
 
     @property
     def pgid(self) -> int:
         # start_new_session makes the leader's pid the group id, and it stays so after it dies.
-        return self.process.pid
+        return self.popen.pid
 
     @classmethod
     async def spawn(cls, argv: Sequence[str], env: Mapping[str, str], cwd: Path | None = None) -> VllmProcess:
         """Start vLLM in a new session with both pipes captured and stdin closed."""
         try:
-            process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
+            popen = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 env=dict(env),
                 cwd=cwd,
                 start_new_session=True,
@@ -166,7 +214,21 @@ class VllmProcess:
             raise SpawnError(f"cannot start vLLM: {argv[0]} is not executable; check vllm.executable or vllm.venv") from None
         except OSError as exc:
             raise SpawnError(f"cannot start vLLM ({argv[0]}): {exc.strerror or exc}") from None
-        return cls(process, argv)
+        return cls(popen, argv, asyncio.get_running_loop())
+
+    def _on_exit(self) -> None:
+        try:
+            pid, status = os.waitpid(self.popen.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self.popen.pid, 255 << 8
+        if pid == 0:
+            return
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        code = os.waitstatus_to_exitcode(status)
+        self.popen.returncode = code  # reaped here; keeps subprocess from waiting on it again
+        if not self._exit.done():
+            self._exit.set_result(code)
 
     def readers(self, on_stdout: ChunkHandler, on_stderr: ChunkHandler) -> list[Awaitable[None]]:
         """Coroutines that drain both pipes until EOF, handing each chunk over at once.
@@ -174,12 +236,16 @@ class VllmProcess:
         Reading never waits on anything but the pipe, so vLLM never blocks on
         a full pipe however much it prints.
         """
-        assert self.process.stdout is not None and self.process.stderr is not None
-        return [_drain(self.process.stdout, on_stdout), _drain(self.process.stderr, on_stderr)]
+        assert self.popen.stdout is not None and self.popen.stderr is not None
+        return [_drain(self.popen.stdout, on_stdout), _drain(self.popen.stderr, on_stderr)]
 
     async def wait(self) -> int:
-        """The leader's exit status (negative for a signal, as asyncio reports it)."""
-        return await self.process.wait()
+        """The leader's exit status (negative for a signal), as soon as it exits."""
+        return await asyncio.shield(self._exit)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
 
     def signal(self, sig: signal.Signals) -> bool:
         """Signal the whole group."""
@@ -204,12 +270,35 @@ class VllmProcess:
         return await wait_group_gone(self.pgid, 30.0)
 
 
-async def _drain(stream: asyncio.StreamReader, handle: ChunkHandler) -> None:
-    while True:
-        chunk = await stream.read(READ_CHUNK)
-        if not chunk:
-            return
-        handle(chunk)
+async def _drain(pipe: IO[bytes], handle: ChunkHandler) -> None:
+    """Read `pipe` without blocking the loop until EOF, passing every chunk to `handle`."""
+    loop = asyncio.get_running_loop()
+    fd = pipe.fileno()
+    os.set_blocking(fd, False)
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        # A few chunks per wake-up: drains a flood quickly without starving the rest of the loop.
+        for _ in range(4):
+            try:
+                chunk = os.read(fd, READ_CHUNK)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                loop.remove_reader(fd)
+                if not done.done():
+                    done.set_result(None)
+                return
+            handle(chunk)
+
+    loop.add_reader(fd, readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+        pipe.close()
 
 
 def describe_exit(status: int | None) -> str:

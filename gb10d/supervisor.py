@@ -46,7 +46,7 @@ from .notify import Notifier
 from .phases import Phase, StartupState, advance, enter, note_io, start, status_text
 from .policy import Cause, History, Outcome, Retry
 from .probe import Prober, base_url
-from .process import ChunkHandler, VllmProcess, describe_exit, group_alive, group_io_bytes, group_members
+from .process import ChunkHandler, VllmProcess, become_subreaper, describe_exit, group_alive, group_io_bytes, group_members
 from .statefile import write_state
 
 PRIORITY_ERR, PRIORITY_WARNING, PRIORITY_INFO, PRIORITY_DEBUG = 3, 4, 6, 7
@@ -58,6 +58,8 @@ EXTEND_MARGIN_S = 60.0
 IO_PROGRESS_MIN_BYTES = 1 << 20
 # How long /health may refuse connections after `Application startup complete.` (uvicorn listens just after).
 LISTEN_GRACE_S = 30.0
+# How long the pipes may stay open after the API server exited before gb10d acts on the exit anyway.
+PIPE_DRAIN_S = 2.0
 
 
 # --- what the loop is told ---------------------------------------------------
@@ -532,10 +534,15 @@ class Supervisor:
 
             return on_chunk
 
-        readers = attempt.process.readers(handler(), handler())
-        await asyncio.gather(*readers)
+        readers = asyncio.gather(*attempt.process.readers(handler(), handler()))
         status = await attempt.process.wait()
+        try:
+            # The exit's last words are still in the pipes; an orphaned EngineCore may hold them open forever.
+            await asyncio.wait_for(asyncio.shield(readers), PIPE_DRAIN_S)
+        except asyncio.TimeoutError:
+            pass
         post(Exited(n, status))
+        await readers
 
     async def _kill(self, attempt: Attempt) -> None:
         """SIGKILL the whole group at once (a failed or stalled start has nothing to drain)."""
@@ -759,4 +766,5 @@ def run_daemon(config_path: Path) -> int:
     notifier = Notifier(on_error=lambda message: journal.event("watchdog", message, PRIORITY_ERR))
     metrics = Metrics()
     supervisor = Supervisor(config, journal, notifier, metrics)
+    become_subreaper()
     return asyncio.run(supervisor.run())

@@ -78,12 +78,12 @@ def test_healthy_start_sends_ready_once_after_health_and_served_name(tmp_path: P
 
 
 def test_status_passes_through_the_startup_phases_and_extends_the_timeout(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
-    setup = Setup(tmp_path, scenario="slow_shards=0.5", extra={"startup.stall_timeout_s": 30.0})
+    setup = Setup(tmp_path, scenario="slow_shards=60", extra={"startup.stall_timeout_s": 30.0})
     daemon = run(setup, notify, daemons)
     ready(notify)
     statuses = notify.statuses()
     assert any(re.match(r"loading weights \d+/6 \(\d+%\), attempt 1/3, gpu_memory_utilization=0.8", s) for s in statuses), statuses
-    for phase in ("loading weights", "compiling", "capturing CUDA graphs", "starting server", "warming up"):
+    for phase in ("loading weights", "compiling", "capturing CUDA graphs", "starting API server", "warming up"):
         assert any(s.startswith(phase) for s in statuses), (phase, statuses)
     assert notify.count("EXTEND_TIMEOUT_USEC") >= 3
     first_ready = next(i for i, (_, m) in enumerate(notify.messages) if m.get("READY") == "1")
@@ -127,7 +127,7 @@ def test_stall_at_0_of_66_is_detected_and_the_next_start_uses_eager(tmp_path: Pa
     assert detected - seen_bar <= 3.0 + 2.0 + 1.0, "stall must be detected within stall_timeout + 2 s"
     assert bar and stall
     first = next(vllm_groups(daemon.lines))
-    assert not group_alive(first), "the stalled attempt's whole process group is gone"
+    wait_until(lambda: not group_alive(first), 30, "the stalled attempt's whole process group gone")
     ready(notify)
     assert "--safetensors-load-strategy eager" in starts(daemon)[1]
     daemon.stop()
@@ -219,7 +219,7 @@ def test_killed_api_server_leaves_no_orphaned_engine_and_is_recovered(tmp_path: 
 
 
 def test_engine_death_after_ready_is_recovered(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
-    setup = Setup(tmp_path, scenario="engine_dies_after=1", extra={"liveness.health_interval_s": 0.5, "restart.max_attempts": 5})
+    setup = Setup(tmp_path, scenario="engine_dies_after=200", extra={"liveness.health_interval_s": 0.5, "restart.max_attempts": 5})
     daemon = run(setup, notify, daemons)
     ready(notify)
     daemon.wait_line(r"gb10d: .*(engine is dead|engine core died|EngineDeadError|engine_dead)")
