@@ -400,10 +400,15 @@ def diagnose(text: str, stall_timeout_s: float = 300.0) -> Diagnosis:
     if stalled and loading_phase and not (state.shards_total and state.shards_done >= state.shards_total):
         where = f" at shard {state.shards_done}/{state.shards_total}" if state.shards_total else ""
         how_long = f" for {quiet_s:.0f} s" if quiet_s is not None else ""
+        if state.eager:
+            advice = ("Loading stalls even with the eager strategy: check the model's disk (dmesg, iostat) and "
+                      'MemAvailable, or try vllm.args.safetensors_load_strategy = "prefetch" in gb10d.toml.')
+        else:
+            advice = ('Set vllm.args.safetensors_load_strategy = "eager" in gb10d.toml (reads each shard into memory '
+                      "instead of mmap, which avoids this stall on GB10); gb10d's startup.load_strategy_ladder does "
+                      "this on the next attempt.")
         return Diagnosis(
-            "shard_stall", facts,
-            'Set vllm.args.safetensors_load_strategy = "eager" in gb10d.toml (reads each shard into memory instead '
-            "of mmap, which avoids this stall on GB10); gb10d's startup.load_strategy_ladder does this on the next attempt.",
+            "shard_stall", facts, advice,
             f"Weight loading made no progress{how_long}{where} (stall timeout {stall_timeout_s:g} s).",
         )
     where = f" ({state.shards_done}/{state.shards_total} shards)" if state.phase is Phase.LOADING_WEIGHTS and state.shards_total else ""
@@ -411,7 +416,8 @@ def diagnose(text: str, stall_timeout_s: float = 300.0) -> Diagnosis:
         "loading", facts,
         f"Nothing failed yet; vLLM is still starting. If it stays silent longer than startup.stall_timeout_s "
         f"({stall_timeout_s:g} s), set vllm.args.safetensors_load_strategy = \"eager\".",
-        f"The latest start is in phase {state.phase.value}{where}.",
+        f"The latest start is in phase {state.phase.value}{where}"
+        + (f", last progress {quiet_s:.0f} s before the log ends." if quiet_s is not None else "."),
     )
 
 

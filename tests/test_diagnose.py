@@ -223,3 +223,9 @@ def test_a_kill_from_outside_mid_load_is_a_crash_with_memory_advice(line: str) -
     result = diagnose(text)
     assert result.verdict == "crash" and "OOM killer" in result.advice
     assert "vllm.gpu_memory_utilization = 0.87" in result.advice
+
+
+def test_a_stall_with_eager_already_on_does_not_advise_eager_again() -> None:
+    text = shard_log(["Dec 02 14:00:00"], "Dec 02 14:10:00").replace("checkpoint shards:", "checkpoint shards (eager):")
+    result = diagnose(text)
+    assert result.verdict == "shard_stall" and '"prefetch"' in result.advice and '= "eager"' not in result.advice
