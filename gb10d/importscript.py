@@ -463,8 +463,8 @@ def _wrappers(prefix: list[str], line: int, result: _Import) -> None:
         )
 
 
-def _program(fields: list[str], line: int, result: _Import) -> tuple[list[str], bool]:
-    """Set venv or executable from the program word; return the words after `serve` and whether the old entry point was used."""
+def _program(fields: list[str], line: int, result: _Import) -> list[str]:
+    """Set venv or executable from the program word; return the words after `serve` (or the entry point)."""
     word = fields[0]
     if _is_vllm(word):
         rest = fields[1:]
@@ -475,14 +475,14 @@ def _program(fields: list[str], line: int, result: _Import) -> tuple[list[str], 
         if "/" in word:
             path = result.absolute(word, line, "vllm")
             if result.venv is not None and path == posixpath.join(result.venv, "bin", "vllm"):
-                return rest, False
+                return rest
             result.vllm["executable"] = path
             result.venv = None
         elif result.venv is None:
             result.warnings.append(
                 "the script runs 'vllm' from PATH; set vllm.executable to its full path (see: command -v vllm) or vllm.venv"
             )
-        return rest, False
+        return rest
     module = fields[2] if len(fields) > 2 else ""
     rest = fields[3:]
     old = module == _OLD_ENTRY
@@ -506,7 +506,7 @@ def _program(fields: list[str], line: int, result: _Import) -> tuple[list[str], 
             )
     elif result.venv is None:
         result.warnings.append("the script runs 'python' from PATH; set vllm.venv to the virtualenv that has vLLM")
-    return rest, old
+    return rest
 
 
 def _vllm_command(shell: _Shell, fields: list[str], assignments: list[tuple[str, str]], command: _Command, result: _Import) -> None:
@@ -516,7 +516,7 @@ def _vllm_command(shell: _Shell, fields: list[str], assignments: list[tuple[str,
     if result.found > 1:
         result.warnings.append(f"line {line}: another vLLM command; gb10d runs one vLLM per config, so only the first was imported")
         return
-    rest, _ = _program(fields, line, result)
+    rest = _program(fields, line, result)
     positional, flags = _split_flags(rest, line, result)
     if positional:
         result.vllm["model"] = positional[0]
@@ -662,7 +662,10 @@ def import_script(text: str, shown: str = "<script>") -> Imported:
     """Read a start script and return the equivalent gb10d.toml data; ConfigError if it runs no vLLM."""
     shell = _Shell()
     result = _Import()
-    for command in _commands(text):
+    if "\r\n" in text:
+        # bash would pass each \r on to vLLM as part of the last word; the intent is plain newlines.
+        result.notes.append("the script has Windows line endings (CRLF); read as if it had plain newlines")
+    for command in _commands(text.replace("\r\n", "\n")):
         _interpret(shell, command, result)
     if not result.found:
         raise ConfigError([ConfigProblem(shown, "", "no vllm serve (or python -m vllm.entrypoints.openai.api_server) command found; nothing to import")])

@@ -229,3 +229,9 @@ def test_shipped_config_gives_every_flag_of_the_reference_script() -> None:
     argv = build_argv(load_config(shipped).vllm)
     assert argv[1:3] == REFERENCE_ARGV[1:3]
     assert flags(argv) == flags(REFERENCE_ARGV)
+
+
+def test_windows_line_endings_are_read_as_newlines_and_said_so(tmp_path: Path) -> None:
+    argv, text = imported_argv(tmp_path, "/usr/local/bin/vllm serve m \\\r\n  --port 8000\r\n")
+    assert flags(argv)["port"] == (8000.0,)
+    assert "Windows line endings" in text
