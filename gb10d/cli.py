@@ -158,7 +158,10 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_CONFIG_HELP = f"config file (default: ${CONFIG_ENV} if set, else {DEFAULT_CONFIG_PATH}); drop-ins are read from <file without .toml>.d/*.toml"
+_CONFIG_HELP = (
+    f"config file (default: ${CONFIG_ENV} if set, else {DEFAULT_CONFIG_PATH}); "
+    f"drop-ins are read from NAME.d/*.toml next to NAME.toml, e.g. {dropin_dir_for(DEFAULT_CONFIG_PATH)}/*.toml"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
