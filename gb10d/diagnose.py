@@ -113,6 +113,7 @@ _GLUED_RECORD = re.compile(
     r"|(?<=[^\s)])(?=(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[)"
     r"|(?<=[^\s)])(?=(?:INFO|WARNING|ERROR):\s{2,})"
 )
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _VLLM_TS = re.compile(r"^(?P<mon>\d\d)-(?P<day>\d\d) (?P<h>\d\d):(?P<m>\d\d):(?P<s>\d\d)$")
 _ASSUMED_YEAR = 2024  # year-less timestamps: a leap year, so 02-29 exists
 
@@ -198,10 +199,10 @@ def read_lines(text: str) -> list[_Line]:
     for physical in _unwrap(physicals):
         if _JOURNAL_NOTE.match(physical.strip()):
             continue
-        # Cheap counts first: two journal prefixes, or two records' worth of colons or tags, before any split.
+        # Cheap counts first: two journal prefixes, or two level words or tags, before any split.
         for piece in _GLUED_JOURNAL.split(physical) if physical.count("]: ") > 1 else (physical,):
             body, when = _strip_wrappers(piece)
-            glued = body.count(" pid=") > 1 or body.count(":") >= 6
+            glued = body.count(" pid=") > 1 or sum(body.count(level) for level in _LEVELS) > 1
             for record in _GLUED_RECORD.split(body) if glued else (body,):
                 if "\r" not in record:
                     out.append(_Line(record, when))

@@ -229,3 +229,11 @@ def test_a_stall_with_eager_already_on_does_not_advise_eager_again() -> None:
     text = shard_log(["Dec 02 14:00:00"], "Dec 02 14:10:00").replace("checkpoint shards:", "checkpoint shards (eager):")
     result = diagnose(text)
     assert result.verdict == "shard_stall" and '"prefetch"' in result.advice and '= "eager"' not in result.advice
+
+
+def test_records_run_together_on_one_line_are_split_again() -> None:
+    text = ("(APIServer pid=1) INFO 12-02 14:00:00 [api_server.py:583] Starting vLLM server on http://0.0.0.0:8000"
+            "INFO:     Waiting for application startup.INFO:     Application startup complete.\n")
+    assert diagnose(text).verdict == "ready"
+    glued = FREE.replace("(EngineCore", "(APIServer pid=1) INFO 12-02 14:00:00 [x.py:1] Loading weights took 1.0 seconds(EngineCore")
+    assert diagnose(glued).facts["free_gib"] == 103.45
