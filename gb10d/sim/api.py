@@ -342,6 +342,11 @@ class SimHTTPServer(ThreadingHTTPServer):
     def server_bind(self) -> None:  # the socket is already bound
         pass
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hangs up mid-answer is normal (probes with timeouts);
+        # uvicorn says nothing about it, and neither may we.
+        pass
+
 
 class Handler(BaseHTTPRequestHandler):
     """vLLM's routes, with uvicorn's access log and headers."""

@@ -32,6 +32,7 @@ CONFIG_S = 2.0
 SERVE_SETUP_S = 1.0
 ENGINE_DEATH_GRACE_S = 5.0
 ENGINE_STOP_WAIT_S = 1.0
+STARTUP_POLL_S = 10.0  # STARTUP_POLL_PERIOD_MS
 
 _LOGO = (
     "",
@@ -198,8 +199,12 @@ class ApiServer:
     def wait_for_engine(self) -> int:
         """wait_for_engine_startup(): the ready message, or the engine's death."""
         assert self.conn is not None
+        poll_s = self.settings.delay(STARTUP_POLL_S) or None
         buffer = b""
         while b"\n" not in buffer:
+            if not select.select([self.conn], [], [], poll_s)[0]:
+                self.log("v1/engine/utils.py:1098", "Waiting for 1 local, 0 remote core engine proc(s) to start.", "DEBUG")
+                continue
             chunk = self.conn.recv(65536)
             if not chunk:
                 self._reap()
@@ -243,7 +248,7 @@ class ApiServer:
         self.uvicorn("Waiting for application startup.")
         self.uvicorn("Application startup complete.")
         server.server_activate()
-        threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+        threading.Thread(target=server.serve_forever, args=(0.05,), name="http", daemon=True).start()
         client.start()
         if not args.disable_log_stats and settings.speed > 0:
             threading.Thread(target=self._stats_loop, args=(client, spec_k), name="stats", daemon=True).start()

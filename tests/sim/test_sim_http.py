@@ -8,10 +8,11 @@ import signal
 import socket
 import time
 import urllib.request
+from typing import Iterator
 
 import pytest
 
-from sim_support import DEADLINE_S, FIXTURES, SPEC, STATS, http, messages, physical_lines, port_refuses
+from sim_support import DEADLINE_S, FIXTURES, SPEC, STATS, Sim, http, start_sim, messages, physical_lines, port_refuses
 
 
 def _probe(section: str) -> str:
@@ -41,11 +42,15 @@ def _scrape(port: int) -> str:
     return http(port, "/metrics").body.decode()
 
 
-@pytest.fixture
-def served(sim):  # type: ignore[no-untyped-def]
-    s = sim("/srv/models/tiny-llama", "--served-model-name", "tiny", "alias", "--max-model-len", "2048")
-    s.wait_ready()
-    return s
+@pytest.fixture(scope="module")
+def served() -> Iterator[Sim]:
+    """One serving stand-in shared by the read-mostly tests (they compare deltas, never absolutes)."""
+    s = start_sim(["/srv/models/tiny-llama", "--served-model-name", "tiny", "alias", "--max-model-len", "2048"])
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.kill_group()
 
 
 def test_health_ping_and_version_answer_like_vllm(served) -> None:  # type: ignore[no-untyped-def]
@@ -131,7 +136,9 @@ def test_metrics_use_vllms_names_and_move_with_requests(served) -> None:  # type
     assert _metric(after, "vllm:request_success_total", finished_reason="length") == _metric(before, "vllm:request_success_total", finished_reason="length") + 1
 
 
-def test_stats_line_follows_served_requests(served) -> None:  # type: ignore[no-untyped-def]
+def test_stats_line_follows_served_requests(sim) -> None:  # type: ignore[no-untyped-def]
+    served = sim("m", "--served-model-name", "tiny")
+    served.wait_ready()
     http(served.port, "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 5})
     served.wait_output(lambda out, err: any(m.startswith("Engine 000:") for m in messages(out)))
     line = next(m for m in messages(bytes(served.stdout)) if m.startswith("Engine 000:"))
@@ -175,10 +182,11 @@ def test_killed_engine_core_turns_health_503_with_the_recorded_lines(sim) -> Non
 
 def test_after_engine_death_the_port_closes_and_the_api_server_exits_0(sim) -> None:  # type: ignore[no-untyped-def]
     s = sim("m", env={"GB10D_SIM_SCENARIO": "engine_dies_after=1"})
-    s.wait_ready()
+    s.wait_text("Application startup complete.", "stderr")
     assert s.wait_exit() == 0
     s.drain()
     assert port_refuses(s.port)
+    assert "[shutdown] MPClient: engine core exited unexpectedly; starting cleanup" in messages(bytes(s.stdout))
     assert physical_lines(bytes(s.stderr))[-1] == f"(APIServer pid={s.process.pid}) INFO:     Finished server process [{s.process.pid}]"
     assert s.group_pids() == []
 
