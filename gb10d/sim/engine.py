@@ -225,7 +225,7 @@ class EngineCore:
         graphs_s = 0.0 if self.enforce_eager else self.capture_graphs()
         self.pause(ENGINE_FINISH_S)
         self.log("compilation/jit_monitor.py:54", "Kernel JIT monitor activated \u2014 Triton JIT compilations during inference will be logged as warnings.")
-        total = DYNAMO_S + COMPILE_RANGE_S + PROFILE_S + KV_SETUP_S + graphs_s + ENGINE_FINISH_S if not self.enforce_eager else PROFILE_S + KV_SETUP_S + ENGINE_FINISH_S
+        total = PROFILE_S + KV_SETUP_S + ENGINE_FINISH_S + graphs_s + (0.0 if self.enforce_eager else DYNAMO_S + COMPILE_RANGE_S)
         if compile_s:
             self.log("v1/engine/core.py:306", f"init engine (profile, create kv cache, warmup model) took {total:.2f} s (compilation: {compile_s:.2f} s)")
         else:

@@ -396,8 +396,8 @@ def serve_main(words: Sequence[str]) -> int:
         return 2
     args = parse_serve_args(words, settings.minor)
     if args.model_tag is None and args.model == DEFAULT_MODEL and args.served_model_name and not args.config:
-        console = Console(settings.style, "APIServer")
-        console.write(STDERR, texts.traceback_text(texts.API_FRAMES["bad_parser"][:3], "ValueError: `model` should be provided as the first positional argument when using `vllm serve`. i.e. `vllm serve <model> --<arg> <value>`.") + "\n")
+        # Raised by the serve subcommand before vLLM tags its streams.
+        print(texts.traceback_text(texts.API_FRAMES["serve_args"], texts.MODEL_NOT_POSITIONAL), file=sys.stderr)
         return 1
     ApiServer(settings, args).run()
 

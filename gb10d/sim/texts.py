@@ -191,6 +191,9 @@ API_FRAMES: dict[str, list[Frame]] = {
         (f"{VLLM}/entrypoints/openai/api_server.py", 1209, "setup_server", "sock = create_server_socket(sock_addr)"),
         (f"{VLLM}/entrypoints/openai/api_server.py", 1150, "create_server_socket", "sock.bind(addr)"),
     ],
+    "serve_args": _API_MAIN[:2] + [
+        (f"{VLLM}/entrypoints/cli/serve.py", 104, "cmd", "raise ValueError("),
+    ],
     "bad_parser": _API_MAIN + [
         (f"{VLLM}/entrypoints/openai/api_server.py", 1244, "run_server", "listen_address, sock = setup_server(args)"),
         (f"{VLLM}/entrypoints/openai/api_server.py", 1187, "setup_server", "validate_api_server_args(args)"),
@@ -226,6 +229,11 @@ def bad_reasoning_parser(name: str) -> str:
     """The KeyError for an unknown --reasoning-parser."""
     return f"KeyError: 'invalid reasoning parser: {name} (chose from {{ {','.join(REASONING_PARSERS)} }})'"
 
+
+MODEL_NOT_POSITIONAL = (
+    "ValueError: `model` should be provided as the first positional argument when using `vllm serve`. "
+    "i.e. `vllm serve <model> --<arg> <value>`."
+)
 
 AUTO_TOOL_CHOICE_NEEDS_PARSER = "TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser"
 

@@ -185,3 +185,13 @@ def test_port_in_use_is_vllms_oserror_before_any_engine(sim) -> None:  # type: i
         s.drain()
     assert physical_lines(bytes(s.stderr))[-1] == f"(APIServer pid={s.process.pid}) OSError: [Errno 98] Address already in use"
     assert b"EngineCore" not in bytes(s.stdout)
+
+
+def test_served_model_name_without_a_model_is_vllms_value_error(sim) -> None:  # type: ignore[no-untyped-def]
+    s = sim("--served-model-name", "tiny")
+    assert s.wait_exit() == 1
+    s.drain()
+    assert physical_lines(bytes(s.stderr))[-1] == (
+        "ValueError: `model` should be provided as the first positional argument when using `vllm serve`. "
+        "i.e. `vllm serve <model> --<arg> <value>`."
+    )
