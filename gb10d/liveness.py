@@ -127,7 +127,7 @@ class LivenessState:
 
     started_at: float
     tokens: float | None = None
-    tokens_moved_at: float = 0.0
+    tokens_moved_at: float | None = None
     sample: MetricsSample | None = None
     sampled_at: float | None = None
     busy_since: float | None = None
@@ -138,10 +138,15 @@ class LivenessState:
     last_probe_done_at: float | None = None
     dead: str | None = None
 
+    @property
+    def generated_at(self) -> float:
+        """The last proof that the engine generates: the counter moving, else ready's warm-up completion."""
+        return self.started_at if self.tokens_moved_at is None else self.tokens_moved_at
+
 
 def start(now: float) -> LivenessState:
     """The state right after READY: the warm-up completion has just proved the engine generates."""
-    return LivenessState(started_at=now, tokens_moved_at=now)
+    return LivenessState(started_at=now)
 
 
 def observe_metrics(state: LivenessState, sample: MetricsSample | None, now: float) -> LivenessState:
@@ -184,8 +189,10 @@ def observe_probe(state: LivenessState, result: ProbeResult, now: float) -> Live
 def _death(result: ProbeResult, what: str) -> str | None:
     if result.status == 503:
         return f"{what} answered 503 Service Unavailable: vLLM reports its engine dead"
-    if result.refused:
-        return f"{what} was refused: vLLM no longer listens"
+    # httpx's async transport words a refusal "All connection attempts failed", which
+    # Prober reports as "cannot connect: ..."; on loopback both mean nothing listens.
+    if result.refused or (result.status is None and result.reason.startswith("cannot connect")):
+        return f"{what} could not connect ({result.reason}): vLLM no longer listens"
     return None
 
 
@@ -198,7 +205,7 @@ def verdict(state: LivenessState, now: float, limits: LivenessSection) -> Verdic
         return Hung(_stuck_evidence(state, stuck_since, now, limits), "hung")
     sent_at = _unfinished_probe_sent_at(state, now, limits)
     # A probe slowed by a saturated engine is no failure as long as tokens flowed after it was sent.
-    if sent_at is not None and state.tokens_moved_at <= sent_at:
+    if sent_at is not None and state.generated_at <= sent_at:
         return Hung(_probe_evidence(state, sent_at, now, limits), "probe_timeout")
     return Alive()
 
@@ -207,7 +214,7 @@ def _stuck_since(state: LivenessState) -> float | None:
     """Since when tokens are owed and none came: the later of the last token and the start of the busy stretch."""
     if state.sample is None or not state.sample.busy or state.busy_since is None:
         return None
-    return max(state.tokens_moved_at, state.busy_since)
+    return max(state.generated_at, state.busy_since)
 
 
 def _unfinished_probe_sent_at(state: LivenessState, now: float, limits: LivenessSection) -> float | None:
@@ -229,7 +236,7 @@ def next_probe_due(state: LivenessState, now: float, limits: LivenessSection) ->
     """
     if state.probe_sent_at is not None or (state.sample is not None and state.sample.busy):
         return None
-    proof = max(state.tokens_moved_at, state.last_probe_done_at or state.started_at)
+    proof = max(state.generated_at, state.last_probe_done_at or state.started_at)
     return proof + limits.idle_probe_interval_s
 
 
@@ -257,6 +264,8 @@ def _count(value: float | None) -> str:
 def _tokens_fact(state: LivenessState, now: float) -> str:
     if state.tokens is None:
         return "vLLM reported no vllm:generation_tokens_total"
+    if state.tokens_moved_at is None:
+        return f"generation token counter at {state.tokens:.0f}, unchanged since ready {now - state.started_at:.0f} s ago"
     return f"generation token counter at {state.tokens:.0f}, last moved {now - state.tokens_moved_at:.0f} s ago"
 
 
