@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from . import __version__
@@ -80,7 +83,8 @@ class Metrics:
             return Counter(name, documentation, (label,), registry=self.registry)
 
         Info("gb10d_build", "gb10d version.", registry=self.registry).info({"version": __version__})
-        self._phase = gauge("gb10d_phase", "Current startup phase: 1 for the current one, 0 for the others.", ("phase",))
+        self._phase = _PhaseSet()
+        self.registry.register(self._phase)
         self._ready = gauge("gb10d_ready", "1 when vLLM serves and systemd was told READY=1.")
         self._vllm_up = gauge("gb10d_vllm_up", "1 while a vLLM process is running.")
         self._attempts = counter("gb10d_start_attempts", "vLLM starts, by why the start happened.", "reason")
@@ -128,15 +132,12 @@ class Metrics:
             self._prompt, self._generation, self._running, self._waiting, self._kv_usage, self._prefix_hit,
             self._mean_len, self._accept, self._accepted, self._drafted, self._position,
         )
-        for name in PHASES:
-            self._phase.labels(phase=name).set(0)
         for reason in START_REASONS:
             self._attempts.labels(reason=reason)
         for cause in RESTART_CAUSES:
             self._restarts.labels(cause=cause)
         for cause in LIVENESS_CAUSES:
             self._liveness.labels(cause=cause)
-        self._current_phase: str | None = None
         self._vllm_target: str | None = None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -145,10 +146,7 @@ class Metrics:
 
     def set_phase(self, phase: str) -> None:
         """Make `phase` the one current phase of the state set."""
-        if self._current_phase is not None:
-            self._phase.labels(phase=self._current_phase).set(0)
-        self._phase.labels(phase=phase).set(1)
-        self._current_phase = phase
+        self._phase.current = phase
 
     def set_ready(self, ready: bool) -> None:
         self._ready.set(1 if ready else 0)
@@ -260,6 +258,27 @@ class Metrics:
             server.server_close()
         if thread is not None:
             thread.join()
+
+
+class _PhaseSet(Collector):
+    """`gb10d_phase` as a state set, read in one step so a scrape never sees zero or two current phases.
+
+    Setting one labelled gauge to 0 and another to 1 would be two steps, and
+    the listener thread may collect between them.
+    """
+
+    def __init__(self) -> None:
+        self.current: str | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        current = self.current
+        family = GaugeMetricFamily(
+            "gb10d_phase", "Current startup phase: 1 for the current one, 0 for the others.", labels=("phase",)
+        )
+        names = PHASES if current is None or current in PHASES else (*PHASES, current)
+        for name in names:
+            family.add_metric((name,), 1.0 if name == current else 0.0)
+        yield family
 
 
 def _handler_for(metrics: Metrics) -> type[BaseHTTPRequestHandler]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gb10d.events import ShardsProgressed, SpecDecodingLogged, StatsLogged
 from gb10d.metrics import PHASES, Metrics, vllm_families
+
+from harness import GIB_KB, Daemon, NotifySocket, Setup, free_port, wait_until
 
 # As vLLM 0.23.0's /metrics answered, plus the process series it also exports.
 VLLM_EXPOSITION = """\
@@ -39,12 +43,17 @@ def metrics() -> Iterator[Metrics]:
     m.close()
 
 
-def scrape(m: Metrics) -> str:
+def scrape_port(port: int) -> str:
     # trust_env=False: the test machine's proxy settings must not reach loopback.
-    response = httpx.get(f"http://127.0.0.1:{m.port}/metrics", timeout=30, trust_env=False)
+    response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30, trust_env=False)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     return response.text
+
+
+def scrape(m: Metrics) -> str:
+    assert m.port is not None
+    return scrape_port(m.port)
 
 
 def value(text: str, name: str, **labels: str) -> float | None:
@@ -62,6 +71,13 @@ def test_phase_is_a_state_set_with_exactly_one_current_phase(metrics: Metrics) -
         current = [p for p in PHASES if value(text, "gb10d_phase", phase=p) == 1]
         assert current == [phase]
         assert all(value(text, "gb10d_phase", phase=p) == 0 for p in PHASES if p != phase)
+
+
+def test_a_phase_unknown_to_this_version_still_shows_as_current(metrics: Metrics) -> None:
+    metrics.set_phase("draining")
+    text = scrape(metrics)
+    assert value(text, "gb10d_phase", phase="draining") == 1
+    assert all(value(text, "gb10d_phase", phase=p) == 0 for p in PHASES)
 
 
 def test_ready_and_vllm_up_follow_what_the_supervisor_reports(metrics: Metrics) -> None:
@@ -286,3 +302,124 @@ def test_vllm_families_keeps_help_type_and_samples_of_vllm_only() -> None:
         'vllm:generation_tokens_total{engine="0",model_name="tiny"} 5.0',
     ]
     assert vllm_families("") == ""
+
+
+# --- scraped while the real daemon starts gb10d.sim --------------------------------
+
+
+@dataclass
+class Sample:
+    phase: list[str]
+    text: str
+
+    def get(self, name: str, **labels: str) -> float | None:
+        return value(self.text, name, **labels)
+
+
+def sample_while(port: int, running: threading.Event) -> tuple[list[Sample], threading.Thread]:
+    """Scrape gb10d's listener over and over until `running` is cleared, recording each answer."""
+    samples: list[Sample] = []
+
+    def scrape_loop() -> None:
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            while running.is_set():
+                try:
+                    text = client.get(f"http://127.0.0.1:{port}/metrics").text
+                except httpx.HTTPError:
+                    pass  # the listener opens a moment after gb10d starts
+                else:
+                    current = [p for p in PHASES if value(text, "gb10d_phase", phase=p) == 1]
+                    samples.append(Sample(current, text))
+                running.wait(0.02)  # pacing only, so the sampler leaves CPU to the daemon and the sim
+
+    thread = threading.Thread(target=scrape_loop, daemon=True)
+    thread.start()
+    return samples, thread
+
+
+@pytest.fixture
+def notify() -> Iterator[NotifySocket]:
+    sock = NotifySocket()
+    yield sock
+    sock.close()
+
+
+@pytest.mark.slow
+def test_scrapes_during_a_sim_start_follow_every_phase_to_ready(tmp_path: Path, notify: NotifySocket) -> None:
+    port = free_port()
+    setup = Setup(tmp_path, speed=0.05, extra={"metrics.listen": f"127.0.0.1:{port}"})
+    running = threading.Event()
+    running.set()
+    samples, sampler = sample_while(port, running)
+    daemon = Daemon(setup, notify)
+    try:
+        notify.wait_for(lambda m: m.get("READY") == "1", 120)
+        final = Sample([], scrape_port(port))
+        running.clear()
+        sampler.join(60)
+
+        # Until the supervisor names its first phase, none is current.
+        first = next(i for i, s in enumerate(samples) if s.phase)
+        assert all(len(s.phase) == 1 for s in samples[first:]), "exactly one current phase in every scrape"
+        seen = [s.phase[0] for s in samples[first:]]
+        order = [PHASES.index(p) for p in seen]
+        assert order == sorted(order), f"phases went backwards: {seen}"
+        assert {"loading_weights", "ready"} <= set(seen), seen
+        progress = [s.get("gb10d_load_progress_ratio") or 0.0 for s in samples]
+        assert progress == sorted(progress), "load progress never goes back within one start"
+        loading = [s for s in samples if s.phase == ["loading_weights"]]
+        assert any(0 < (s.get("gb10d_load_progress_ratio") or 0) < 1 for s in loading), "a shard step in between"
+        assert all(s.get("gb10d_vllm_up") == 1 for s in loading)
+        assert all(s.get("gb10d_ready") == 0 for s in samples if s.phase != ["ready"])
+
+        assert final.get("gb10d_ready") == 1
+        assert final.get("gb10d_vllm_up") == 1
+        assert final.get("gb10d_phase", phase="ready") == 1
+        assert final.get("gb10d_load_progress_ratio") == 1
+        assert final.get("gb10d_start_attempts_total", reason="initial") == 1
+        assert final.get("gb10d_gpu_memory_utilization") == 0.8
+        assert final.get("gb10d_mem_total_bytes") == int(setup.total_gib * GIB_KB) * 1024
+        assert (final.get("gb10d_last_startup_seconds") or 0) > 0
+        assert final.get("vllm:num_requests_running", model_name="tiny") is not None, "vLLM's own series are appended"
+
+        response = httpx.post(
+            f"http://127.0.0.1:{setup.port}/v1/completions",
+            json={"model": "tiny", "prompt": "Hello", "max_tokens": 8},
+            timeout=60,
+            trust_env=False,
+        )
+        assert response.status_code == 200
+        daemon.wait_line(r"Avg generation throughput: (?!0\.0 )\d")  # any figure but 0.0
+        # The loop takes the parsed line a moment after it was forwarded.
+        wait_until(
+            lambda: (value(scrape_port(port), "gb10d_vllm_generation_throughput_tokens_per_second", engine="000")
+                     or 0) > 0,
+            60,
+            "generation throughput from vLLM's stats line",
+        )
+    finally:
+        running.clear()
+        daemon.stop()
+        daemon.kill_everything()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30, trust_env=False)
+
+
+@pytest.mark.slow
+def test_free_memory_restart_is_counted_by_reason_and_cause(tmp_path: Path, notify: NotifySocket) -> None:
+    port = free_port()
+    setup = Setup(
+        tmp_path, free_gib=103.45, utilization=0.92,
+        extra={"memory.preflight": False, "metrics.listen": f"127.0.0.1:{port}"},
+    )
+    daemon = Daemon(setup, notify)
+    try:
+        notify.wait_for(lambda m: m.get("READY") == "1", 120)
+        text = scrape_port(port)
+    finally:
+        daemon.stop()
+        daemon.kill_everything()
+    assert value(text, "gb10d_start_attempts_total", reason="initial") == 1
+    assert value(text, "gb10d_start_attempts_total", reason="free_memory") == 1
+    assert value(text, "gb10d_restarts_total", cause="free_memory") == 1
+    assert value(text, "gb10d_gpu_memory_utilization") == 0.84
