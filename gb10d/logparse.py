@@ -282,6 +282,10 @@ _TQDM_BAR = re.compile(
     r"^(?P<desc>.*?):?\s*(?P<pct>\d{1,3})%\|[^|]*\|\s*(?P<n>[\d.]+)\s?(?P<nu>[kMGTPEZY]?)(?:i?B)?"
     r"/(?P<total>[\d.]+)\s?(?P<tu>[kMGTPEZY]?)(?:i?B)?\s*\["
 )
+# A bar that does not know its total (hf_xet's `Downloading (incomplete total...): 2.23GB [00:31, 70.9MB/s]`).
+_TQDM_OPEN_BAR = re.compile(
+    r"^(?P<desc>[^\[\]]*?):\s+(?P<n>[\d.]+)\s?(?P<nu>[kMGTPEZY]?)(?:i?B|it)?\s+\[(?:(?P<h>\d+):)?(?P<m>\d\d):(?P<s>\d\d),"
+)
 _EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Fault|Warning))(?::\s?(?P<msg>.*))?$", re.S)
 _PY_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")
 _GLOG = re.compile(r"^\[(?P<sev>[IWEF])\d{4} \d\d:\d\d:\d\d")
@@ -294,6 +298,8 @@ def _bar_kind(text: str) -> bool:
         return _TQDM_BAR.search(text) is not None
     if "% Completed |" in text:
         return _SHARD_BAR.search(text) is not None
+    if "/s]" in text or "s/it]" in text:
+        return _TQDM_OPEN_BAR.match(text) is not None
     return False
 
 
@@ -437,6 +443,8 @@ class BarCollapser:
     def forward(self, text: str) -> bool:
         """Whether this line should be written to the journal."""
         if "%" not in text:
+            if "/s]" in text or "s/it]" in text:
+                return self._open_bar(text)
             if text.endswith(" "):
                 return bool(text.strip()) and not _is_blank_tagged(text)
             return bool(text)
@@ -455,6 +463,19 @@ class BarCollapser:
             if b is not None:
                 return self._decile((tag, b.group("desc")), int(b.group("pct")), b)
         return True
+
+    def _open_bar(self, text: str) -> bool:
+        """A bar without a total: its first state, then one per 30 s of its own elapsed time."""
+        tag, body = None, text
+        if text.startswith("("):
+            t = _TAG_STR.match(text)
+            if t is not None:
+                tag, body = t.group(0), text[t.end():]
+        b = _TQDM_OPEN_BAR.match(body)
+        if b is None:
+            return True
+        elapsed_s = int(b.group("h") or 0) * 3600 + int(b.group("m")) * 60 + int(b.group("s"))
+        return self._changed((tag, b.group("desc")), (elapsed_s // 30, -1))
 
     def _remember(self, key: tuple[str | None, str], value: tuple[int, int]) -> None:
         self._last.pop(key, None)
@@ -614,7 +635,7 @@ def _failures(msg: str) -> list[Event]:
 
 # Cheap gates: a message with none of these words holds no progress event, or no failure.
 _PROGRESS_GATE = re.compile(
-    "%|Engine|SpecDecoding|compile|Dynamo|KV cache|Maximum concurrency|took|Graph capturing|Starting|Loading model"
+    "%|/s]|s/it]|Engine|SpecDecoding|compile|Dynamo|KV cache|Maximum concurrency|took|Graph capturing|Starting|Loading model"
     "|Filesystem type|blocks:|Uvicorn running|Application startup|version|Initializing a V1|non-default args|shutdown triggered|trigger received"
     "|Shutting down"
 )
@@ -699,6 +720,10 @@ def _progress(msg: str) -> list[Event]:
             if b is not None:
                 desc = b.group("desc").strip()
                 return [DownloadProgressed(_scaled(b.group("n"), b.group("nu")), _scaled(b.group("total"), b.group("tu")), desc)]
+    elif "/s]" in msg or "s/it]" in msg:
+        o = _TQDM_OPEN_BAR.match(msg)
+        if o is not None:
+            return [DownloadProgressed(_scaled(o.group("n"), o.group("nu")), None, o.group("desc").strip())]
     if msg.startswith(("Engine ", "Avg prompt throughput")) or "Engines Aggregated" in msg:
         stats = _stats(msg)
         if stats is not None:

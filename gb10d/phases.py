@@ -207,7 +207,7 @@ def describe(state: StartupState) -> str:
             done = _size(state.download_done) if is_bytes else f"{state.download_done:.0f}"
             total = _size(state.download_total) if is_bytes else f"{state.download_total:.0f}"
             return f"downloading {what} {done}/{total} ({_percent(state.download_done, state.download_total)})"
-        return f"downloading {what}"
+        return f"downloading {what} {_size(state.download_done)}" if state.download_done else f"downloading {what}"
     if phase == Phase.LOADING_WEIGHTS:
         if state.shards_total:
             text = f"loading weights {state.shards_done}/{state.shards_total} ({_percent(state.shards_done, state.shards_total)})"

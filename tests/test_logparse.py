@@ -175,6 +175,7 @@ def test_real_shard_bar_keeps_its_engine_tag() -> None:
         ("/usr/lib/python3.12/x.py:254: UserWarning: leaked", Kind.RAW, 4, None, None),
         ("some third-party text", Kind.RAW, 6, None, None),
         ("Capturing CUDA graphs (PIECEWISE):  10%|#         | 5/51 [00:00<00:01, 44.32it/s]", Kind.BAR, 6, None, None),
+        ("Downloading (incomplete total...): 2.23GB [00:31, 70.9MB/s]", Kind.BAR, 6, None, None),
         ("(EngineCore pid=7) Loading safetensors checkpoint shards:  50% Completed | 3/6 [00:01<00:01,  2.00it/s]",
          Kind.BAR, 6, "EngineCore", None),
     ],
@@ -303,6 +304,13 @@ def test_download_bars_of_different_files_are_collapsed_separately() -> None:
     assert [collapser.forward(t) for t in (a, a2, b)] == [True, False, True]
 
 
+def test_a_bar_without_total_is_forwarded_once_per_30_seconds_of_its_time() -> None:
+    collapser = BarCollapser()
+    states = [f"Downloading (incomplete total...): {n / 10:.2f}GB [00:{n:02d}, 70.9MB/s]" for n in range(0, 60, 3)]
+    forwarded = [s for s in states if collapser.forward(s)]
+    assert forwarded == [states[0], states[10]]
+
+
 def test_non_bar_lines_are_always_forwarded_and_blank_ones_dropped() -> None:
     collapser = BarCollapser()
     assert collapser.forward(API + "GPU KV cache usage: 7.9%")
@@ -320,6 +328,8 @@ PROGRESS_CASES = [
     ("model-00001-of-00066.safetensors:  45%|####5     | 2.23G/4.95G [00:31<00:38, 70.9MB/s]",
      [DownloadProgressed(2.23e9, 4.95e9, "model-00001-of-00066.safetensors")]),
     ("Fetching 75 files:  12%|#2        | 9/75 [00:03<00:25, 2.60it/s]", [DownloadProgressed(9, 75, "Fetching 75 files")]),
+    ("Downloading (incomplete total...): 2.23GB [00:31, 70.9MB/s]",
+     [DownloadProgressed(2.23e9, None, "Downloading (incomplete total...)")]),
     ("Starting to load model Qwen/Qwen3.6-27B-FP8...", [LoadStarted()]),
     ("Filesystem type for checkpoints: EXT4. Checkpoint size: 29.10 GiB. Available RAM: 115.80 GiB.", [LoadStarted()]),
     ("Loading weights took 312.50 seconds", [WeightsLoaded(seconds=312.5)]),
@@ -366,7 +376,7 @@ PROGRESS_CASES = [
 @pytest.mark.parametrize("prefix", PREFIXES)
 def test_progress_lines_give_their_events_in_both_eras(prefix: str, message: str, expected: list[object]) -> None:
     # Bars and uvicorn lines are never vLLM records, but a tag may precede them (0.23-0.30).
-    if "%|" in message or "% Completed" in message or message in ("Application startup complete.", "Shutting down"):
+    if "%|" in message or "% Completed" in message or "/s]" in message or message in ("Application startup complete.", "Shutting down"):
         prefix = {API: "(EngineCore pid=4300) ", ENGINE: "(EngineCore pid=4300) ", UNTAGGED: ""}.get(prefix, "")
         if message in ("Application startup complete.", "Shutting down"):
             prefix += "INFO:     "

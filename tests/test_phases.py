@@ -160,6 +160,7 @@ def test_seconds_without_progress_counts_from_the_last_progress() -> None:
         ([DownloadProgressed(2.23e9, 4.95e9, "model-00001-of-00066.safetensors")],
          "downloading model-00001-of-00066.safetensors 2.2 GB/5.0 GB (45%), attempt 2/5, gpu_memory_utilization=0.83"),
         ([DownloadProgressed(9, 75, "Fetching 75 files")], "downloading Fetching 75 files 9/75 (12%), attempt 2/5, gpu_memory_utilization=0.83"),
+        ([DownloadProgressed(2.23e9, None, "model")], "downloading model 2.2 GB, attempt 2/5, gpu_memory_utilization=0.83"),
         ([CompileProgressed()], "compiling (torch.compile), attempt 2/5, gpu_memory_utilization=0.83"),
         ([GraphsProgressed(22, 51)], "capturing CUDA graphs 22/51 (43%), attempt 2/5, gpu_memory_utilization=0.83"),
     ],
