@@ -19,7 +19,7 @@ import math
 import os
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -661,7 +661,21 @@ def _problems_from(exc: ValidationError, layers: _Layers) -> list[ConfigProblem]
                 continue
             seen.add((".".join(where), message))
             problems.append(layers.problem(where, message))
-    return problems
+    return _join_alternatives(problems)
+
+
+def _join_alternatives(problems: list[ConfigProblem]) -> list[ConfigProblem]:
+    """A union type fails once per member; say "must be a string or a list (got 5)" once instead."""
+    joined: list[ConfigProblem] = []
+    for problem in problems:
+        last = joined[-1] if joined else None
+        this = re.fullmatch(r"must be (.+) (\(got .*\))", problem.message)
+        before = re.fullmatch(r"must be (.+) (\(got .*\))", last.message) if last else None
+        if last and this and before and last.key == problem.key and this.group(2) == before.group(2):
+            joined[-1] = replace(last, message=f"must be {before.group(1)} or {this.group(1)} {this.group(2)}")
+        else:
+            joined.append(problem)
+    return joined
 
 
 def parse_config(data: dict[str, Any], shown: str = "<config>", text: str = "") -> Config:

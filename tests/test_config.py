@@ -75,6 +75,8 @@ BROKEN = [
     Broken("neither_executable_nor_venv", '[vllm]\nmodel = "m"\n', "vllm", "set either vllm.executable", 1),
     Broken("relative_venv", '[vllm]\nvenv = "venv"\nmodel = "m"\n', "vllm.venv", "must be an absolute path (got 'venv')", 2),
     Broken("empty_model", '[vllm]\nexecutable = "{exe}"\nmodel = " "\n', "vllm.model", "must name a Hugging Face repository", 3),
+    Broken("served_name_wrong_type", GOOD_HEAD + "served_model_name = 5\n", "vllm.served_model_name", "must be a string or a list (got 5)", 4),
+    Broken("vllm_not_a_table", "vllm = 3\n", "vllm", "must be a table (got 3)", 1),
     Broken("empty_served_name_list", GOOD_HEAD + "served_model_name = []\n", "vllm.served_model_name", "must list at least one name", 4),
     Broken("unknown_key_did_you_mean", GOOD_HEAD + "[startup]\nstall_timout_s = 10\n", "startup.stall_timout_s", "unknown key; did you mean startup.stall_timeout_s?", 5),
     Broken("unknown_table", GOOD_HEAD + '[metric]\nlisten = ""\n', "metric", "unknown table [metric]", 4),
