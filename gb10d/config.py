@@ -29,7 +29,6 @@ from pydantic_core import PydanticCustomError
 from .errors import ConfigError, ConfigProblem
 
 DEFAULT_CONFIG_PATH = Path("/etc/gb10d.toml")
-DEFAULT_DROPIN_DIR = Path("/etc/gb10d.d")
 CONFIG_ENV = "GB10D_CONFIG"
 DEFAULT_SOURCE = "default"
 
@@ -506,8 +505,8 @@ def _shown(value: Any) -> str:
     return repr(value)
 
 
-# pydantic names union members and validators in error locations; they mean nothing to an operator.
 def _is_union_tag(part: str | int) -> bool:
+    """pydantic names union members and validators in error locations; they mean nothing to an operator."""
     return isinstance(part, str) and (part in ("str", "list[str]") or part.startswith("function-"))
 
 
