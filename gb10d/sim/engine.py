@@ -177,6 +177,7 @@ class EngineCore:
         frames = texts.ENGINE_FRAMES[kind]
         self.log("v1/engine/core.py:1020", "EngineCore failed to start.\n" + texts.traceback_text(frames, final), "ERROR")
         self.console.write(STDERR, "Process EngineCore:\n" + texts.traceback_text(texts.PROCESS_FRAMES + frames, final) + "\n")
+        self.settings.trap_memory()
         os._exit(1)
 
     def oom(self, kind: str, tried_gib: float) -> NoReturn:
@@ -408,6 +409,7 @@ class EngineCore:
         while True:
             now = time.monotonic()
             if die_at is not None and now >= die_at:
+                self.settings.trap_memory()
                 os.kill(os.getpid(), signal.SIGKILL)
             if hang_at is not None and now >= hang_at:
                 self.hang_forever()

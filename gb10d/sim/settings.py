@@ -39,13 +39,14 @@ class Scenario:
     hang_after_s: float | None = None
     model_not_found: bool = False
     bad_parser: bool = False
+    leak_gib: float = 0.0  # memory a failed engine leaves trapped (GB10's crashed-CUDA-process trap)
 
 
 def parse_scenario(text: str) -> Scenario:
     """Parse `healthy`, `stall_at=K`, `slow_shards=S`, ... separated by commas."""
     values: dict[str, object] = {}
     flags = {"kv_insufficient", "model_not_found", "bad_parser"}
-    numbers = {"slow_shards": "slow_shards_s", "engine_dies_after": "engine_dies_after_s", "hang_after": "hang_after_s"}
+    numbers = {"slow_shards": "slow_shards_s", "engine_dies_after": "engine_dies_after_s", "hang_after": "hang_after_s", "leak_gib": "leak_gib"}
     for item in (part.strip() for part in text.split(",")):
         if not item or item == "healthy":
             continue
@@ -59,7 +60,7 @@ def parse_scenario(text: str) -> Scenario:
         elif name == "cuda_oom_during" and raw in OOM_PHASES:
             values["cuda_oom_during"] = raw
         else:
-            known = "healthy, stall_at=K, slow_shards=S, cuda_oom_during=load|profile|graphs, kv_insufficient, engine_dies_after=S, hang_after=S, model_not_found, bad_parser"
+            known = "healthy, stall_at=K, slow_shards=S, cuda_oom_during=load|profile|graphs, kv_insufficient, engine_dies_after=S, hang_after=S, model_not_found, bad_parser, leak_gib=G"
             raise SettingsError(f"GB10D_SIM_SCENARIO: unknown item {item!r} (known: {known})")
     return Scenario(**values)  # type: ignore[arg-type]
 
@@ -144,6 +145,29 @@ class SimSettings:
             return Memory(fields["MemTotal"], free, fields.get("MemAvailable", free))
         free = int(self.free_gib * GIB)
         return Memory(int(self.total_gib * GIB), free, free)
+
+    def trap_memory(self) -> None:
+        """leak_gib: lower MemFree and MemAvailable of the meminfo file, as memory a crashed engine never returns.
+
+        Only the simulated meminfo file is touched (replaced atomically); without one there is nothing to show.
+        """
+        if self.meminfo is None or not self.scenario.leak_gib:
+            return
+        leaked_kb = int(self.scenario.leak_gib * GIB / 1024)
+        try:
+            lines = self.meminfo.read_text(encoding="ascii").splitlines(keepends=True)
+        except OSError:
+            return
+        out = []
+        for line in lines:
+            name, sep, rest = line.partition(":")
+            words = rest.split()
+            if name in ("MemFree", "MemAvailable") and words and words[0].isdigit():
+                line = f"{name}:{' ' * max(1, 15 - len(name))}{max(int(words[0]) - leaked_kb, 0)} kB\n"
+            out.append(line)
+        temporary = self.meminfo.with_name(f".{self.meminfo.name}.{os.getpid()}")
+        temporary.write_text("".join(out), encoding="ascii")
+        os.replace(temporary, self.meminfo)
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

@@ -195,3 +195,15 @@ def test_served_model_name_without_a_model_is_vllms_value_error(sim) -> None:  #
         "ValueError: `model` should be provided as the first positional argument when using `vllm serve`. "
         "i.e. `vllm serve <model> --<arg> <value>`."
     )
+
+
+def test_leak_gib_leaves_memory_trapped_in_the_meminfo_file_after_a_failed_start(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    meminfo = _meminfo(tmp_path / "meminfo", 121.69, 100.0)
+    before = {k: v for k, v in (line.split(":") for line in meminfo.read_text().splitlines())}
+    s = sim("m", env={"GB10D_SIM_MEMINFO": str(meminfo), "GB10D_SIM_SCENARIO": "cuda_oom_during=profile,leak_gib=40"})
+    assert s.wait_exit() == 1
+    after = {k: v for k, v in (line.split(":") for line in meminfo.read_text().splitlines())}
+    kb = lambda text: int(text.split()[0])  # noqa: E731
+    assert kb(before["MemAvailable"]) - kb(after["MemAvailable"]) == 40 * 1024 * 1024
+    assert kb(before["MemFree"]) - kb(after["MemFree"]) == 40 * 1024 * 1024
+    assert after["MemTotal"] == before["MemTotal"]
