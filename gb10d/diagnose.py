@@ -109,7 +109,7 @@ _GLUED_JOURNAL = re.compile(
     r"(?<=\S)(?=(?:[A-Z][a-z]{2} [ \d]?\d \d\d:\d\d:\d\d(?:\.\d+)?|\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\S*) \S+ [^\s\[\]:]+\[\d+\]: )"
 )
 _GLUED_RECORD = re.compile(
-    r"(?<=\S)(?=\((?:APIServer|EngineCore|MainProcess|Worker|DPCoordinator)[\w.\[\]-]* pid=\d+\) )"
+    r"(?<=\S)(?=\((?:APIServer|EngineCore|MainProcess|Worker|VllmWorker|DPCoordinator)[\w.\[\]= -]* pid=\d+\) )"
     r"|(?<=[^\s)])(?=(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[)"
     r"|(?<=[^\s)])(?=(?:INFO|WARNING|ERROR):\s{2,})"
 )
@@ -267,7 +267,7 @@ def _times(lines: list[_Line], records: list[tuple[str | None, int | None, str |
 
 
 _PREFIXED_RECORD = re.compile(
-    r"^(?:\([\w.\[\]-]+ pid=\d+\) )?(?P<prefix>[^(\s][^\n]{0,38}?)(?:\([\w.\[\]-]+ pid=\d+\) )?"
+    r"^(?:\([\w.\[\]= -]+ pid=\d+\) )?(?P<prefix>[^(\s][^\n]{0,38}?)(?:\([\w.\[\]= -]+ pid=\d+\) )?"
     r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d "
 )
 

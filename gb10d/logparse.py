@@ -65,7 +65,9 @@ MAX_LINE_BYTES = 64 * 1024
 """A line longer than this is cut: vLLM's longest real line (the engine config dump) is ~6 KiB."""
 
 _ANSI_B = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
-_TAG_B = re.compile(rb"\([\w.\[\]-]+ pid=\d+\) ")
+# Process names are words (`EngineCore_DP0`, `Worker_TP0`); 0.9-0.10 also wrote `VllmWorker rank=0`.
+_NAME = r"[\w.\[\]=-]+(?: [\w.\[\]=-]+)?"
+_TAG_B = re.compile(rb"\(" + _NAME.encode() + rb" pid=\d+\) ")
 
 
 class Line(NamedTuple):
@@ -253,7 +255,7 @@ class Record:
     lineno: int | None = None
 
 
-_TAG = r"\((?P<{n}>[\w.\[\]-]+) pid=(?P<{p}>\d+)\) "
+_TAG = r"\((?P<{n}>" + _NAME + r") pid=(?P<{p}>\d+)\) "  # a str.format template: n, p name the groups
 
 
 @lru_cache(maxsize=8)
@@ -270,9 +272,9 @@ def _log_regex(prefix: str) -> re.Pattern[str]:
 
 
 _UVICORN = re.compile(
-    r"^(?:\((?P<t>[\w.\[\]-]+) pid=(?P<p>\d+)\) )?(?P<level>CRITICAL|ERROR|WARNING|INFO|DEBUG|TRACE):\s+(?P<msg>.*)$", re.S
+    r"^(?:\((?P<t>" + _NAME + r") pid=(?P<p>\d+)\) )?(?P<level>CRITICAL|ERROR|WARNING|INFO|DEBUG|TRACE):\s+(?P<msg>.*)$", re.S
 )
-_TAG_STR = re.compile(r"^\((?P<t>[\w.\[\]-]+) pid=(?P<p>\d+)\) ")
+_TAG_STR = re.compile(r"^\((?P<t>" + _NAME + r") pid=(?P<p>\d+)\) ")
 _SHARD_BAR = re.compile(
     r"(?P<desc>Loading safetensors checkpoint shards|Loading safetensors using [\w ]+?|Multi-thread loading shards"
     r"|Loading pt checkpoint shards|Loading np_cache checkpoint shards|Loading [\w ]*?shards)"
