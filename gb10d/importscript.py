@@ -394,7 +394,11 @@ def _interpret(shell: _Shell, command: _Command, result: _Import) -> None:
             result.warnings.append(f"line {line}: cd {target!r} cannot be followed; relative paths after it are not resolved")
         return
     start = next((k for k, f in enumerate(fields) if _is_vllm(f) or _is_python(f)), None)
-    if start is not None and (_is_vllm(fields[start]) or "-m" in fields[start + 1 : start + 2]):
+    runs_vllm = start is not None and (
+        fields[start + 1 : start + 2] == ["-m"] or (_is_vllm(fields[start]) and (start == 0 or fields[start + 1 : start + 2] == ["serve"]))
+    )
+    # `pkill -f vllm` or `echo vllm serve` mention vllm without running it.
+    if start is not None and runs_vllm and posixpath.basename(fields[0]) not in _HARMLESS | _STOPPERS:
         _wrappers(fields[:start], line, result)
         if result.found == 0:
             for expanded in [*expansions, *(e for _, e in assignments)]:

@@ -235,3 +235,9 @@ def test_windows_line_endings_are_read_as_newlines_and_said_so(tmp_path: Path) -
     argv, text = imported_argv(tmp_path, "/usr/local/bin/vllm serve m \\\r\n  --port 8000\r\n")
     assert flags(argv)["port"] == (8000.0,)
     assert "Windows line endings" in text
+
+
+def test_commands_that_only_mention_vllm_do_not_count_as_running_it() -> None:
+    imported = import_script("pkill -f vllm\necho vllm serve old\n/usr/local/bin/vllm serve m\n")
+    assert imported.data["vllm"]["model"] == "m"
+    assert not any("another vLLM command" in w for w in imported.warnings)
