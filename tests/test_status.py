@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
-from gb10d.statefile import write_state
+from gb10d.statefile import read_state, write_state
 from gb10d.status import DEFAULT_STATE_FILE, duration, render
+
+from harness import Daemon, NotifySocket, Setup, wait_until
 
 NOW = 1_764_690_000.0
 
@@ -232,3 +234,63 @@ def test_unloadable_config_falls_back_to_the_default_state_file(tmp_path: Path) 
     result = gb10d("status", "--json", "--config", str(config))
     assert json.loads(result.stdout)["state_file"] == str(DEFAULT_STATE_FILE)
     assert "Traceback" not in result.stderr
+
+
+# --- against a real `gb10d run` with gb10d.sim ------------------------------------
+
+
+@pytest.fixture
+def notify() -> Iterator[NotifySocket]:
+    sock = NotifySocket()
+    yield sock
+    sock.close()
+
+
+@pytest.mark.slow
+def test_status_of_a_serving_daemon_then_exit_3_after_it_stops(tmp_path: Path, notify: NotifySocket) -> None:
+    setup = Setup(tmp_path)
+    daemon = Daemon(setup, notify)
+    try:
+        notify.wait_for(lambda m: m.get("READY") == "1", 120)
+        result = gb10d("status", "--config", str(setup.config))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.splitlines()[0] == "gb10d is running: serving"
+        r = rows(result.stdout)
+        assert r["Phase"] == "ready"
+        assert r["Model"] == "/srv/models/tiny-llama (served as tiny)"
+        assert r["URL"] == f"http://127.0.0.1:{setup.port}"
+        assert r["Attempt"] == "1 of 3"
+        assert r["GPU memory"].startswith("gpu_memory_utilization 0.8")
+        assert r["Memory"].startswith("121.7 GiB total")
+        answer = json.loads(gb10d("status", "--json", "--config", str(setup.config)).stdout)
+        assert answer["running"] is True and answer["pid"] == daemon.proc.pid
+        assert isinstance(answer["vllm_pid"], int) and answer["ready_at"] is not None
+    finally:
+        daemon.stop()
+        daemon.kill_everything()
+    result = gb10d("status", "--config", str(setup.config))
+    assert result.returncode == 3
+    assert result.stdout.startswith("gb10d is not running (")
+
+
+@pytest.mark.slow
+def test_status_while_weights_load_shows_the_shard_count(tmp_path: Path, notify: NotifySocket) -> None:
+    # The sim stops at shard 3 of 6 and the stall timeout is far away, so the phase holds still.
+    setup = Setup(tmp_path, scenario="stall_at=3", extra={"startup.stall_timeout_s": 300.0})
+    daemon = Daemon(setup, notify)
+    try:
+        notify.wait_for(lambda m: "loading weights 3/6" in m.get("STATUS", ""), 120)
+        # The state file follows the same change the STATUS= line reported.
+        wait_until(
+            lambda: ((read_state(setup.state_file) or {}).get("progress") or {}).get("shards_done") == 3,
+            60,
+            "state file at shard 3",
+        )
+        result = gb10d("status", "--state-file", str(setup.state_file))
+        assert result.returncode == 0
+        assert result.stdout.splitlines()[0] == "gb10d is running: starting"
+        assert rows(result.stdout)["Phase"] == "loading_weights, 3/6 shards (50%)"
+        assert "Ready" not in rows(result.stdout)
+    finally:
+        daemon.stop()
+        daemon.kill_everything()
