@@ -214,7 +214,8 @@ class _Shell:
                 out.append(c)
                 i += 1
             elif c == "\\":
-                out.append(raw[i : i + 2])
+                # In "...", bash drops the backslash of \$ and \`; shlex would keep it.
+                out.append(raw[i + 1] if quoted and raw[i + 1 : i + 2] in ("$", "`") else raw[i : i + 2])
                 i += 2
             elif c == "`" or raw.startswith("$(", i):
                 end = raw.find("`", i + 1) if c == "`" else _matching(raw, i + 1, "(", ")")
@@ -318,9 +319,18 @@ def _value(text: str) -> Any:
             parsed = json.loads(text)
         except ValueError:
             return text
-        if isinstance(parsed, dict) and "null" not in json.dumps(parsed):
+        if isinstance(parsed, dict) and not _has_null(parsed):
             return parsed
     return text
+
+
+def _has_null(value: Any) -> bool:
+    """TOML has no null, so JSON holding one must stay a string."""
+    if isinstance(value, dict):
+        return any(_has_null(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_null(v) for v in value)
+    return value is None
 
 
 def _is_vllm(word: str) -> bool:

@@ -241,3 +241,12 @@ def test_commands_that_only_mention_vllm_do_not_count_as_running_it() -> None:
     imported = import_script("pkill -f vllm\necho vllm serve old\n/usr/local/bin/vllm serve m\n")
     assert imported.data["vllm"]["model"] == "m"
     assert not any("another vLLM command" in w for w in imported.warnings)
+
+
+def test_json_with_null_stays_a_string_and_escaped_dollar_is_literal(tmp_path: Path) -> None:
+    argv, _ = imported_argv(
+        tmp_path,
+        "/usr/local/bin/vllm serve m --override-generation-config '{\"x\": null}' --chat-template \"/srv/\\$t.jinja\"\n",
+    )
+    assert flags(argv)["override-generation-config"] == ({"x": None},)
+    assert flags(argv)["chat-template"] == ("/srv/$t.jinja",)
