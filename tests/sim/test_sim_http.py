@@ -200,3 +200,13 @@ def test_hung_engine_keeps_health_200_but_never_finishes_a_completion(sim) -> No
     assert http(s.port, "/health").status == 200
     assert _metric(_scrape(s.port), "vllm:generation_tokens_total") == before
     assert _metric(_scrape(s.port), "vllm:num_requests_running") == 1
+
+
+def test_concurrent_completions_are_all_served(served) -> None:  # type: ignore[no-untyped-def]
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(index: int) -> int:
+        return int(http(served.port, "/v1/completions", {"model": "tiny", "prompt": f"request {index}", "max_tokens": 20}).json()["usage"]["completion_tokens"])
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        assert list(pool.map(one, range(6))) == [20] * 6
