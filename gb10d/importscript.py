@@ -362,6 +362,8 @@ class _Import:
             return posixpath.normpath(path)
         if self.cwd is not None:
             return posixpath.normpath(posixpath.join(self.cwd, path))
+        if path.startswith("$"):
+            return path  # already reported as an unset variable
         self.warnings.append(
             f"line {line}: {what} {path!r} is relative to the directory the script was started from; "
             "write the absolute path (gb10d runs from /)"
@@ -395,6 +397,8 @@ def _interpret(shell: _Shell, command: _Command, result: _Import) -> None:
     expansions = [shell.expand(w) for w in words]
     fields = [f for e in expansions for f in e.fields]
     if program in ("source", "."):
+        for expanded in expansions:
+            _warn_unknowns(result, line, expanded)
         _source(fields[1:], line, result)
         return
     if program == "cd":

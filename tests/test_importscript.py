@@ -250,3 +250,8 @@ def test_json_with_null_stays_a_string_and_escaped_dollar_is_literal(tmp_path: P
     )
     assert flags(argv)["override-generation-config"] == ({"x": None},)
     assert flags(argv)["chat-template"] == ("/srv/$t.jinja",)
+
+
+def test_unset_variable_in_the_venv_path_is_reported() -> None:
+    imported = import_script('source "${ENV_DIR}/bin/activate"\nvllm serve m\n')
+    assert imported.warnings == ["line 1: $ENV_DIR is not set in the script; the value was kept as written, replace it"]
