@@ -138,7 +138,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run the real supervisor against gb10d.sim in a temporary directory."""
     from .demo import run_demo
 
-    return run_demo(args.scenario, args.speed)
+    return run_demo(args.scenario, args.speed, args.verbose)
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
@@ -266,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("scenario", nargs="?", default="free-memory", choices=sorted(SCENARIOS), help="what to show (default: free-memory)")
     p.add_argument("--speed", type=float, default=0.02, help="time factor of the simulated vLLM (1 = real GB10 minutes; default 0.02)")
+    p.add_argument("--verbose", action="store_true", help="also show every line vLLM printed, as the journal gets them")
     p = add(
         "diagnose",
         cmd_diagnose,

@@ -101,7 +101,7 @@ def _write_files(root: Path, scenario: Scenario, speed: float) -> tuple[Path, in
     return path, port
 
 
-async def _show(name: str, scenario: Scenario, speed: float, out: TextIO) -> int:
+async def _show(name: str, scenario: Scenario, speed: float, verbose: bool, out: TextIO) -> int:
     with tempfile.TemporaryDirectory(prefix="gb10d-demo-") as tmp:
         root = Path(tmp)
         config, port = _write_files(root, scenario, speed)
@@ -110,7 +110,7 @@ async def _show(name: str, scenario: Scenario, speed: float, out: TextIO) -> int
         sock.bind(notify_path)
         sock.setblocking(False)
         out.write(f"gb10d demo: {name}\n{scenario.description}\n\n")
-        out.write("Lines starting 'journal |' are gb10d's stdout (the journal under systemd); 'systemd <-' are sd_notify messages.\n\n")
+        out.write("Lines starting 'journal |' are gb10d's own journal lines; 'systemd <-' are its sd_notify messages.\n\n")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_SOCKET", "WATCHDOG_", "JOURNAL_STREAM"))}
         env["NOTIFY_SOCKET"] = notify_path
         process = await asyncio.create_subprocess_exec(
@@ -134,10 +134,17 @@ async def _show(name: str, scenario: Scenario, speed: float, out: TextIO) -> int
 
         loop.add_reader(sock.fileno(), on_datagram)
 
+        hidden = 0
+
         async def journal() -> None:
+            nonlocal hidden
             assert process.stdout is not None
             async for raw in process.stdout:
-                out.write(f"{time.monotonic() - start:7.2f}s journal | {raw.decode('utf-8', 'replace').rstrip()}\n")
+                line = raw.decode("utf-8", "replace").rstrip()
+                if verbose or line[3:].startswith("gb10d: "):
+                    out.write(f"{time.monotonic() - start:7.2f}s journal | {line}\n")
+                else:
+                    hidden += 1
 
         reader = asyncio.create_task(journal())
         waiter = asyncio.create_task(process.wait())
@@ -155,10 +162,13 @@ async def _show(name: str, scenario: Scenario, speed: float, out: TextIO) -> int
         await reader
         loop.remove_reader(sock.fileno())
         sock.close()
-        out.write(f"\ngb10d exited with status {status}.\n")
+        out.write(f"\ngb10d exited with status {status}.")
+        if hidden:
+            out.write(f" {hidden} lines vLLM printed were forwarded too (shown with --verbose).")
+        out.write("\n")
         return 0 if ready.is_set() and status == 0 else 1
 
 
-def run_demo(name: str, speed: float, out: TextIO = sys.stdout) -> int:
+def run_demo(name: str, speed: float, verbose: bool = False, out: TextIO = sys.stdout) -> int:
     """Run one named demo scenario; returns 0 when it reached READY and stopped cleanly."""
-    return asyncio.run(_show(name, SCENARIOS[name], speed, out))
+    return asyncio.run(_show(name, SCENARIOS[name], speed, verbose, out))

@@ -132,6 +132,7 @@ class Attempt:
     last_io: int = 0
     last_extend: float = 0.0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    prober: Prober | None = None
 
 
 class Supervisor:
@@ -261,6 +262,8 @@ class Supervisor:
             self.metrics.set_vllm_target(base_url(v.host, v.port) + "/metrics")
         now = time.monotonic()
         attempt = Attempt(number, tunables, process, enter(start(now), Phase.SPAWNING, now), now, baseline)
+        # One client per attempt, made now: building it (TLS context included) must not delay READY=1 later.
+        attempt.prober = Prober(base_url(v.host, v.port), v.api_key, timeout_s=self.config.liveness.probe_timeout_s)
         self.attempt = attempt
         self.state = "starting" if number == 1 else "restarting"
         attempt.tasks.append(asyncio.create_task(self._follow_output(attempt)))
@@ -453,63 +456,55 @@ class Supervisor:
     async def _check_ready(self, attempt: Attempt) -> None:
         """/health 200, the served name in /v1/models, and (if configured) one tiny completion."""
         v = self.config.vllm
-        prober = Prober(base_url(v.host, v.port), v.api_key, timeout_s=10.0)
+        prober = attempt.prober
+        assert prober is not None
         post = self.queue.put_nowait
         n = attempt.number
-        try:
-            deadline = time.monotonic() + LISTEN_GRACE_S
-            delay = 0.005
-            while not (health := await prober.health()).ok:
-                if time.monotonic() > deadline:
-                    return  # the fallback poller and the stall timer take it from here
-                await asyncio.sleep(delay)  # uvicorn listens moments after logging startup complete
-                delay = min(delay * 2, 0.5)
-            models = await prober.models()
-            missing = [name for name in v.served_names if name not in models.models]
-            if not models.ok or missing:
-                shown = ", ".join(models.models) or f"nothing (HTTP {models.status or models.reason})"
-                post(Probed(n, ProbeKind.NOT_READY, f"vLLM serves {shown} but the config expects "
-                     f"{', '.join(v.served_names)}: clients asking for {missing[0] if missing else v.served_names[0]} would get 404",
-                     cause=Cause.SERVED_NAME))
+        deadline = time.monotonic() + LISTEN_GRACE_S
+        delay = 0.005
+        while not (await prober.health()).ok:
+            if time.monotonic() > deadline:
+                return  # the fallback poller and the stall timer take it from here
+            await asyncio.sleep(delay)  # uvicorn listens moments after logging startup complete
+            delay = min(delay * 2, 0.5)
+        models = await prober.models()
+        missing = [name for name in v.served_names if name not in models.models]
+        if not models.ok or missing:
+            shown = ", ".join(models.models) or f"nothing (HTTP {models.status or models.reason})"
+            post(Probed(n, ProbeKind.NOT_READY, f"vLLM serves {shown} but the config expects "
+                 f"{', '.join(v.served_names)}: clients asking for {missing[0] if missing else v.served_names[0]} would get 404",
+                 cause=Cause.SERVED_NAME))
+            return
+        detail = f"/health 200, /v1/models lists {', '.join(models.models)}"
+        if self.config.startup.warmup:
+            post(Probed(n, ProbeKind.WARMING))
+            result = await prober.complete(v.served_names[0], timeout_s=self.config.liveness.probe_timeout_s)
+            if not result.ok:
+                post(Probed(n, ProbeKind.NOT_READY, f"the warm-up completion failed ({result.status or result.reason})", cause=Cause.CRASH))
                 return
-            detail = f"/health 200, /v1/models lists {', '.join(models.models)}"
-            if self.config.startup.warmup:
-                post(Probed(n, ProbeKind.WARMING))
-                result = await prober.complete(v.served_names[0], timeout_s=self.config.liveness.probe_timeout_s)
-                if not result.ok:
-                    post(Probed(n, ProbeKind.NOT_READY, f"the warm-up completion failed ({result.status or result.reason})", cause=Cause.CRASH))
-                    return
-                detail += f", warm-up completion took {result.seconds:.2f} s"
-            post(Probed(n, ProbeKind.READY, detail))
-        finally:
-            await prober.close()
+            detail += f", warm-up completion took {result.seconds:.2f} s"
+        post(Probed(n, ProbeKind.READY, detail))
 
     async def _poll_until_healthy(self, attempt: Attempt) -> None:
         """Fallback for a missed `Application startup complete.` (e.g. --uvicorn-log-level warning)."""
-        v = self.config.vllm
-        prober = Prober(base_url(v.host, v.port), v.api_key, timeout_s=5.0)
-        try:
-            while attempt.readiness is None:
-                await asyncio.sleep(self.config.startup.health_poll_interval_s)
-                if (await prober.health()).ok:
-                    self.queue.put_nowait(Probed(attempt.number, ProbeKind.HEALTHY))
-                    return
-        finally:
-            await prober.close()
+        prober = attempt.prober
+        assert prober is not None
+        while attempt.readiness is None:
+            await asyncio.sleep(self.config.startup.health_poll_interval_s)
+            if (await prober.health(timeout_s=5.0)).ok:
+                self.queue.put_nowait(Probed(attempt.number, ProbeKind.HEALTHY))
+                return
 
     async def _watch_health(self, attempt: Attempt) -> None:
         """After ready: /health every liveness.health_interval_s; 503 or refused is a dead engine."""
-        v = self.config.vllm
-        prober = Prober(base_url(v.host, v.port), v.api_key, timeout_s=self.config.liveness.probe_timeout_s)
-        try:
-            while True:
-                await asyncio.sleep(self.config.liveness.health_interval_s)
-                result = await prober.health()
-                if result.status == 503 or result.refused:
-                    self.queue.put_nowait(Probed(attempt.number, ProbeKind.HEALTH, str(result.status or result.reason), result.status))
-                    return
-        finally:
-            await prober.close()
+        prober = attempt.prober
+        assert prober is not None
+        while True:
+            await asyncio.sleep(self.config.liveness.health_interval_s)
+            result = await prober.health()
+            if result.status == 503 or result.refused:
+                self.queue.put_nowait(Probed(attempt.number, ProbeKind.HEALTH, str(result.status or result.reason), result.status))
+                return
 
     async def _follow_output(self, attempt: Attempt) -> None:
         """Forward every vLLM line to the journal and parse it; report the exit once both pipes close."""
@@ -560,6 +555,8 @@ class Supervisor:
         if group_alive(attempt.process.pgid):
             await attempt.process.kill()
         await asyncio.gather(*attempt.tasks, return_exceptions=True)
+        if attempt.prober is not None:
+            await attempt.prober.close()
         self.metrics.set_ready(False)
 
     async def _stopped(self) -> int:
