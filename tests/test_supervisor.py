@@ -226,3 +226,4 @@ def test_engine_death_after_ready_is_recovered(tmp_path: Path, notify: NotifySoc
     wait_until(lambda: len(starts(daemon)) >= 2, 60, "restart after engine death")
     daemon.stop()
     assert_no_vllm_left(daemon)
+
