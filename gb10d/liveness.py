@@ -192,7 +192,7 @@ def _death(result: ProbeResult, what: str) -> str | None:
     # httpx's async transport words a refusal "All connection attempts failed", which
     # Prober reports as "cannot connect: ..."; on loopback both mean nothing listens.
     if result.refused or (result.status is None and result.reason.startswith("cannot connect")):
-        return f"{what} could not connect ({result.reason}): vLLM no longer listens"
+        return f"{what} failed ({result.reason}): vLLM no longer listens on its port"
     return None
 
 
