@@ -155,12 +155,6 @@ class EngineCore:
 
     # --- helpers -----------------------------------------------------------------
 
-    def pause(self, sim_seconds: float) -> None:
-        """Wait a simulated duration."""
-        delay = self.settings.delay(sim_seconds)
-        if delay > 0:
-            time.sleep(delay)
-
     def log(self, src: str, message: str, level: str = "INFO") -> None:
         self.console.log(level, src, message)
 
@@ -198,33 +192,33 @@ class EngineCore:
 
     def run(self) -> NoReturn:
         set_process_title("VLLM::EngineCore")
-        self.pause(SPAWN_S)
+        self.settings.sleep(SPAWN_S)
         self.log("v1/engine/core.py:113", self._config_line())
-        self.pause(DISTRIBUTED_INIT_S)
+        self.settings.sleep(DISTRIBUTED_INIT_S)
         port = 40000 + os.getpid() % 20000
         self.log("distributed/parallel_state.py:1568", f"world_size=1 rank=0 local_rank=0 distributed_init_method=tcp://127.0.0.1:{port} backend=nccl")
         self.log("distributed/parallel_state.py:1903", "rank 0 in world size 1 is assigned as DP rank 0, PP rank 0, PCP rank 0, TP rank 0, EP rank N/A, EPLB rank N/A")
         self.check_free_memory()
         self.log("v1/worker/gpu_worker.py:303", "Using V2 Model Runner")
-        self.pause(RUNNER_SETUP_S)
+        self.settings.sleep(RUNNER_SETUP_S)
         self.log("v1/worker/gpu/model_runner.py:298", "Loading model from scratch...")
         self.log("platforms/cuda.py:378", "Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN', 'TRITON_ATTN', 'FLEX_ATTENTION'].")
         self.log("v1/attention/backends/flash_attn.py:636", "Using FlashAttention version 3")
         self.load_weights()
         load_s = self.model.shards * self._shard_s()
         self.log("model_executor/model_loader/default_loader.py:397", f"Loading weights took {load_s:.2f} seconds")
-        self.pause(MODEL_SETTLE_S)
+        self.settings.sleep(MODEL_SETTLE_S)
         memory_word = "GiB memory" if self.settings.minor >= 28 else "GiB"
         self.log("v1/worker/gpu/model_runner.py:319", f"Model loading took {self.model.weights_gib} {memory_word} and {load_s + MODEL_SETTLE_S + RUNNER_SETUP_S:.6f} seconds")
         compile_s = 0.0 if self.enforce_eager else self.compile()
-        self.pause(PROFILE_S)
+        self.settings.sleep(PROFILE_S)
         if self.settings.scenario.cuda_oom_during == "profile":
             self.oom("profile", 4.25)
         if not self.enforce_eager:
             self.log("compilation/monitor.py:81", f"Initial profiling/warmup run took {PROFILE_S * 0.18:.2f} s")
         kv_tokens = self.size_kv_cache()
         graphs_s = 0.0 if self.enforce_eager else self.capture_graphs()
-        self.pause(ENGINE_FINISH_S)
+        self.settings.sleep(ENGINE_FINISH_S)
         self.log("compilation/jit_monitor.py:54", "Kernel JIT monitor activated \u2014 Triton JIT compilations during inference will be logged as warnings.")
         total = PROFILE_S + KV_SETUP_S + ENGINE_FINISH_S + graphs_s + (0.0 if self.enforce_eager else DYNAMO_S + COMPILE_RANGE_S)
         if compile_s:
@@ -303,7 +297,7 @@ class EngineCore:
         try:
             fd = os.open(source, os.O_RDONLY)
         except OSError:
-            self.pause(sim_seconds)
+            self.settings.sleep(sim_seconds)
             return
         try:
             size = max(os.fstat(fd).st_size, 1)
@@ -323,10 +317,10 @@ class EngineCore:
         """torch.compile's lines; returns the compile time it reports."""
         cache = os.environ.get("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm"))
         self.log("compilation/backends.py:1089", f"Using cache directory: {cache}/torch_compile_cache/a33744ddfd/rank_0_0/backbone for vLLM's torch.compile")
-        self.pause(DYNAMO_S)
+        self.settings.sleep(DYNAMO_S)
         self.log("compilation/backends.py:1148", f"Dynamo bytecode transform time: {DYNAMO_S * 0.38:.2f} s")
         self.log("compilation/backends.py:378", "Cache the graph of compile range (1, 8192) for later use")
-        self.pause(COMPILE_RANGE_S)
+        self.settings.sleep(COMPILE_RANGE_S)
         self.log("compilation/backends.py:393", f"Compiling a graph for compile range (1, 8192) takes {COMPILE_RANGE_S * 0.52:.2f} s")
         total = DYNAMO_S * 0.38 + COMPILE_RANGE_S * 0.52 + 1.0
         self.log("compilation/monitor.py:53", f"torch.compile took {total:.2f} s in total")
@@ -334,7 +328,7 @@ class EngineCore:
 
     def size_kv_cache(self) -> int:
         """Available KV memory from the utilization budget; the KV failures of REFERENCE §3.2."""
-        self.pause(KV_SETUP_S)
+        self.settings.sleep(KV_SETUP_S)
         memory = self.settings.memory()
         budget = memory.total_bytes * float(self.args.gpu_memory_utilization)
         available = budget - (self.model.weights_gib + ACTIVATION_GIB + (0 if self.enforce_eager else GRAPH_GIB)) * GIB
@@ -366,7 +360,7 @@ class EngineCore:
                 if oom and index == len(CAPTURE_SIZES) // 3:
                     self.console.write(STDERR, "\n")
                     self.oom("graphs", 0.5)
-                self.pause(GRAPH_CAPTURE_S)
+                self.settings.sleep(GRAPH_CAPTURE_S)
                 bar.advance()
             bar.close()
         seconds = 2 * len(CAPTURE_SIZES) * GRAPH_CAPTURE_S

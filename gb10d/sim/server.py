@@ -72,11 +72,6 @@ class ApiServer:
 
     # --- helpers -----------------------------------------------------------------
 
-    def pause(self, sim_seconds: float) -> None:
-        delay = self.settings.delay(sim_seconds)
-        if delay > 0:
-            time.sleep(delay)
-
     def log(self, src: str, message: str, level: str = "INFO", name: str | None = None) -> None:
         self.console.log(level, src, message, name=name)
 
@@ -131,7 +126,7 @@ class ApiServer:
     def start(self) -> tuple[socket.socket, int]:
         """Everything up to the EngineCore's ready message: the bound socket and the KV cache size."""
         args, settings = self.args, self.settings
-        self.pause(API_BOOT_S)
+        self.settings.sleep(API_BOOT_S)
         early = "MainProcess" if not settings.style.wrapper_tag else None
         if settings.logo:
             logo = "\n".join(_LOGO).format(version=settings.version, model=args.model)
@@ -142,9 +137,9 @@ class ApiServer:
         self.validate_parsers()
         sock = self.bind()
         if settings.scenario.model_not_found:
-            self.pause(CONFIG_S)
+            self.settings.sleep(CONFIG_S)
             self.die(texts.model_not_found(args.model))
-        self.pause(CONFIG_S)
+        self.settings.sleep(CONFIG_S)
         self.log("config/model.py:611", f"Resolved architecture: {self.model.architecture}")
         self.log("config/model.py:1745", f"Using max model len {self.model.max_model_len}")
         self.log("core/sched/scheduler.py:239", f"Chunked prefill is enabled with max_num_batched_tokens={args.max_num_batched_tokens or 8192}.")
@@ -233,7 +228,7 @@ class ApiServer:
             minor=settings.minor, api_keys=keys, access_log=self.uvicorn_info and not args.disable_uvicorn_access_log,
             utilization=float(args.gpu_memory_utilization),
         )
-        self.pause(SERVE_SETUP_S)
+        self.settings.sleep(SERVE_SETUP_S)
         self.log("entrypoints/openai/api_server.py:579", "Supported tasks: ['generate']")
         self.log("entrypoints/chat_utils/hf.py:548", "Detected the chat template content format to be 'string'. You can set `--chat-template-content-format` to override this.")
         scheme = "https" if args.ssl_certfile else "http"

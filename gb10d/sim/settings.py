@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -131,6 +132,11 @@ class SimSettings:
     def delay(self, sim_seconds: float) -> float:
         """Wall-clock seconds for a simulated duration."""
         return sim_seconds * self.speed
+
+    def sleep(self, sim_seconds: float) -> None:
+        """Let a simulated duration pass."""
+        if self.speed > 0 and sim_seconds > 0:
+            time.sleep(sim_seconds * self.speed)
 
     def memory(self) -> Memory:
         """Total and free memory as the EngineCore sees them now (re-read every call)."""
