@@ -328,11 +328,11 @@ class Classifier:
         m = self._log.match(text) if " [" in text or "] " in text else None
         if m is not None:
             t1, p1, t2, p2, level, ts, src, ln, msg = m.group("t1", "p1", "t2", "p2", "level", "ts", "src", "ln", "msg")
-            pid = int(p1 or p2) if (p1 or p2) else None
+            record_pid = int(p1 or p2) if (p1 or p2) else None
             if self._state:
-                self._state.pop(pid, None)
+                self._state.pop(record_pid, None)
                 self._state.pop(None, None)
-            return Record(Kind.VLLM, _LEVEL_PRIORITY[level], msg, t1 or t2, pid, level, ts, src, int(ln))
+            return Record(Kind.VLLM, _LEVEL_PRIORITY[level], msg, t1 or t2, record_pid, level, ts, src, int(ln))
         if ":" in text[:40]:
             u = _UVICORN.match(text)
             if u is not None:
@@ -851,7 +851,7 @@ class EventScanner:
         """The events this line completes."""
         msg = message_of(text, self._prefix)
         events = parse_message(msg)
-        failures = [e for e in events if isinstance(e, Failure)]
+        failures: list[Event] = [e for e in events if isinstance(e, Failure)]
         others = [e for e in events if not isinstance(e, Failure)]
         if self._held:
             self._held.append(msg)
@@ -887,7 +887,7 @@ def _join(pieces: list[str]) -> list[Event]:
     # A terminal wrap keeps every character ("utiliza" + "tion"); a newline in
     # the message replaced a space, and the next piece may be indented.
     for joined in ("".join(pieces), " ".join(p.strip() for p in pieces)):
-        failures = [e for e in parse_message(joined) if isinstance(e, Failure)]
+        failures: list[Event] = [e for e in parse_message(joined) if isinstance(e, Failure)]
         if failures and any(_complete(e, joined) for e in failures):
             return failures
     return []
