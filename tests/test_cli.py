@@ -28,11 +28,9 @@ def no_config_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def fake_venv(tmp_path: Path) -> Path:
-    """A venv with a `vllm` program that exists and is executable, which is all check-config verifies."""
+    """A venv whose `vllm` is gb10d.sim: it exists and is executable, which is what check-config verifies."""
     venv = tmp_path / "vllm-env"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "vllm").write_text("#!/bin/sh\nexit 0\n")
-    (venv / "bin" / "vllm").chmod(0o755)
+    subprocess.run([sys.executable, "-m", "gb10d.sim", "make-venv", str(venv)], check=True, timeout=120)
     return venv
 
 
