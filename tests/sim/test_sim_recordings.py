@@ -117,3 +117,12 @@ def test_engine_death_gives_the_recorded_lines_and_events(sim) -> None:  # type:
     assert [line.split(") ", 1)[1] for line in physical_lines(bytes(s.stderr)) if line.startswith("(APIServer")] == [
         t.replace("4066", str(s.process.pid)) for t in recorded_tail
     ]
+
+
+def test_both_eras_give_gb10ds_parser_the_same_events(sim) -> None:  # type: ignore[no-untyped-def]
+    runs = [sim(*RECORDED_FLAGS, env={"GB10D_SIM_ERA": era}) for era in ("0.30", "0.31")]
+    for s in runs:
+        s.wait_ready()
+    old, new = runs
+    assert _event_kinds(bytes(old.stdout)) == _event_kinds(bytes(new.stdout))
+    assert _event_kinds(bytes(old.stderr)) == _event_kinds(bytes(new.stderr))

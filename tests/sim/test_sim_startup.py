@@ -237,3 +237,13 @@ def test_a_local_model_folder_gives_its_shards_architecture_and_real_reads(sim, 
 def test_version_flag_prints_the_simulated_version() -> None:
     result = subprocess.run([sys.executable, "-m", "gb10d.sim", "--version"], capture_output=True, text=True, timeout=DEADLINE_S, env={**os.environ, "GB10D_SIM_VERSION": "0.33.0"})
     assert (result.returncode, result.stdout) == (0, "0.33.0\n")
+
+
+def test_uvicorn_log_level_warning_hides_the_uvicorn_lines(sim) -> None:  # type: ignore[no-untyped-def]
+    s = sim("m", "--uvicorn-log-level", "warning")
+    s.wait_text("Starting vLLM server on")
+    deadline = time.monotonic() + DEADLINE_S
+    while port_refuses(s.port):  # until the port answers, at most DEADLINE_S
+        assert time.monotonic() < deadline, "the port never started listening"
+    assert http(s.port, "/health").status == 200
+    assert b"INFO:     " not in bytes(s.stderr) + bytes(s.stdout)
