@@ -42,7 +42,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if value == REDACTED:
-        return value
+        return REDACTED
     if value is None:
         return "(not set)"
     if isinstance(value, (int, float)):
@@ -300,7 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.handler(args)
+        handler: Handler = args.handler
+        return handler(args)
     except Gb10dError as exc:
         _report(exc, args)
         return exc.exit_status

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from .errors import ConfigError, ConfigProblem
 
@@ -33,6 +33,12 @@ CONFIG_ENV = "GB10D_CONFIG"
 DEFAULT_SOURCE = "default"
 
 LOAD_STRATEGIES = ("eager", "lazy", "prefetch", "torchao")
+LoadStrategy = Literal["eager", "lazy", "prefetch", "torchao"]
+
+
+def _default_ladder() -> list[LoadStrategy]:
+    """eager avoids the mmap stall seen on GB10, so it is the first and only rung by default."""
+    return ["eager"]
 
 
 
@@ -208,9 +214,7 @@ class StartupSection(_Table):
     stall_timeout_s: float = Field(default=300.0, gt=0)
     ready_timeout_s: float = Field(default=3600.0, gt=0)
     warmup: bool = True
-    load_strategy_ladder: list[Literal["eager", "lazy", "prefetch", "torchao"]] = Field(
-        default_factory=lambda: ["eager"]
-    )
+    load_strategy_ladder: list[LoadStrategy] = Field(default_factory=_default_ladder)
     allow_max_model_len_reduction: bool = False
     health_poll_interval_s: float = Field(default=2.0, gt=0)
 
@@ -470,7 +474,7 @@ _TYPE_WORDS = {
 }
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: ErrorDetails) -> str:
     """An operator-facing sentence for one pydantic error."""
     kind: str = error["type"]
     value = error.get("input")

@@ -19,13 +19,12 @@ import pytest
 
 from gb10d.config import (
     Config,
-    ConfigError,
     dropin_dir_for,
     load_config,
     load_config_explained,
     normalize_flag,
 )
-from gb10d.errors import EXIT_CONFIG
+from gb10d.errors import EXIT_CONFIG, ConfigError
 
 
 @pytest.fixture
