@@ -1,0 +1,71 @@
+"""`python -m bench`: run the benchmarks, write results JSON and Markdown tables, enforce the quick bounds.
+
+The full run (all six items of issue 7, about 12 minutes) writes
+`bench/results/latest.json` and `latest.md`. `--quick` (under 2 minutes:
+readiness and forwarding only, fewer repeats) writes `quick.json` and
+`quick.md`. Either run exits 1 when a regression bound (readiness or
+forwarding against its same-run baseline) does not hold, so CI can gate on
+it; the issue's goals are reported, not enforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from . import footprint, forwarding, readiness, recovery, report, shutdown, stall
+from .lab import Workspace
+
+SUITES: dict[str, ModuleType] = {
+    "readiness": readiness,
+    "recovery": recovery,
+    "stall": stall,
+    "forwarding": forwarding,
+    "footprint": footprint,
+    "shutdown": shutdown,
+}
+QUICK = ("readiness", "forwarding")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the CI version: readiness and forwarding, under 2 minutes")
+    parser.add_argument("--only", action="append", choices=sorted(SUITES), help="run only this item (repeatable)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results", help="where to write the results")
+    args = parser.parse_args(argv)
+    names = args.only or (QUICK if args.quick else tuple(SUITES))
+    started = time.monotonic()
+    results: dict[str, Any] = {"mode": "quick" if args.quick else "full", "machine": report.machine(),
+                               "commit": report.git_commit(ROOT), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    ws = Workspace()
+    try:
+        for name in names:
+            t0 = time.monotonic()
+            print(f"bench: {name} ...", file=sys.stderr, flush=True)
+            results[name] = SUITES[name].run(ws, args.quick)
+            print(f"bench: {name} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        ws.close()
+    results["wall_s"] = time.monotonic() - started
+    results["checks"] = report.checks(results)
+    results["goals"] = report.goals(results)
+    stem = "quick" if args.quick else "latest"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
+    text = report.markdown(results)
+    (args.out / f"{stem}.md").write_text(text + "\n")
+    print(text)
+    failed = [c for c in results["checks"] if not c["ok"]]
+    for c in failed:
+        print(f"bench: regression bound not held: {c['check']} = {c['value']} (bound {c['bound']})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
