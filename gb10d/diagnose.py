@@ -425,7 +425,7 @@ def diagnose(text: str, stall_timeout_s: float = 300.0) -> Diagnosis:
 def _best(found: list[Failure]) -> Failure:
     """The most informative of several events of one kind (a joined message has the numbers)."""
     def score(event: Failure) -> int:
-        return sum(value is not None and value != "" for value in vars(event).values())
+        return sum(value not in (None, "", False) for value in vars(event).values())
     return max(reversed(found), key=score)
 
 
@@ -563,7 +563,7 @@ def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any]) -
     cause = f"{exc.exc_type}: {exc.message}" if exc else "the engine core failed to start"
     return Diagnosis(
         "crash", facts,
-        "Read the error above the verdict's line; if it names a flag or value, change it in vllm.args of "
-        "gb10d.toml (gb10d print-command shows the full command).",
+        "The error says what broke; if it names a flag or a value, change that in vllm.args of gb10d.toml "
+        "(gb10d print-command shows the full command), then restart gb10d.",
         f"vLLM crashed: {cause}.",
     )

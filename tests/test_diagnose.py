@@ -237,3 +237,8 @@ def test_records_run_together_on_one_line_are_split_again() -> None:
     assert diagnose(text).verdict == "ready"
     glued = FREE.replace("(EngineCore", "(APIServer pid=1) INFO 12-02 14:00:00 [x.py:1] Loading weights took 1.0 seconds(EngineCore")
     assert diagnose(glued).facts["free_gib"] == 103.45
+
+
+def test_an_oom_while_loading_says_so() -> None:
+    text = (CORPUS / "cuda_oom_load__0.31__plain.log").read_text(encoding="utf-8")
+    assert "while loading the weights" in diagnose(text).summary
