@@ -535,6 +535,7 @@ _PORT = re.compile(r"(?:\(['\"][^'\"]*['\"], (?P<p1>\d+)\)|:(?P<p2>\d{2,5})\b)")
 _NOT_LOCAL = re.compile(r"(?:OSError: )?['\"]?(?P<model>[^\s'\"]+)['\"]? is not a local folder and is not a valid model identifier")
 _INVALID_REPO = re.compile(r"Invalid repository ID or local directory specified: ['\"](?P<model>[^'\"]+)['\"]")
 _REPO_NOT_FOUND = re.compile(r"Repository Not Found for url: https?://[^/\s]+/(?:api/models/)?(?P<model>[^/\s]+/[^/\s]+)")
+_NO_CONFIG = re.compile(r"Can't load the configuration of '(?P<model>[^']+)'")
 _GATED_URL = re.compile(r"gated repo for url https?://[^/\s]+/(?:api/models/)?(?P<model>[^/\s]+/[^/\s]+)")
 _BAD_PARSER = re.compile(r"invalid (?:tool call|reasoning) parser: [^'\"]*")
 _ARGPARSE = re.compile(r"(?:^|\s)(?:vllm(?: serve)?|[\w.-]+): error: (?P<msg>.+)$")
@@ -586,7 +587,7 @@ def _failures(msg: str) -> list[Event]:
         during_load = "Failed to load model" in msg
         if m is not None:
             out.append(CudaOutOfMemory(round(_f(m.group("n")) * _UNIT_GIB[m.group("u")], 4), during_load))
-        elif during_load or "CUDA out of memory" in msg:
+        elif during_load or "CUDA out of memory" in msg or "CUDA error: out of memory" in msg:
             out.append(CudaOutOfMemory(None, during_load))
     if "To serve at least one request" in msg:
         m = _KV_INSUFFICIENT.search(msg)
@@ -604,8 +605,9 @@ def _failures(msg: str) -> list[Event]:
         p = _PORT.search(msg)
         port = (p.group("p1") or p.group("p2")) if p else None
         out.append(PortInUse(int(port) if port else None))
-    if "is not a local folder" in msg or "Invalid repository ID" in msg or "Repository Not Found" in msg:
-        m = _NOT_LOCAL.search(msg) or _INVALID_REPO.search(msg) or _REPO_NOT_FOUND.search(msg)
+    if ("is not a local folder" in msg or "Invalid repository ID" in msg or "Repository Not Found" in msg
+            or "load the configuration of" in msg):
+        m = _NOT_LOCAL.search(msg) or _INVALID_REPO.search(msg) or _REPO_NOT_FOUND.search(msg) or _NO_CONFIG.search(msg)
         if m is not None:
             out.append(ModelNotFound(m.group("model")))
     if "gated repo" in msg:
@@ -642,7 +644,7 @@ _PROGRESS_GATE = re.compile(
     "|Shutting down"
 )
 _FAILURE_GATE = re.compile(
-    "Error|error|memory|Exception|failed|in use|not a local|Invalid repository|Not Found|gated|parser"
+    "Error|error|memory|Exception|failed|in use|not a local|Invalid repository|Not Found|gated|parser|configuration of"
     "|unexpectedly|Interrupt|Exit|positional|Fault|yaml"
 )
 

@@ -449,6 +449,12 @@ FAILURE_CASES = [
      "'https://huggingface.co/models'", [ModelNotFound("nope/missing")]),
     ("ValueError: Invalid repository ID or local directory specified: '/srv/models/gone'.", [ModelNotFound("/srv/models/gone")]),
     ("OSError: You are trying to access a gated repo.", [ModelGated(None)]),
+    ("huggingface_hub.errors.RepositoryNotFoundError: 404 Client Error. (Request ID: x) Repository Not Found for url: "
+     "https://huggingface.co/api/models/Qwen/Qwen3.6-27B-FP9/revision/main.", [ModelNotFound("Qwen/Qwen3.6-27B-FP9")]),
+    ("OSError: Can't load the configuration of '/srv/models/x'. If you were trying to load it from "
+     "'https://huggingface.co/models', make sure you don't have a local directory with the same name.",
+     [ModelNotFound("/srv/models/x")]),
+    ("RuntimeError: CUDA error: out of memory", [CudaOutOfMemory(None)]),
     ("401 Client Error. (Request ID: x) Cannot access gated repo for url "
      "https://huggingface.co/meta-llama/Llama-3.3-70B-Instruct/resolve/main/config.json.",
      [ModelGated("meta-llama/Llama-3.3-70B-Instruct")]),
