@@ -16,6 +16,7 @@ shown anything beyond its banner.
 from __future__ import annotations
 
 import calendar
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -191,6 +192,24 @@ def _unwrap(lines: list[str]) -> list[str]:
     return out
 
 
+def _journal_json(line: str) -> tuple[str, float | None] | None:
+    """MESSAGE and time of a `journalctl -o json` line, or None if it is not one."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(entry, dict) or "MESSAGE" not in entry:
+        return None
+    message = entry["MESSAGE"]
+    if isinstance(message, list):  # journald gives non-UTF-8 or control-character messages as byte arrays
+        message = bytes(b for b in message if isinstance(b, int) and 0 <= b < 256).decode("utf-8", "replace")
+    try:
+        when = int(entry["__REALTIME_TIMESTAMP"]) / 1e6
+    except (KeyError, TypeError, ValueError):
+        when = None
+    return str(message), when
+
+
 def read_lines(text: str) -> list[_Line]:
     """Pasted text as clean logical lines with the time each wrapper gave it."""
     out: list[_Line] = []
@@ -199,9 +218,11 @@ def read_lines(text: str) -> list[_Line]:
     for physical in _unwrap(physicals):
         if _JOURNAL_NOTE.match(physical.strip()):
             continue
+        entry = _journal_json(physical) if physical.startswith("{") and '"MESSAGE"' in physical else None
         # Cheap counts first: two journal prefixes, or two level words or tags, before any split.
-        for piece in _GLUED_JOURNAL.split(physical) if physical.count("]: ") > 1 else (physical,):
-            body, when = _strip_wrappers(piece)
+        pieces = [physical] if entry is not None or physical.count("]: ") <= 1 else _GLUED_JOURNAL.split(physical)
+        for piece in pieces:
+            body, when = entry if entry is not None else _strip_wrappers(piece)
             glued = body.count(" pid=") > 1 or sum(body.count(level) for level in _LEVELS) > 1
             for record in _GLUED_RECORD.split(body) if glued else (body,):
                 if "\r" not in record:

@@ -242,3 +242,15 @@ def test_records_run_together_on_one_line_are_split_again() -> None:
 def test_an_oom_while_loading_says_so() -> None:
     text = (CORPUS / "cuda_oom_load__0.31__plain.log").read_text(encoding="utf-8")
     assert "while loading the weights" in diagnose(text).summary
+
+
+def test_journalctl_json_output_is_read_with_its_times() -> None:
+    def entry(seconds: int, message: object) -> str:
+        return json.dumps({"__REALTIME_TIMESTAMP": str((1764684000 + seconds) * 10**6), "SYSLOG_IDENTIFIER": "gb10d",
+                           "MESSAGE": message})
+
+    bar = "(EngineCore pid=9) Loading safetensors checkpoint shards:   1% Completed | 1/66 [00:30<?, ?it/s]"
+    lines = [entry(0, list(("\r" + bar).encode())),
+             entry(600, "(APIServer pid=8) DEBUG 12-02 14:10:00 [utils.py:1] Waiting for 1 local, 0 remote core engine proc(s) to start.")]
+    result = diagnose("\n".join(lines) + "\n")
+    assert (result.verdict, result.facts) == ("shard_stall", {"shards_loaded": 1, "shards_total": 66})
