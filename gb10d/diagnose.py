@@ -4,8 +4,9 @@ Pure: `diagnose(text)` takes the whole log as people paste it (journalctl
 output in its usual forms and as JSON, docker, docker compose and kubectl
 logs, ANSI colours, `\\r` progress bars, both vLLM tag eras, pre-0.23
 untagged lines, lines wrapped by a terminal, records run together where a
-newline was lost) and returns a `Diagnosis`. Wrappers are removed by families of patterns rather than per
-example, so logs in shapes not seen before still read.
+newline was lost) and returns a `Diagnosis`. Wrappers are removed by
+families of patterns rather than per example, so logs in shapes not seen
+before still read.
 
 The verdict is about the latest start in the input: a new banner, a new
 `non-default args` line, a new API-server pid, an argparse `usage:` line or
