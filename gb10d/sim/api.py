@@ -417,6 +417,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, _dumps({"server_load": self.server.client.running()}))
         elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
             self._generate(chat=path == "/v1/chat/completions")
+        elif any(path == route and method in methods for route, methods in ROUTES):
+            self._error(501, "NotImplementedError", f"{method} {path} is a vLLM route the stand-in does not simulate")
         elif any(path == route for route, _ in ROUTES):
             self._send(405, _dumps({"detail": "Method Not Allowed"}))
         else:

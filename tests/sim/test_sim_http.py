@@ -210,3 +210,16 @@ def test_concurrent_completions_are_all_served(served) -> None:  # type: ignore[
 
     with ThreadPoolExecutor(max_workers=6) as pool:
         assert list(pool.map(one, range(6))) == [20] * 6
+
+
+def test_unknown_paths_and_methods_get_fastapis_answers(served) -> None:  # type: ignore[no-untyped-def]
+    assert (http(served.port, "/nope").status, http(served.port, "/nope").body) == (404, b'{"detail":"Not Found"}')
+    assert http(served.port, "/v1/models", {"x": 1}).status == 405
+
+
+def test_idle_stats_lines_are_debug_records_with_the_relative_source(sim) -> None:  # type: ignore[no-untyped-def]
+    s = sim("m", env={"VLLM_LOGGING_LEVEL": "DEBUG"})
+    s.wait_ready()
+    s.wait_text("[v1/metrics/loggers.py:271] Engine 000:")
+    line = next(line for line in physical_lines(bytes(s.stdout)) if "Engine 000:" in line)
+    assert " DEBUG " in line and line.endswith("Running: 0 reqs, Waiting: 0 reqs, GPU KV cache usage: 0.0%, Prefix cache hit rate: 0.0%")
