@@ -171,6 +171,12 @@ class _Line:
     when: float | None  # the wrapper's time, seconds (year-less times in an assumed year)
 
 
+_LINE_START = re.compile(
+    r"(?:\([\w.\[\]= -]+ pid=\d+\) |<[0-7]>|[A-Z][a-z]{2} [ \d]?\d \d\d:|\d{4}-\d\d-\d\dT\d\d:"
+    r"|(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)(?: \d\d-\d\d |:\s))"
+)
+
+
 def _unwrap(lines: list[str]) -> list[str]:
     """Undo a terminal's wrapping: when many lines are exactly as long as the longest, they were cut there.
 
@@ -185,7 +191,8 @@ def _unwrap(lines: list[str]) -> list[str]:
     out: list[str] = []
     joining = False
     for line, length in zip(lines, lengths):
-        if joining:
+        # A line that starts like a record of its own was not cut off the previous one.
+        if joining and not _LINE_START.match(line):
             out[-1] += line
         else:
             out.append(line)

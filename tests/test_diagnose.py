@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.diagnose import VERDICTS, diagnose, suggested_utilization
+from gb10d.diagnose import VERDICTS, diagnose, read_lines, suggested_utilization
 
 CORPUS = Path(__file__).parent / "corpus"
 EXPECTED: dict[str, dict[str, object]] = json.loads((CORPUS / "expected.json").read_text())
@@ -254,3 +254,9 @@ def test_journalctl_json_output_is_read_with_its_times() -> None:
              entry(600, "(APIServer pid=8) DEBUG 12-02 14:10:00 [utils.py:1] Waiting for 1 local, 0 remote core engine proc(s) to start.")]
     result = diagnose("\n".join(lines) + "\n")
     assert (result.verdict, result.facts) == ("shard_stall", {"shards_loaded": 1, "shards_total": 66})
+
+
+def test_lines_of_equal_length_that_each_start_a_record_are_not_joined() -> None:
+    access = '(APIServer pid=8) INFO:     127.0.0.1:51236 - "GET /health HTTP/1.1" 200 OK'
+    lines = read_lines("\n".join([access] * 5))
+    assert [line.text for line in lines] == [access] * 5
