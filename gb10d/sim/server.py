@@ -67,6 +67,8 @@ class ApiServer:
         self.conn: socket.socket | None = None
         self.events: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.stopping = threading.Event()
+        # Held while a stats line is written, so none follows the shutdown lines.
+        self._stats_lock = threading.Lock()
         level = (args.uvicorn_log_level or "info").lower()
         self.uvicorn_info = level in ("info", "debug", "trace")
 
@@ -258,7 +260,8 @@ class ApiServer:
         """SIGTERM while serving: vLLM's [shutdown] lines, the engine stopped, exit 0."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        self.stopping.set()
+        with self._stats_lock:
+            self.stopping.set()
         self.log("entrypoints/launcher.py:100", "[shutdown] API server: shutdown triggered")
         self.log("entrypoints/launcher.py:116", f"[shutdown] API server: stopping engine client mode={'abort' if not self.args.shutdown_timeout else 'drain'} timeout={self.args.shutdown_timeout}s")
         if self.engine_pid is not None:
@@ -315,7 +318,8 @@ class ApiServer:
 
         assert isinstance(server, SimHTTPServer)
         server.engine_dead = True
-        self.stopping.set()
+        with self._stats_lock:
+            self.stopping.set()
         self._reap()
         self.log("v1/engine/core_client.py:699", "[shutdown] MPClient: engine core exited unexpectedly; starting cleanup", "WARNING")
         self.log("v1/engine/core_client.py:652", "[shutdown] MPClient: start timeout=default")
@@ -362,10 +366,13 @@ class ApiServer:
             queries, hits = now["queries"], now["hits"]
             if self.settings.minor < 31 or now["requests"] > 0:
                 parts.append(f"Prefix cache hit rate: {(hits / queries * 100) if queries else 0.0:.1f}%")
-            self.log("v1/metrics/loggers.py:271", "Engine 000: " + ", ".join(parts), level)
             drafts = now["drafts"] - previous["drafts"]
-            if spec_k and drafts > 0:
-                self.log("v1/spec_decode/metrics.py:215", self._spec_line(now, previous, drafts, spec_k, interval), level)
+            with self._stats_lock:
+                if self.stopping.is_set():
+                    return
+                self.log("v1/metrics/loggers.py:271", "Engine 000: " + ", ".join(parts), level)
+                if spec_k and drafts > 0:
+                    self.log("v1/spec_decode/metrics.py:215", self._spec_line(now, previous, drafts, spec_k, interval), level)
             previous = now
 
     @staticmethod
