@@ -204,10 +204,17 @@ def verdict(state: LivenessState, now: float, limits: LivenessSection) -> Verdic
     if stuck_since is not None and now - stuck_since >= limits.progress_timeout_s:
         return Hung(_stuck_evidence(state, stuck_since, now, limits), "hung")
     sent_at = _unfinished_probe_sent_at(state, now, limits)
-    # A probe slowed by a saturated engine is no failure as long as tokens flowed after it was sent.
-    if sent_at is not None and state.generated_at <= sent_at:
+    # A probe slowed by a saturated engine is no failure as long as tokens flowed after it was sent;
+    # and a probe stuck behind other requests (a long prefill) is for the progress rule to judge.
+    if sent_at is not None and state.generated_at <= sent_at and not _others_in_engine(state):
         return Hung(_probe_evidence(state, sent_at, now, limits), "probe_timeout")
     return Alive()
+
+
+def _others_in_engine(state: LivenessState) -> bool:
+    """More requests in the engine than the idle probe itself."""
+    sample = state.sample
+    return sample is not None and (sample.running or 0) + (sample.waiting or 0) > 1
 
 
 def _stuck_since(state: LivenessState) -> float | None:
@@ -338,26 +345,27 @@ async def watch(
         while True:
             now = clock()
             deadline = next_deadline(state, limits)
-            # A deadline brings the next sample forward: verdicts are taken on fresh figures.
-            sample_at = next_sample if deadline is None else min(next_sample, deadline)
+            due = next_probe_due(state, now, limits)
+            # Deadlines and a due probe bring the next sample forward: verdicts are taken, and the
+            # probe is sent, on fresh figures only.
+            sample_at = min(t for t in (next_sample, deadline, due) if t is not None)
             if sampling is None and now >= sample_at:
                 sampling = asyncio.create_task(sample())
-            due = next_probe_due(state, now, limits)
-            if probing is None and due is not None and now >= due:
-                state = probe_sent(state, now)
-                probing = asyncio.create_task(prober.complete(model, timeout_s=limits.probe_timeout_s))
-                due = None
-            wake = [t for t in (sample_at if sampling is None else None, due) if t is not None]
-            await _first_of([t for t in (sampling, probing) if t is not None], min(wake) - now if wake else None)
+            await _first_of([t for t in (sampling, probing) if t is not None], None if sampling else sample_at - now)
             now = clock()
-            observed = False
             if sampling is not None and sampling.done():
                 health, metrics = sampling.result()
                 state = observe_metrics(observe_health(state, health, now), metrics, now)
-                sampling, next_sample, observed = None, now + limits.health_interval_s, True
-            if probing is not None and probing.done():
-                state, probing, observed = observe_probe(state, probing.result(), now), None, True
-            if observed and isinstance(found := verdict(state, now, limits), (Hung, Dead)):
+                sampling, next_sample = None, now + limits.health_interval_s
+                due = next_probe_due(state, now, limits)
+                if probing is None and due is not None and now >= due:
+                    state = probe_sent(state, now)
+                    probing = asyncio.create_task(prober.complete(model, timeout_s=limits.probe_timeout_s))
+            elif probing is not None and probing.done():
+                state, probing = observe_probe(state, probing.result(), now), None
+            else:
+                continue
+            if isinstance(found := verdict(state, now, limits), (Hung, Dead)):
                 on_verdict(found)
                 return
     finally:

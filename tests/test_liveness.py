@@ -126,6 +126,11 @@ CASES = [
                  ["sent 65 s ago", "/health 200"], id="probe_still_out_past_probe_timeout_is_hung"),
     pytest.param([M(0, 0, 500), Sent(60), M(70, 1, 500), M(110, 1, 500)], 110, Alive, None, [],
                  id="probe_out_within_probe_timeout_is_alive"),
+    pytest.param([M(0, 0, 500), Sent(60), M(70, 3, 500), P(120, None, "timed out", 60.0), M(130, 3, 500)], 130, Alive, None,
+                 [], id="probe_stuck_behind_a_long_prefill_is_left_to_the_progress_rule"),
+    pytest.param([M(0, 0, 500), Sent(60), M(70, 3, 500), P(120, None, "timed out", 60.0), M(190, 3, 500)], 190, Hung, "hung",
+                 ["no generated token for 120 s", "3 request(s) running", "last idle probe timed out after 60.0 s, 70 s ago"],
+                 id="prefill_that_outlasts_the_progress_timeout_is_hung"),
     pytest.param([M(0, 0, 500), Sent(60)] + every(10, 120, 17, lambda t: 500 + 160 * (t - 60), since=70)
                  + [P(121, None, "timed out", 61.0), M(130, 17, 500 + 160 * 70)], 130, Alive, None, [],
                  id="slow_probe_while_tokens_flow_is_alive"),
