@@ -25,7 +25,7 @@ from typing import NoReturn
 
 from . import texts
 from .output import STDERR, Bar, Console
-from .settings import GIB, SimSettings
+from .settings import GIB, SettingsError, SimSettings
 
 # Simulated durations in seconds at GB10D_SIM_SPEED=1, shaped after a 27B
 # FP8 model on GB10 (REFERENCE §8): minutes in all, most of it in the shards.
@@ -191,6 +191,7 @@ class EngineCore:
     # --- startup -----------------------------------------------------------------
 
     def run(self) -> NoReturn:
+        """vLLM's EngineCore startup, phase by phase (REFERENCE §2), then serving until killed."""
         set_process_title("VLLM::EngineCore")
         self.settings.sleep(SPAWN_S)
         self.log("v1/engine/core.py:113", self._config_line())
@@ -453,6 +454,10 @@ def run_engine(settings: SimSettings, args: argparse.Namespace, model: ModelFact
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         EngineCore(settings, args, model, conn).run()
+    except SettingsError as exc:
+        # E.g. the meminfo file vanished between attempts: say so in one line.
+        os.write(2, f"gb10d.sim: {exc}\n".encode())
+        os._exit(2)
     except BaseException:  # noqa: BLE001 - a forked child must never return into the parent's code
         traceback.print_exc()
         os._exit(1)

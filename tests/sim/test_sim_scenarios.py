@@ -207,3 +207,13 @@ def test_leak_gib_leaves_memory_trapped_in_the_meminfo_file_after_a_failed_start
     assert kb(before["MemAvailable"]) - kb(after["MemAvailable"]) == 40 * 1024 * 1024
     assert kb(before["MemFree"]) - kb(after["MemFree"]) == 40 * 1024 * 1024
     assert after["MemTotal"] == before["MemTotal"]
+
+
+def test_a_missing_meminfo_file_is_one_line_not_a_traceback_of_the_stand_in(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    s = sim("m", env={"GB10D_SIM_MEMINFO": str(tmp_path / "absent")})
+    assert s.wait_exit() == 1
+    s.drain()
+    stderr = bytes(s.stderr).decode()
+    assert f"gb10d.sim: GB10D_SIM_MEMINFO: cannot read {tmp_path / 'absent'}: No such file or directory\n" in stderr
+    assert "gb10d/sim" not in stderr
+    assert physical_lines(bytes(s.stderr))[-1].endswith(ENGINE_FAILED)
