@@ -181,9 +181,17 @@ def test_reload_keeps_the_same_vllm_serving(supervisor: Container) -> None:
     supervisor.run("systemctl", "start", UNIT)
     before = supervisor.show(UNIT, "MainPID")
     processes_before = unit_processes(supervisor)
+    cursor = supervisor.run("journalctl", "-u", UNIT, "-n", "0", "--show-cursor").stdout.split("cursor: ")[-1].strip()
     supervisor.run("systemctl", "reload", UNIT)
-    supervisor.wait_for("serving again after reload", lambda: supervisor.show(UNIT, "StatusText")["StatusText"].startswith("serving"))
-    assert supervisor.show(UNIT, "ActiveState", "MainPID") == {"ActiveState": "active", **before}
+
+    def gb10d_logged_the_reload() -> bool:
+        # ExecReload returns once SIGHUP is sent; gb10d's own line says it was handled.
+        lines = journal(supervisor, UNIT, f"--after-cursor={cursor}", f"_PID={before['MainPID']}")
+        return "reload" in lines.lower()
+
+    supervisor.wait_for("gb10d to log the reload", gb10d_logged_the_reload)
+    state = supervisor.show(UNIT, "ActiveState", "MainPID", "StatusText")
+    assert (state["ActiveState"], state["MainPID"]) == ("active", before["MainPID"]) and state["StatusText"].startswith("serving"), state
     assert unit_processes(supervisor) == processes_before, "an unchanged config must not restart vLLM"
 
 
@@ -228,6 +236,9 @@ def test_free_memory_failure_recovers_and_the_warning_explains_it(supervisor: Co
         assert state["NRestarts"] == "0", "gb10d, not systemd, must recover"
         warnings = journal(supervisor, UNIT, "-p", "warning")
         assert "free memory" in warnings and "0.9" in warnings, warnings
+        # journalctl -x adds the catalog's explanation to gb10d's own decisions.
+        explained = supervisor.run("journalctl", "--no-pager", "-x", "-u", UNIT, "-p", "warning").stdout
+        assert "Defined-By: gb10d" in explained, explained[-3000:]
     finally:
         supervisor.write(MEMINFO, meminfo(total_gib=121.69, free_gib=115.0))
 
