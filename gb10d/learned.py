@@ -12,19 +12,20 @@ entry carries a fingerprint of the settings that decide how much memory vLLM
 needs and how it loads: the model, the served names, the program, the
 requested gpu_memory_utilization, every `[vllm.args]` flag (max-model-len,
 safetensors-load-strategy, kv-cache-dtype, speculative-config among them)
-and extra_args; in short the command line minus the values gb10d tunes and
-minus where vLLM listens. Those settings are stored readably beside the hash,
-so a discarded entry can name the keys that changed.
+and extra_args. In short the command line as configured (the tuned values as
+requested, not as last used), minus where vLLM listens and any API key.
+Those settings are stored readably beside the hash, so a discarded entry
+can name the keys that changed.
 
-`fingerprint`, `applicable`, `remember` and `merge` are pure; `load`, `save`
-and `forget` touch the file and never raise anything but `LearnedFileError`.
+`learned_for`, `fingerprint`, `applicable`, `remember` and `merge` are pure.
+`load` never raises (a bad file is a `problem`); `save` and `forget` raise
+only `LearnedFileError`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import tempfile
 import tomllib
@@ -39,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .command import REDACTED, Tunables, redact_setting
 from .config import LOAD_STRATEGIES, Config, normalize_flag
 from .errors import Gb10dError
-from .reload import Change
+from .reload import Change, canonical
 
 # Readable by operators checking what gb10d learned: nothing in it is secret.
 LEARNED_FILE_MODE = 0o644
@@ -119,13 +120,9 @@ def learned_for(config: Config) -> dict[str, Any]:
     return basis
 
 
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
 def fingerprint(config: Config) -> str:
     """A short hash of `learned_for(config)`: equal exactly when learned values carry over."""
-    return hashlib.sha256(_canonical(learned_for(config)).encode("utf-8")).hexdigest()[:16]
+    return hashlib.sha256(canonical(learned_for(config)).encode("utf-8")).hexdigest()[:16]
 
 
 def applicable(state: LearnedState, config: Config) -> Applicability:
@@ -139,7 +136,7 @@ def applicable(state: LearnedState, config: Config) -> Applicability:
     changed = [
         Change(key, entry.learned_for.get(key), now.get(key)).describe()
         for key in {**entry.learned_for, **now}
-        if _canonical(entry.learned_for.get(key)) != _canonical(now.get(key))
+        if canonical(entry.learned_for.get(key)) != canonical(now.get(key))
     ]
     since = ", ".join(changed) if changed else "the fingerprint differs"
     return Applicability(

@@ -1,8 +1,9 @@
 """Config changes: what changed between two configs, and a watcher that notices edits.
 
-`diff_configs` is the core: it names every changed key (old -> new, secrets
-masked) and decides whether vLLM must be restarted, which is only the case
-when its command line or environment comes out different. Restarting vLLM
+`diff_configs` is the core: it compares two `ConfigSnapshot`s (a config and
+its env_file contents), names every changed key (old -> new, secrets masked)
+and decides whether vLLM must be restarted, which is only the case when its
+command line or environment comes out different. Restarting vLLM
 costs minutes of loading, so a change to gb10d's own settings (timeouts,
 restart policy, metrics, logging) never does.
 
@@ -137,7 +138,7 @@ def diff_configs(old: ConfigSnapshot, new: ConfigSnapshot) -> ConfigDiff:
     # Listed in schema order (that of `check-config --explain`), added keys among the others.
     position = {dotted: index for index, (dotted, _) in enumerate(_fields(new.config))}
     changed = sorted(
-        (key for key in {**before, **after} if _canonical(before.get(key)) != _canonical(after.get(key))),
+        (key for key in {**before, **after} if canonical(before.get(key)) != canonical(after.get(key))),
         key=lambda key: position[".".join(key.split(".")[:2])],
     )
     changes = tuple(Change(key, _masked(key, before.get(key)), _masked(key, after.get(key))) for key in changed)
@@ -179,8 +180,8 @@ def _settings(snapshot: ConfigSnapshot) -> dict[str, Any]:
     return flat
 
 
-def _canonical(value: Any) -> str:
-    """A comparison key that tells `1`, `1.0` and `true` apart, as vLLM's argv does."""
+def canonical(value: Any) -> str:
+    """A comparison key for config values that tells `1`, `1.0` and `true` apart, as vLLM's argv does."""
     return json.dumps(value, sort_keys=True, default=str)
 
 
