@@ -101,8 +101,9 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         for mode, m in f["modes"].items():
             g = m["gb10d"]["lines_per_s"]["median"]
             goal(f"forwarding ({mode})", f"{g:,.0f} lines/s", ">= 100,000 lines/s", g >= 100_000)
-            slow = m["gb10d"]["child_slowdown"]["median"]
-            goal(f"child never blocked ({mode})", f"{slow:.1f}x its /dev/null time", "about 1x", slow < 1.5)
+            if mode == "lines":  # see the table: only the line-by-line writer has a meaningful ratio
+                slow = m["gb10d"]["child_slowdown"]["median"]
+                goal(f"child never blocked ({mode})", f"{slow:.1f}x its /dev/null write time", "about 1x", slow < 1.5)
     p = results.get("footprint")
     if p:
         sc = p["scaled"]
@@ -149,7 +150,7 @@ def markdown(results: dict[str, Any]) -> str:
         parts += [f"| {g['goal']} | {g['value']} | {g['target']} | {'yes' if g['met'] else '**no**'} |" for g in goals(results)]
         parts.append("")
     if results.get("checks"):
-        parts += ["### Regression bounds (quick run)", "", "| check | measured | bound | held |", "|---|---|---|---|"]
+        parts += ["### Regression bounds (enforced by every run, `--quick` in CI)", "", "| check | measured | bound | held |", "|---|---|---|---|"]
         for c in results["checks"]:
             value = f"{c['value']:,.3f}" if isinstance(c["value"], float) else str(c["value"])
             parts.append(f"| {c['check']} | {value} | {c['bound']} | {'yes' if c['ok'] else '**no**'} |")
@@ -213,15 +214,19 @@ def markdown(results: dict[str, Any]) -> str:
         parts += [
             "### 4. Log forwarding", "",
             f"{fw['lines']:,} physical lines per run, {fw['repeats']} runs per consumer.", "",
-            "| child writes | consumer | lines/s: median | min–max | vs cat | child's write time vs /dev/null |", "|---|---|---|---|---|---|",
+            "| child writes | consumer | lines/s: median | min–max | vs cat | child's write time: median | vs /dev/null |",
+            "|---|---|---|---|---|---|---|",
         ]
         for mode, m in fw["modes"].items():
+            writes = m["child_write_s"]
             for name in ("gb10d", "cat"):
                 s = m[name]["lines_per_s"]
                 ratio = f"{m['gb10d_vs_cat']:.3f}x" if name == "gb10d" else "1x"
-                slow = m[name]["child_slowdown"]["median"] if m[name]["child_slowdown"] else None
+                # 64 KiB chunks to /dev/null take microseconds: a ratio to that says nothing.
+                slow = m[name]["child_slowdown"]["median"] if m[name]["child_slowdown"] and mode == "lines" else None
                 parts.append(f"| {mode} | {name} | {s['median']:,.0f} | {s['min']:,.0f}–{s['max']:,.0f} | {ratio} | "
-                             f"{'-' if slow is None else f'{slow:.1f}x'} |")
+                             f"{_s(writes[name]['median'], 3)} | {'-' if slow is None else f'{slow:,.1f}x'} |")
+            parts.append(f"| {mode} | /dev/null (child alone) | - | - | - | {_s(writes['devnull']['median'], 4)} | - |")
         parts.append("")
     fp = results.get("footprint")
     if fp:

@@ -1,0 +1,36 @@
+"""The quick benchmark as a test: readiness latency and forwarding throughput must stay within their bounds.
+
+It runs `python -m bench --quick` as a real process (the real `gb10d run`,
+the stand-in, a flood child, `cat`), so it takes about a minute. The bounds
+are relative to baselines measured in the same run, plus generous absolute
+floors, as stated in docs/BENCHMARKS.md; a failure prints the bench's table.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(280)
+def test_quick_benchmark_holds_readiness_and_forwarding_bounds(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=270,
+    )
+    assert run.returncode == 0, f"quick benchmark failed (exit {run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
+    results = json.loads((tmp_path / "quick.json").read_text())
+    assert {c["check"] for c in results["checks"]} >= {
+        "readiness median (s)",
+        "readiness median vs 1 s poll median (s)",
+        "forwarding lines/s (lines)",
+        "forwarding vs cat (lines)",
+    }
+    assert all(c["ok"] for c in results["checks"])
