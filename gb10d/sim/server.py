@@ -97,17 +97,15 @@ class ApiServer:
                 break
         self._reap()
 
-    def _reap(self) -> int | None:
-        """Wait for the EngineCore's exit; its exit code, if it exited."""
+    def _reap(self) -> None:
+        """Wait for the EngineCore's exit, so no zombie stays in the group."""
         if self.engine_pid is None:
-            return None
+            return
         try:
-            _, status = os.waitpid(self.engine_pid, 0)
+            os.waitpid(self.engine_pid, 0)
         except ChildProcessError:
-            return None
-        finally:
-            self.engine_pid = None
-        return os.waitstatus_to_exitcode(status)
+            pass
+        self.engine_pid = None
 
     # --- startup -----------------------------------------------------------------
 

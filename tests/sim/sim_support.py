@@ -163,7 +163,6 @@ class Sim:
     stdout: bytearray = field(default_factory=bytearray)
     stderr: bytearray = field(default_factory=bytearray)
     changed: threading.Condition = field(default_factory=threading.Condition)
-    started: float = field(default_factory=time.monotonic)
     pumps: list[threading.Thread] = field(default_factory=list)
 
     def _pump(self, pipe: Any, into: bytearray) -> None:
