@@ -10,8 +10,10 @@ depend on what else this machine is doing.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,8 +49,10 @@ def meminfo(total_gib: float, free_gib: float) -> str:
     )
 
 
-def sim_config(scenario: str = "healthy", utilization: float = 0.8, port: int = 8000, extra: str = "") -> str:
-    """A gb10d.toml that runs the sim at 1/100 of real time."""
+def sim_config(
+    scenario: str = "healthy", utilization: float = 0.8, port: int = 8000, extra_env: str = "", extra: str = ""
+) -> str:
+    """A gb10d.toml that runs the sim at 1/100 of real time; `extra_env` adds to [vllm.env], `extra` appends tables."""
     return f"""
 [vllm]
 executable = "{SIM}"
@@ -62,7 +66,7 @@ gpu_memory_utilization = {utilization}
 GB10D_SIM_SPEED = "0.01"
 GB10D_SIM_SCENARIO = "{scenario}"
 GB10D_SIM_MEMINFO = "{MEMINFO}"
-
+{extra_env}
 [memory]
 meminfo_path = "{MEMINFO}"
 # The tests want vLLM's own free-memory failure and gb10d's recovery from it,
@@ -104,6 +108,19 @@ def http_get(box: Container, url: str) -> tuple[int, str]:
 def journal(box: Container, unit: str, *options: str) -> str:
     """The unit's journal in `cat` format (messages only)."""
     return box.run("journalctl", "--no-pager", "-o", "cat", "-u", unit, *options).stdout
+
+
+@contextmanager
+def drop_in(box: Container, unit: str, text: str) -> Iterator[None]:
+    """A unit drop-in for the duration of a block, as an admin would add with systemctl edit."""
+    path = f"/etc/systemd/system/{unit}.d/test.conf"
+    box.write(path, text)
+    box.run("systemctl", "daemon-reload")
+    try:
+        yield
+    finally:
+        box.run("rm", "-f", path)
+        box.run("systemctl", "daemon-reload")
 
 
 @pytest.fixture(scope="module")
@@ -205,10 +222,10 @@ def test_stop_leaves_no_process_of_the_unit(supervisor: Container) -> None:
     assert unit_processes(supervisor) == []
 
 
-def test_status_text_shows_the_phases_of_a_slow_start(supervisor: Container) -> None:
-    # 6 shards, 150 simulated seconds each at speed 0.01: about 9 s of loading.
-    supervisor.write("/etc/gb10d.toml", sim_config(scenario="slow_shards=150"))
-    supervisor.run("systemctl", "start", "--no-block", UNIT)
+def test_slow_start_shows_its_phases_and_outlasts_a_short_start_timeout(supervisor: Container) -> None:
+    # 8 shards, 150 simulated seconds each at speed 0.01: 12 s of loading,
+    # longer than the start timeout, which only progress can extend.
+    supervisor.write("/etc/gb10d.toml", sim_config(scenario="slow_shards=150", extra_env='GB10D_SIM_SHARDS = "8"\n'))
     seen: list[str] = []
 
     def serving() -> bool:
@@ -217,12 +234,30 @@ def test_status_text_shows_the_phases_of_a_slow_start(supervisor: Container) -> 
             seen.append(text)
         return text.startswith("serving")
 
-    supervisor.wait_for("StatusText serving", serving, timeout=120)
-    loading = [text for text in seen if text.startswith("loading weights")]
-    assert len(loading) >= 2, f"expected shard progress in StatusText, saw {seen}"
-    assert any("/6" in text for text in loading), seen
-    assert seen.index(loading[0]) < len(seen) - 1, seen
-    assert supervisor.show(UNIT, "ActiveState")["ActiveState"] == "active"
+    with drop_in(supervisor, UNIT, "[Service]\nTimeoutStartSec=8s\n"):
+        supervisor.run("systemctl", "start", "--no-block", UNIT)
+        supervisor.wait_for("StatusText serving", serving, timeout=120)
+        state = supervisor.show(UNIT, "ActiveState", "NRestarts")
+    assert state == {"ActiveState": "active", "NRestarts": "0"}, (state, seen)
+    shards = [text for text in seen if re.match(r"loading weights \d+/8 ", text)]
+    assert len(shards) >= 2, f"expected shard progress n/8 in StatusText, saw {seen}"
+    assert seen[-1].startswith("serving") and seen.index(shards[-1]) < len(seen) - 1, seen
+
+
+def test_watchdog_is_answered_while_serving(supervisor: Container) -> None:
+    supervisor.write("/etc/gb10d.toml", sim_config())
+    with drop_in(supervisor, UNIT, "[Service]\nWatchdogSec=2s\n"):
+        supervisor.run("systemctl", "start", UNIT)
+        pings: set[str] = set()
+
+        def pinged_three_times() -> bool:
+            pings.add(supervisor.show(UNIT, "WatchdogTimestampMonotonic")["WatchdogTimestampMonotonic"])
+            return len(pings - {"0"}) >= 3
+
+        # Three pings span more than one 2 s period: a missing ping would have killed it.
+        supervisor.wait_for("three watchdog pings", pinged_three_times, timeout=60)
+        state = supervisor.show(UNIT, "ActiveState", "NRestarts")
+    assert state == {"ActiveState": "active", "NRestarts": "0"}, state
 
 
 def test_free_memory_failure_recovers_and_the_warning_explains_it(supervisor: Container) -> None:
