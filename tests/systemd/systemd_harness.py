@@ -11,6 +11,7 @@ host.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import os
@@ -37,6 +38,7 @@ CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 BOOT_TIMEOUT_S = 120.0
 COMMAND_TIMEOUT_S = 120.0
 HALT_TIMEOUT_S = 30.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def missing_tools(*names: str) -> list[str]:
@@ -187,6 +189,7 @@ def boot(root: Path, share: Path, log: Path) -> Container:
             stdout=console,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_halt_with_parent,
         )
     try:
         deadline = time.monotonic() + BOOT_TIMEOUT_S
@@ -212,6 +215,16 @@ def boot(root: Path, share: Path, log: Path) -> Container:
     except BaseException:
         _kill(nspawn, None)
         raise
+
+
+def _halt_with_parent() -> None:
+    """In the nspawn child: get SIGTERM (nspawn's "halt the container") if the test run itself is killed.
+
+    Without it a SIGKILLed pytest would leave the container running, since no
+    teardown code gets to run.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _tail(log: Path) -> str:
