@@ -28,8 +28,8 @@ SIM = "/opt/sim/bin/vllm"
 MEMINFO = "/opt/sim/meminfo"
 GIB_KB = 1024 * 1024
 
-# The sim runs from the package's own tree: this checks the vendored
-# dependencies too, since gb10d.sim imports nothing else.
+# The sim runs from the package's own tree with the system python3, the way
+# /usr/bin/gb10d runs gb10d.
 SIM_SCRIPT = """#!/usr/bin/python3 -I
 import runpy
 import sys
