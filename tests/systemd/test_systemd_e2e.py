@@ -158,6 +158,17 @@ def test_install_creates_the_user_compiles_and_starts_nothing(installed: Contain
     assert installed.show(UNIT, "ActiveState", "UnitFileState") == {"ActiveState": "inactive", "UnitFileState": "disabled"}
 
 
+def test_starting_the_unedited_config_fails_once_and_names_what_to_edit(supervisor: Container) -> None:
+    # The shipped /etc/gb10d.toml points at a vLLM venv this machine does not have.
+    assert supervisor.run("systemctl", "start", UNIT, check=False).returncode != 0
+    state = supervisor.show(UNIT, "ActiveState", "ExecMainStatus", "NRestarts")
+    assert state == {"ActiveState": "failed", "ExecMainStatus": "78", "NRestarts": "0"}, state
+    errors = journal(supervisor, UNIT, "-p", "err")
+    assert "/opt/vllm-env/bin/vllm" in errors and "vllm.venv" in errors, errors
+    # The checker before it points at the line to edit.
+    assert re.search(r"/etc/gb10d.toml:\d+: vllm.venv", journal(supervisor, UNIT)), journal(supervisor, UNIT)
+
+
 def test_units_pass_systemd_analyze_verify(installed: Container) -> None:
     result = installed.run("systemd-analyze", "verify", UNIT, INSTANCE, check=False)
     assert result.returncode == 0 and result.stdout + result.stderr == "", result.stdout + result.stderr
