@@ -1,0 +1,284 @@
+"""gb10d supervising a real vLLM on a GPU machine: the six checks of the real-vLLM issue in one run.
+
+Run by tests/gpu/run-real-vllm.sh on a machine with an NVIDIA GPU and vLLM
+importable (not part of CI). It starts `gb10d run` with a real NOTIFY_SOCKET,
+provokes each failure for real, and writes `report.json` and `report.md`
+plus the raw outputs to the output directory. Every step records what it
+saw even when a later one fails, so a partial run still reports honestly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import tomli_w
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from harness import NotifySocket, wait_until  # noqa: E402
+
+from gb10d.events import Failure  # noqa: E402
+from gb10d.logparse import Classifier, EventScanner, Kind, LineFramer  # noqa: E402
+from gb10d.phases import advance, start  # noqa: E402
+from gb10d.process import group_alive, group_members  # noqa: E402
+
+
+class Journal:
+    """gb10d's stdout, each line stamped on arrival with the same clock as the notify socket."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            with self._cond:
+                self.lines.append((time.monotonic(), raw.decode("utf-8", "replace").rstrip("\n")))
+                self._cond.notify_all()
+
+    def wait(self, pattern: str, timeout: float, after: int = 0) -> tuple[int, float, re.Match[str]]:
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            index = after
+            while True:
+                while index < len(self.lines):
+                    stamp, line = self.lines[index]
+                    if m := rx.search(line):
+                        return index, stamp, m
+                    index += 1
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no journal line matching {pattern!r} within {timeout} s")
+                self._cond.wait(remaining)
+
+
+def gpu_processes() -> list[dict[str, str]]:
+    """What nvidia-smi lists as compute processes (pid, name, used memory)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"],
+            capture_output=True, text=True, check=False,
+        ).stdout
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3:
+            rows.append({"pid": parts[0], "name": parts[1], "used_memory": parts[2]})
+    return rows
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def replay(stdout: Path, stderr: Path) -> dict[str, Any]:
+    """gb10d's parser over one start's complete real output: line kinds, events, phases, failures."""
+    kinds: dict[str, int] = {}
+    events: list[str] = []
+    failures: list[str] = []
+    phases: list[str] = []
+    state = start(0.0)
+    lines = 0
+    for path in (stdout, stderr):
+        framer, classifier, scanner = LineFramer(), Classifier(), EventScanner()
+        for line in framer.feed(path.read_bytes()) + framer.flush():
+            lines += 1
+            record = classifier.classify(line.text)
+            kinds[record.kind.value] = kinds.get(record.kind.value, 0) + 1
+            for event in scanner.feed(line.text):
+                events.append(type(event).__name__)
+                if isinstance(event, Failure):
+                    failures.append(f"{type(event).__name__}: {event}")
+                state = advance(state, event, 0.0)
+                if not phases or phases[-1] != state.phase.value:
+                    phases.append(state.phase.value)
+    return {"lines": lines, "kinds": kinds, "event_counts": {e: events.count(e) for e in sorted(set(events))},
+            "failures": failures, "phases": phases, "unclassified": kinds.get(Kind.RAW.value, 0)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--hold-gib", type=float, default=100.0)
+    parser.add_argument(
+        "--program",
+        default="python3 -c 'import sys; from vllm.entrypoints.cli.main import main; sys.argv[0]=\"vllm\"; sys.exit(main())'",
+        help="what the vllm wrapper execs (a dry run points it at gb10d.sim)",
+    )
+    args = parser.parse_args()
+    out: Path = args.out
+    raw_dir = out / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("HOME", "/tmp")) / "gb10d-real"
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"checks": {}, "timeline": []}
+    t0 = time.monotonic()
+
+    def note(what: str, **facts: Any) -> None:
+        report["timeline"].append({"t": round(time.monotonic() - t0, 3), "what": what, **facts})
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        print(f"[{time.monotonic() - t0:7.1f}s] {what} {facts if facts else ''}", flush=True)
+
+    # vLLM as `vllm`, with each start's own stdout and stderr kept for the replay check.
+    wrapper = work / "vllm"
+    wrapper.write_text(
+        "#!/bin/bash\n"
+        f'n=$(date +%s%N); exec > >(tee "{raw_dir}/$n.stdout") 2> >(tee "{raw_dir}/$n.stderr" >&2)\n'
+        f'exec {args.program} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    port = 8000
+    config = work / "gb10d.toml"
+    config.write_text(tomli_w.dumps({
+        "vllm": {
+            "executable": str(wrapper), "model": args.model, "served_model_name": "tiny", "host": "127.0.0.1", "port": port,
+            "gpu_memory_utilization": 0.9, "args": {"max_model_len": 2048},
+            "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"},
+        },
+        "startup": {"stall_timeout_s": 180.0, "ready_timeout_s": 600.0},
+        # Host /proc/meminfo says nothing about an H200's own memory: only vLLM's error can.
+        "memory": {"preflight": False, "recovery_timeout_s": 30.0, "min_gpu_memory_utilization": 0.1},
+        "restart": {"max_attempts": 4, "backoff_initial_s": 1.0, "backoff_max_s": 5.0},
+        "liveness": {"health_interval_s": 1.0},
+        "metrics": {"listen": "127.0.0.1:9400"},
+        "daemon": {"state_file": str(work / "state.json"), "learned_file": str(work / "learned.toml"), "watch_config": False},
+    }))
+
+    hog = subprocess.Popen(
+        [sys.executable, "-c", f"import torch,time; x=torch.empty(int({args.hold_gib}*2**30),dtype=torch.uint8,device='cuda'); print('held',flush=True); time.sleep(3600)"]
+        if args.hold_gib > 0 else [sys.executable, "-c", "import time; print('held', flush=True); time.sleep(3600)"],
+        stdout=subprocess.PIPE, start_new_session=True,
+    )
+    assert hog.stdout is not None
+    hog.stdout.readline()
+    note("another process holds GPU memory", gib=args.hold_gib, gpu=gpu_processes())
+
+    notify = NotifySocket()
+    env = dict(os.environ, NOTIFY_SOCKET=notify.path, PYTHONUNBUFFERED="1")
+    daemon = subprocess.Popen([sys.executable, "-m", "gb10d", "run", "--config", str(config)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    journal = Journal(daemon)
+    groups: list[int] = []
+
+    def started(after: int, timeout: float) -> tuple[int, int]:
+        index, _, m = journal.wait(r"gb10d: started vLLM as pid (\d+)", timeout, after + 1)
+        groups.append(int(m.group(1)))
+        return index, int(m.group(1))
+
+    def ready_count() -> int:
+        return notify.count("READY", "1")
+
+    def wait_ready(count: int, timeout: float) -> None:
+        wait_until(lambda: ready_count() >= count, timeout, f"READY=1 number {count}")
+
+    try:
+        # Checks 1 and 2: phases, readiness, and the free-memory failure recovered by one retry.
+        i1, pid1 = started(-1, 60)
+        index, _, m = journal.wait(r"gb10d: free memory ([\d.]+) of ([\d.]+) GiB is below gpu_memory_utilization 0.9 .*restarting with ([\d.]+)", 400, i1)
+        note("free-memory failure read from the real error", line=m.group(0))
+        i2, pid2 = started(index, 60)
+        notify.wait_for(lambda m: m.get("READY") == "1", 500)
+        ready_at = next(stamp for stamp, m in notify.messages if m.get("READY") == "1")
+        complete = [stamp for stamp, line in journal.lines if "Application startup complete." in line]
+        statuses = notify.statuses()
+        report["checks"]["1_ready_after_real_health"] = {
+            "ready_status": next(m["STATUS"] for _, m in notify.messages if m.get("READY") == "1"),
+            "startup_complete_to_ready_ms": round((ready_at - complete[-1]) * 1000, 1) if complete else None,
+            "statuses": statuses,
+            "health_after_ready": httpx.get(f"http://127.0.0.1:{port}/health").status_code,
+            "models": httpx.get(f"http://127.0.0.1:{port}/v1/models").text[:300],
+            "metrics_sample": [line for line in httpx.get("http://127.0.0.1:9400/metrics").text.splitlines()
+                               if line.startswith("gb10d_") and not line.startswith("gb10d_phase")][:40],
+        }
+        report["checks"]["2_free_memory"] = {"failed_starts": 1, "journal": m.group(0), "starts": 2, "ready_once": ready_count() == 1}
+        note("ready after free-memory recovery", ready=ready_count())
+
+        # Check 3: SIGKILL the API server; its EngineCore survives on its own (vLLM has no parent-death check).
+        engine = [p for p in group_members(pid2) if comm(p).startswith("VLLM::")]
+        os.kill(pid2, signal.SIGKILL)
+        time.sleep(0.5)
+        right_after = gpu_processes()
+        i3, pid3 = started(i2, 120)
+        old_gone = not group_alive(pid2)
+        after_restart = gpu_processes()
+        report["checks"]["3_api_server_killed"] = {
+            "engine_pids": engine, "gpu_right_after_kill": right_after, "old_group_gone_before_next_start": old_gone,
+            "gpu_at_next_start": after_restart, "orphan_engine_in_gpu_list": any(r["pid"] in map(str, engine) for r in after_restart),
+        }
+        wait_ready(2, 400)
+        note("recovered after API server SIGKILL", ready=ready_count())
+
+        # Check 4: SIGKILL the EngineCore; /health turns 503, vLLM exits 0, gb10d restarts it.
+        engine = [p for p in group_members(pid3) if comm(p).startswith("VLLM::")]
+        os.kill(engine[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, seen_at, m = journal.wait(r"gb10d: .*(restarting|giving up)", 60, i3)
+        i4, pid4 = started(i3, 120)
+        report["checks"]["4_engine_killed"] = {"engine_pid": engine[0], "noticed_after_s": round(seen_at - killed_at, 2), "journal": m.group(0)}
+        wait_ready(3, 400)
+        note("recovered after EngineCore SIGKILL", ready=ready_count())
+
+        # Check 5: SIGTERM to gb10d stops vLLM; nothing is left; exit 0.
+        term_at = time.monotonic()
+        daemon.send_signal(signal.SIGTERM)
+        status = daemon.wait(120)
+        report["checks"]["5_sigterm"] = {
+            "exit_status": status, "seconds": round(time.monotonic() - term_at, 2),
+            "groups_left": [g for g in groups if group_alive(g)], "gpu_after": gpu_processes(),
+        }
+        note("gb10d stopped", status=status)
+    except Exception as exc:  # record and go on to the replay: a partial report is still evidence
+        note("step failed", error=f"{type(exc).__name__}: {exc}")
+    finally:
+        if daemon.poll() is None:
+            os.killpg(daemon.pid, signal.SIGKILL)
+        for g in groups:
+            if group_alive(g):
+                os.killpg(g, signal.SIGKILL)
+        os.killpg(hog.pid, signal.SIGKILL)
+        notify_log = [{"t": round(stamp - t0, 3), **m} for stamp, m in notify.messages]
+        (out / "notify.json").write_text(json.dumps(notify_log, indent=1))
+        (out / "journal.txt").write_text("\n".join(f"{stamp - t0:9.3f} {line}" for stamp, line in journal.lines))
+        notify.close()
+
+    # Check 6: the parser over every start's complete real output.
+    replays = {}
+    for stdout in sorted(raw_dir.glob("*.stdout")):
+        stderr = stdout.with_suffix(".stderr")
+        if stderr.exists():
+            replays[stdout.stem] = replay(stdout, stderr)
+    report["checks"]["6_replay"] = replays
+    with tarfile.open(out / "raw.tar.gz", "w:gz") as tar:
+        tar.add(raw_dir, arcname="raw")
+    for f in raw_dir.iterdir():
+        f.unlink()
+    raw_dir.rmdir()
+    note("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
