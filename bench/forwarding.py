@@ -14,6 +14,11 @@ possible forwarder on the same kind of pipe) and the flood writing straight
 to /dev/null (the child's own speed, nothing downstream). The child's
 slowdown is its own write time through gb10d divided by its write time to
 /dev/null: 1.0 means it never waited on gb10d.
+
+Two diagnostics in the full run: the same components driven in-process from
+a real pipe (the ceiling of the forwarding path without the supervisor
+loop), and how long gb10d stays busy with the flood's parsed events after
+its last line went out.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from gb10d.journal import Journal
+from gb10d.logparse import BarCollapser, Classifier, EventScanner, LineFramer
 
 from .flood import END_MARKER
 from .lab import Deployment, Gb10d, Workspace, summary
@@ -107,6 +115,59 @@ def through_cat(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
             "child_write_s": child["end"] - child["start"], "forwarded_lines": newlines, "bytes": child["bytes"]}
 
 
+def components(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
+    """gb10d's forwarding components alone, in this process, fed from the flood over a real pipe.
+
+    The same chain as the supervisor's output handler (framing, bar
+    collapsing, classification, the journal writer, event scanning), without
+    the event loop and what the loop does with each event: the ceiling the
+    forwarding path itself allows.
+    """
+    d = ws.scratch("fwd-inproc")
+    report = d / "flood.json"
+    env = {**os.environ, **_flood_env(lines, mode, report)}
+    framer, collapser, classifier, scanner = LineFramer(), BarCollapser(), Classifier(), EventScanner()
+    events = 0
+    with open(os.devnull, "w") as null:
+        journal = Journal(null, socket_path=None)
+        flood = subprocess.Popen([sys.executable, str(FLOOD)], stdout=subprocess.PIPE, env=env)
+        assert flood.stdout is not None
+        fd = flood.stdout.fileno()
+        while chunk := os.read(fd, 1 << 16):
+            for line in framer.feed(chunk):
+                if collapser.forward(line.text):
+                    journal.vllm_line(line.text, classifier.classify(line.text).priority)
+                events += len(scanner.feed(line.text))
+            journal.flush()
+        done = time.monotonic()
+        flood.wait(30)
+    child = _child(report)
+    return {"lines_per_s": lines / (done - child["start"]), "events": events}
+
+
+def backlog(ws: Workspace, lines: int) -> dict[str, Any]:
+    """How long gb10d is still busy with the flood's events after its last line went out.
+
+    gb10d handles each parsed event in its loop after forwarding the line;
+    the flood's exit reaches the loop after them, and with max_attempts = 1
+    gb10d exits right after handling it, so its exit marks an empty queue.
+    """
+    d = ws.scratch("fwd-backlog")
+    report = d / "flood.json"
+    dep = Deployment(d, None, executable=_wrapper(d), sim_env=_flood_env(lines, "chunks", report),
+                     overrides={"restart.max_attempts": 1, "memory.preflight": False})
+    gb = Gb10d(dep, None)
+    try:
+        last = gb.wait_line(END_MARKER.decode(), 120)
+        status = gb.wait_exit(300)
+        exited = time.monotonic()
+    finally:
+        gb.close()
+    if last is None or status is None:
+        raise RuntimeError("gb10d did not forward the flood and exit")
+    return {"lines": lines, "busy_after_last_line_s": exited - last[0], "exit_status": status}
+
+
 def to_devnull(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
     """The flood with nothing downstream: how fast the child writes on its own."""
     d = ws.scratch("fwd-null")
@@ -141,5 +202,9 @@ def run(ws: Workspace, quick: bool) -> dict[str, Any]:
         entry["bytes"] = samples["cat"][-1]["bytes"]
         g, c = entry["gb10d"]["lines_per_s"]["median"], entry["cat"]["lines_per_s"]["median"]
         entry["gb10d_vs_cat"] = g / c if c else None
+        if not quick:
+            entry["components_in_process"] = {"lines_per_s": summary([components(ws, lines, mode)["lines_per_s"] for _ in range(3)])}
         result["modes"][mode] = entry
+    if not quick:
+        result["backlog"] = backlog(ws, 20_000)
     return result
