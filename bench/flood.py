@@ -87,8 +87,11 @@ def main() -> int:
     end = time.monotonic()
     report = os.environ.get("GB10D_FLOOD_REPORT")
     if report:
-        with open(report, "w") as f:
+        # Atomically: the bench may look for the file the moment the last line arrives.
+        tmp = report + ".tmp"
+        with open(tmp, "w") as f:
             json.dump({"start": start, "end": end, "lines": count, "bytes": sum(map(len, lines))}, f)
+        os.replace(tmp, report)
     return 0
 
 

@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .lab import Deployment, Gb10d, NotifyReceiver, Workspace, free_port, http_status
+from .lab import Deployment, Gb10d, Workspace, free_port, http_status
 
 SCALE = 0.05
+SETTLE_S = 3.0  # after READY=1: the start's own work (state file, first probes) is not part of either period
 
 
 def cpu_seconds(pid: int) -> float:
@@ -99,45 +100,34 @@ def scaled(ws: Workspace, period_s: float) -> dict[str, Any]:
     dep = Deployment(ws.scratch("footprint"), ws.venv, sim_env={"GB10D_SIM_SPEED": str(SCALE)},
                      overrides={"startup.warmup": False, "metrics.listen": f"127.0.0.1:{metrics_port}",
                                 "liveness.health_interval_s": 10.0 * SCALE})
-    notify = NotifyReceiver(dep.dir)
-    gb = Gb10d(dep, notify)
-    try:
-        if notify.wait_for("READY", "1", 60) is None:
-            raise RuntimeError("gb10d did not become ready:\n" + (gb.out.tail() if gb.out else ""))
-        time.sleep(1.0)  # let the start's own work settle
+    with Gb10d(dep) as gb:
+        assert gb.out is not None
+        gb.wait_ready(60)
+        time.sleep(SETTLE_S)
         idle = _period(gb.pid, period_s)
-        lines_before = len(gb.out.lines) if gb.out else 0
+        lines_before = len(gb.out.lines)
         load = Load(dep.port, metrics_port, 5.0 * SCALE, 15.0 * SCALE)
         busy = _period(gb.pid, period_s)
         load.stop()
-        forwarded = (len(gb.out.lines) if gb.out else 0) - lines_before
+        forwarded = len(gb.out.lines) - lines_before
         mem = memory_kib(gb.pid)
-        result: dict[str, Any] = {"scale": SCALE, "rss_kib": mem["VmRSS"], "peak_rss_kib": mem["VmHWM"]}
-        for name, p, extra in (("idle", idle, {}), ("busy", busy, {"requests": load.requests, "scrapes": load.scrapes, "lines_forwarded": forwarded})):
-            simulated_s = p["wall_s"] / SCALE
-            result[name] = {**p, **extra, "simulated_s": simulated_s, "cpu_s_per_hour": p["cpu_s"] / simulated_s * 3600}
-        return result
-    finally:
-        gb.close()
-        notify.close()
+    result: dict[str, Any] = {"scale": SCALE, "rss_kib": mem["VmRSS"], "peak_rss_kib": mem["VmHWM"]}
+    for name, p, extra in (("idle", idle, {}), ("busy", busy, {"requests": load.requests, "scrapes": load.scrapes, "lines_forwarded": forwarded})):
+        simulated_s = p["wall_s"] / SCALE
+        result[name] = {**p, **extra, "simulated_s": simulated_s, "cpu_s_per_hour": p["cpu_s"] / simulated_s * 3600}
+    return result
 
 
 def real_time(ws: Workspace, period_s: float) -> dict[str, Any]:
     """gb10d with its default intervals, idle for `period_s` of real time."""
     dep = Deployment(ws.scratch("footprint-rt"), ws.venv, sim_env={"GB10D_SIM_SPEED": str(SCALE)},
                      overrides={"startup.warmup": False})
-    notify = NotifyReceiver(dep.dir)
-    gb = Gb10d(dep, notify)
-    try:
-        if notify.wait_for("READY", "1", 60) is None:
-            raise RuntimeError("gb10d did not become ready")
-        time.sleep(1.0)
+    with Gb10d(dep) as gb:
+        gb.wait_ready(60)
+        time.sleep(SETTLE_S)
         idle = _period(gb.pid, period_s)
         mem = memory_kib(gb.pid)
-        return {**idle, "cpu_s_per_hour": idle["cpu_s"] / idle["wall_s"] * 3600, "rss_kib": mem["VmRSS"], "peak_rss_kib": mem["VmHWM"]}
-    finally:
-        gb.close()
-        notify.close()
+    return {**idle, "cpu_s_per_hour": idle["cpu_s"] / idle["wall_s"] * 3600, "rss_kib": mem["VmRSS"], "peak_rss_kib": mem["VmHWM"]}
 
 
 def run(ws: Workspace, quick: bool) -> dict[str, Any]:

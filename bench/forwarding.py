@@ -35,7 +35,7 @@ from gb10d.journal import Journal
 from gb10d.logparse import BarCollapser, Classifier, EventScanner, LineFramer
 
 from .flood import END_MARKER
-from .lab import Deployment, Gb10d, Workspace, summary
+from .lab import Deployment, Gb10d, Workspace, summary, wait_until
 
 FLOOD = Path(__file__).with_name("flood.py")
 
@@ -67,8 +67,20 @@ def _flood_env(lines: int, mode: str, report: Path) -> dict[str, str]:
 
 
 def _child(report: Path) -> dict[str, float]:
+    """The child's own figures; it writes them (atomically) just after its last line, so allow a moment."""
+    if wait_until(report.exists, 10) is None:
+        raise RuntimeError("the flood child wrote no report")
     data: dict[str, float] = json.loads(report.read_text())
     return data
+
+
+def _delivered(report: Path, arrived: float | None, newlines: int, consumer: str) -> dict[str, Any]:
+    """Throughput from the child's first write to the arrival of its last line, and the child's own write time."""
+    if arrived is None:
+        raise RuntimeError(f"{consumer}'s output ended before the flood's last line arrived")
+    child = _child(report)
+    return {"lines_per_s": child["lines"] / (arrived - child["start"]), "seconds": arrived - child["start"],
+            "child_write_s": child["end"] - child["start"], "forwarded_lines": newlines, "bytes": child["bytes"]}
 
 
 def through_gb10d(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
@@ -78,18 +90,13 @@ def through_gb10d(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
     dep = Deployment(d, None, executable=_wrapper(d), sim_env=_flood_env(lines, mode, report),
                      overrides={"restart.max_attempts": 1, "memory.preflight": False})
     read_fd, write_fd = os.pipe()
-    gb = Gb10d(dep, None, stdout=write_fd)
-    os.close(write_fd)
-    try:
-        arrived, newlines = _drain_until_marker(read_fd)
-    finally:
-        gb.close()
-        os.close(read_fd)
-    if arrived is None:
-        raise RuntimeError("gb10d's output ended before the flood's last line arrived")
-    child = _child(report)
-    return {"lines_per_s": lines / (arrived - child["start"]), "seconds": arrived - child["start"],
-            "child_write_s": child["end"] - child["start"], "forwarded_lines": newlines, "bytes": child["bytes"]}
+    with Gb10d(dep, notify=False, stdout=write_fd):
+        os.close(write_fd)
+        try:
+            arrived, newlines = _drain_until_marker(read_fd)
+        finally:
+            os.close(read_fd)
+    return _delivered(report, arrived, newlines, "gb10d")
 
 
 def through_cat(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
@@ -108,11 +115,7 @@ def through_cat(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
         flood.wait(30)
         cat.stdout.close()
         cat.wait(30)
-    if arrived is None:
-        raise RuntimeError("cat's output ended before the flood's last line arrived")
-    child = _child(report)
-    return {"lines_per_s": lines / (arrived - child["start"]), "seconds": arrived - child["start"],
-            "child_write_s": child["end"] - child["start"], "forwarded_lines": newlines, "bytes": child["bytes"]}
+    return _delivered(report, arrived, newlines, "cat")
 
 
 def components(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
@@ -156,13 +159,10 @@ def backlog(ws: Workspace, lines: int) -> dict[str, Any]:
     report = d / "flood.json"
     dep = Deployment(d, None, executable=_wrapper(d), sim_env=_flood_env(lines, "chunks", report),
                      overrides={"restart.max_attempts": 1, "memory.preflight": False})
-    gb = Gb10d(dep, None)
-    try:
+    with Gb10d(dep, notify=False) as gb:
         last = gb.wait_line(END_MARKER.decode(), 120)
         status = gb.wait_exit(300)
         exited = time.monotonic()
-    finally:
-        gb.close()
     if last is None or status is None:
         raise RuntimeError("gb10d did not forward the flood and exit")
     return {"lines": lines, "busy_after_last_line_s": exited - last[0], "exit_status": status}

@@ -281,12 +281,21 @@ def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class Gb10d:
-    """`gb10d run` as a real child in its own session, its stdout stamped line by line."""
+    """`gb10d run` as a real child in its own session, its stdout stamped line by line.
 
-    def __init__(self, deployment: Deployment, notify: NotifyReceiver | None, stdout: int | None = None) -> None:
-        """Start gb10d; with `stdout` (a file descriptor) its output goes there instead of to `lines`."""
+    A context manager: leaving the block kills whatever the run started, so
+    no benchmark leaves processes behind when it fails half-way.
+    """
+
+    def __init__(self, deployment: Deployment, notify: bool = True, stdout: int | None = None) -> None:
+        """Start gb10d, with its own notify socket unless `notify` is false.
+
+        With `stdout` (a file descriptor) gb10d's output goes there instead of
+        being stamped into `out`: the forwarding benchmark reads it faster raw.
+        """
         self.deployment = deployment
-        env = _clean_env({"NOTIFY_SOCKET": notify.path} if notify else None)
+        self.notify = NotifyReceiver(deployment.dir) if notify else None
+        env = _clean_env({"NOTIFY_SOCKET": self.notify.path} if self.notify else None)
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gb10d", "run", "--config", str(deployment.config)],
@@ -297,13 +306,32 @@ class Gb10d:
         )
         self.out = Stamped(self.proc.stdout) if stdout is None else None
 
+    def __enter__(self) -> Gb10d:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    def tail(self) -> str:
+        """gb10d's last lines, for error messages."""
+        return self.out.tail() if self.out is not None else "(output not captured)"
+
     def wait_line(self, pattern: str, timeout: float = DEADLINE_S, start: int = 0) -> tuple[float, str, int] | None:
+        """See `Stamped.wait_line`."""
         assert self.out is not None
         return self.out.wait_line(pattern, timeout, start)
+
+    def wait_ready(self, timeout: float = DEADLINE_S) -> float:
+        """Arrival time of READY=1; a run that never gets there is a broken benchmark, not a result."""
+        assert self.notify is not None
+        at = self.notify.wait_for("READY", "1", timeout)
+        if at is None:
+            raise RuntimeError(f"gb10d sent no READY=1 within {timeout:g} s:\n{self.tail()}")
+        return at
 
     def vllm_pgids(self) -> list[int]:
         """Process groups of the vLLM servers gb10d started, from its own journal lines."""
@@ -312,6 +340,7 @@ class Gb10d:
                 if (m := re.search(r"started vLLM as pid (\d+)", line))]
 
     def wait_exit(self, timeout: float = DEADLINE_S) -> int | None:
+        """gb10d's exit status, or None if it is still running after `timeout`."""
         try:
             status = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -321,6 +350,7 @@ class Gb10d:
         return status
 
     def terminate(self) -> None:
+        """SIGTERM, as `systemctl stop` sends it."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
 
@@ -336,6 +366,8 @@ class Gb10d:
             self.out.join(5)  # EOF once gb10d is gone: every "started vLLM" line is in
             for pgid in self.vllm_pgids():
                 kill_group(pgid)
+        if self.notify is not None:
+            self.notify.close()
 
 
 class Sim:

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .lab import Deployment, Gb10d, NotifyReceiver, Sim, Workspace, http_status, summary
+from .lab import Deployment, Gb10d, Sim, Workspace, http_status, summary
 
 STARTUP_LINE = r"Application startup complete\."
 SPEED = 0.01  # the stand-in's startup takes about two seconds of wall time
@@ -91,22 +91,16 @@ class Poller:
 
 def gb10d_start(ws: Workspace, warmup: bool) -> dict[str, Any]:
     """One gb10d start: seconds from the forwarded startup line to READY=1, and gb10d's own figure."""
-    d = ws.scratch("ready")
-    dep = Deployment(d, ws.venv, sim_env={"GB10D_SIM_SPEED": str(SPEED)}, overrides={"startup.warmup": warmup})
-    notify = NotifyReceiver(d)
-    gb = Gb10d(dep, notify)
-    try:
+    dep = Deployment(ws.scratch("ready"), ws.venv, sim_env={"GB10D_SIM_SPEED": str(SPEED)}, overrides={"startup.warmup": warmup})
+    with Gb10d(dep) as gb:
         line = gb.wait_line(STARTUP_LINE, 60)
-        ready_at = notify.wait_for("READY", "1", 60)
-        if line is None or ready_at is None:
-            raise RuntimeError("gb10d did not report the startup line and READY=1:\n" + (gb.out.tail() if gb.out else ""))
+        ready_at = gb.wait_ready(60)
+        if line is None:
+            raise RuntimeError("gb10d forwarded no startup line:\n" + gb.tail())
         said = gb.wait_line(OWN_FIGURE, 5)
         own = re.search(OWN_FIGURE, said[1]) if said else None
         return {"gb10d": ready_at - line[0], "gb10d_own_ms": int(own.group(1)) if own else None,
                 "startup_s": line[0] - gb.started_at}
-    finally:
-        gb.close()
-        notify.close()
 
 
 def poller_start(ws: Workspace, loops: list[PollLoop], per_loop: int) -> dict[str, list[float]]:

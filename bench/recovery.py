@@ -26,7 +26,7 @@ import re
 import time
 from typing import Any
 
-from .lab import GB10_TOTAL_GIB, Deployment, Gb10d, NotifyReceiver, Sim, Workspace, summary
+from .lab import GB10_TOTAL_GIB, Deployment, Gb10d, Sim, Workspace, summary
 
 SPEED = 0.01
 STARTUP_LINE = r"Application startup complete\."
@@ -84,14 +84,12 @@ def gb10d(ws: Workspace, free_gib: float, requested: float, preflight: bool) -> 
     dep = Deployment(d, ws.venv, free_gib=free_gib, utilization=requested,
                      sim_env={"GB10D_SIM_SPEED": str(SPEED)},
                      overrides={"memory.preflight": preflight, "startup.warmup": False})
-    notify = NotifyReceiver(d)
-    gb = Gb10d(dep, notify)
-    try:
-        ready_at = notify.wait_for("READY", "1", 90)
+    with Gb10d(dep) as gb:
+        assert gb.notify is not None and gb.out is not None
+        ready_at = gb.notify.wait_for("READY", "1", 90)
         starts = len(gb.vllm_pgids())
         if ready_at is None:
             return {"failed_starts": starts, "ready_s": None, "gave_up": "no READY=1"}
-        assert gb.out is not None
         line = gb.out.find(STARTUP_LINE)
         launches = gb.out.find(r"gb10d: started vLLM as pid")
         t0 = launches[0][0]
@@ -102,9 +100,6 @@ def gb10d(ws: Workspace, free_gib: float, requested: float, preflight: bool) -> 
             "ready_notify_s": ready_at - t0,
             "utilization": float(served_with.group(1)) if served_with else None,
         }
-    finally:
-        gb.close()
-        notify.close()
 
 
 def _baseline_deployment(ws: Workspace, free_gib: float, requested: float) -> Deployment:

@@ -18,7 +18,7 @@ from typing import Any
 
 from gb10d.process import group_alive
 
-from .lab import Deployment, Gb10d, NotifyReceiver, Sim, Workspace, summary, wait_until
+from .lab import Deployment, Gb10d, Sim, Workspace, summary, wait_until
 
 SPEED = 0.01
 
@@ -26,11 +26,8 @@ SPEED = 0.01
 def through_gb10d(ws: Workspace) -> tuple[float, float]:
     """(vLLM's group gone, gb10d exited too), seconds after SIGTERM to gb10d."""
     dep = Deployment(ws.scratch("stop-gb10d"), ws.venv, sim_env={"GB10D_SIM_SPEED": str(SPEED)}, overrides={"startup.warmup": False})
-    notify = NotifyReceiver(dep.dir)
-    gb = Gb10d(dep, notify)
-    try:
-        if notify.wait_for("READY", "1", 60) is None:
-            raise RuntimeError("gb10d did not become ready")
+    with Gb10d(dep) as gb:
+        gb.wait_ready(60)
         pgid = gb.vllm_pgids()[-1]
         sent = time.monotonic()
         gb.terminate()
@@ -39,9 +36,6 @@ def through_gb10d(ws: Workspace) -> tuple[float, float]:
         if gone is None or vllm_gone is None:
             raise RuntimeError("gb10d or vLLM still running 60 s after SIGTERM")
         return vllm_gone - sent, gone - sent
-    finally:
-        gb.close()
-        notify.close()
 
 
 def sim_alone(ws: Workspace) -> float:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .lab import Deployment, Gb10d, NotifyReceiver, Workspace, summary
+from .lab import Deployment, Gb10d, Workspace, summary
 
 SPEED = 0.05
 STALL_TIMEOUT_S = 3.0
@@ -35,36 +35,26 @@ def _deployment(ws: Workspace, scenario: str, shards: int) -> Deployment:
 def stalled(ws: Workspace) -> dict[str, Any]:
     """One stalled load: the detection latency, and whether gb10d's retry then served."""
     dep = _deployment(ws, "stall_at=2", 4)
-    notify = NotifyReceiver(dep.dir)
-    gb = Gb10d(dep, notify)
-    try:
+    with Gb10d(dep) as gb:
+        assert gb.notify is not None and gb.out is not None
         alarm = gb.wait_line(STALL, 60)
         if alarm is None:
-            raise RuntimeError("gb10d never reported the stall:\n" + (gb.out.tail() if gb.out else ""))
-        assert gb.out is not None
+            raise RuntimeError("gb10d never reported the stall:\n" + gb.tail())
         bars = [at for at, line in gb.out.lines[: alarm[2]] if "Completed |" in line]
-        ready = notify.wait_for("READY", "1", 60)
+        ready = gb.notify.wait_for("READY", "1", 60)
         return {"latency_s": alarm[0] - bars[-1], "over_timeout_s": alarm[0] - bars[-1] - STALL_TIMEOUT_S,
                 "recovered": ready is not None}
-    finally:
-        gb.close()
-        notify.close()
 
 
 def slow(ws: Workspace, shard_sim_s: float) -> dict[str, Any]:
     """One slow but advancing load; a false alarm is any stall_detected before READY=1."""
     dep = _deployment(ws, f"slow_shards={shard_sim_s:g}", 4)
-    notify = NotifyReceiver(dep.dir)
-    gb = Gb10d(dep, notify)
-    try:
-        ready = notify.wait_for("READY", "1", 120)
-        assert gb.out is not None
+    with Gb10d(dep) as gb:
+        assert gb.notify is not None and gb.out is not None
+        ready = gb.notify.wait_for("READY", "1", 120)
         alarms = len(gb.out.find(STALL))
         return {"shard_sim_s": shard_sim_s, "shard_wall_s": shard_sim_s * SPEED, "ready": ready is not None,
                 "false_alarms": alarms, "ready_s": None if ready is None else ready - gb.started_at}
-    finally:
-        gb.close()
-        notify.close()
 
 
 def run(ws: Workspace, quick: bool) -> dict[str, Any]:
