@@ -79,7 +79,7 @@ class Reload:
 
 @dataclass(frozen=True)
 class Parsed:
-    """A fact parsed from vLLM's output during attempt `attempt`."""
+    """A fact parsed from vLLM's output during the attempt with serial `attempt`."""
 
     attempt: int
     event: Event
@@ -87,7 +87,7 @@ class Parsed:
 
 @dataclass(frozen=True)
 class Exited:
-    """The API-server process of attempt `attempt` exited and both pipes are drained."""
+    """The API-server process of the attempt with serial `attempt` exited (pipes drained, or given up on)."""
 
     attempt: int
     status: int
@@ -103,7 +103,7 @@ class ProbeKind(enum.Enum):
 
 @dataclass(frozen=True)
 class Probed:
-    """An HTTP probe's conclusion during attempt `attempt`."""
+    """An HTTP probe's conclusion during the attempt with serial `attempt`."""
 
     attempt: int
     kind: ProbeKind
@@ -120,6 +120,7 @@ class Attempt:
     """The mutable facts of the attempt in progress; only the loop touches them."""
 
     number: int
+    serial: int
     tunables: Tunables
     process: VllmProcess
     startup: StartupState
@@ -151,7 +152,8 @@ class Supervisor:
         self.last_failure: dict[str, object] | None = None
         self.ready_at: float | None = None
         self._next_watchdog = 0.0
-        self._stopping = False
+        # Facts name the attempt by this serial, never by its budget number, which restarts at 1 after ready.
+        self._serial = 0
 
     # --- the main loop ---------------------------------------------------
 
@@ -261,7 +263,8 @@ class Supervisor:
         if self.config.metrics.proxy_vllm:
             self.metrics.set_vllm_target(base_url(v.host, v.port) + "/metrics")
         now = time.monotonic()
-        attempt = Attempt(number, tunables, process, enter(start(now), Phase.SPAWNING, now), now, baseline)
+        self._serial += 1
+        attempt = Attempt(number, self._serial, tunables, process, enter(start(now), Phase.SPAWNING, now), now, baseline)
         # One client per attempt, made now: building it (TLS context included) must not delay READY=1 later.
         attempt.prober = Prober(base_url(v.host, v.port), v.api_key, timeout_s=self.config.liveness.probe_timeout_s)
         self.attempt = attempt
@@ -285,7 +288,7 @@ class Supervisor:
                 self.journal.event("reload_requested", "reload requested; re-reading the config is not supported yet, keeping vLLM as it is", PRIORITY_WARNING)
                 self.notifier.send(ready=1)
                 continue
-            if getattr(item, "attempt", number) != number:
+            if getattr(item, "attempt", attempt.serial) != attempt.serial:
                 continue  # a late fact about an attempt already over
             if isinstance(item, Parsed):
                 outcome = await self._on_event(attempt, item.event)
@@ -459,7 +462,7 @@ class Supervisor:
         prober = attempt.prober
         assert prober is not None
         post = self.queue.put_nowait
-        n = attempt.number
+        n = attempt.serial
         deadline = time.monotonic() + LISTEN_GRACE_S
         delay = 0.005
         while not (await prober.health()).ok:
@@ -492,7 +495,7 @@ class Supervisor:
         while attempt.readiness is None:
             await asyncio.sleep(self.config.startup.health_poll_interval_s)
             if (await prober.health(timeout_s=5.0)).ok:
-                self.queue.put_nowait(Probed(attempt.number, ProbeKind.HEALTHY))
+                self.queue.put_nowait(Probed(attempt.serial, ProbeKind.HEALTHY))
                 return
 
     async def _watch_health(self, attempt: Attempt) -> None:
@@ -503,12 +506,12 @@ class Supervisor:
             await asyncio.sleep(self.config.liveness.health_interval_s)
             result = await prober.health()
             if result.status == 503 or result.refused:
-                self.queue.put_nowait(Probed(attempt.number, ProbeKind.HEALTH, str(result.status or result.reason), result.status))
+                self.queue.put_nowait(Probed(attempt.serial, ProbeKind.HEALTH, str(result.status or result.reason), result.status))
                 return
 
     async def _follow_output(self, attempt: Attempt) -> None:
         """Forward every vLLM line to the journal and parse it; report the exit once both pipes close."""
-        n = attempt.number
+        n = attempt.serial
         post = self.queue.put_nowait
         journal = self.journal
         collapser = BarCollapser()
