@@ -290,7 +290,7 @@ _TQDM_OPEN_BAR = re.compile(
 )
 _EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Fault|Warning))(?::\s?(?P<msg>.*))?$", re.S)
 _PY_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")
-_GLOG = re.compile(r"^\[(?P<sev>[IWEF])\d{4} \d\d:\d\d:\d\d")
+_GLOG = re.compile(r"^(?:\[rank\d+\]:)?\[(?P<sev>[IWEF])\d{4} \d\d:\d\d:\d\d")
 _PROCESS_DUMP = re.compile(r"^Process [\w.\[\]-]+:$")
 _CHAIN = ("The above exception was the direct cause", "During handling of the above exception")
 

@@ -11,8 +11,9 @@ mkdir -p "$OUT"
 site=$HOME/site
 if [ ! -d "$site/vllm" ]; then
     cat "$HOME"/stash/vllm.part0* > "$HOME/stash/vllm-0.23.0-2-cp38-abi3-manylinux_2_28_x86_64.whl"
+    own=(); for w in .gpu/gb10d-deps/*.whl; do [ -e ".gpu/deps/${w##*/}" ] || own+=("$w"); done
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
-        .gpu/deps/*.whl .gpu/gb10d-deps/*.whl "$HOME"/stash/vllm-0.23.0-*.whl
+        .gpu/deps/*.whl "${own[@]}" "$HOME"/stash/vllm-0.23.0-*.whl
 fi
 export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 [ -d "$HOME/tiny" ] || python3 tests/gpu/mkmodel.py "$HOME/tiny"
