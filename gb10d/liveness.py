@@ -189,9 +189,7 @@ def observe_probe(state: LivenessState, result: ProbeResult, now: float) -> Live
 def _death(result: ProbeResult, what: str) -> str | None:
     if result.status == 503:
         return f"{what} answered 503 Service Unavailable: vLLM reports its engine dead"
-    # httpx's async transport words a refusal "All connection attempts failed", which
-    # Prober reports as "cannot connect: ..."; on loopback both mean nothing listens.
-    if result.refused or (result.status is None and result.reason.startswith("cannot connect")):
+    if result.refused:
         return f"{what} failed ({result.reason}): vLLM no longer listens on its port"
     return None
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+REFUSED = "connection refused"
+
 
 @dataclass(frozen=True)
 class ProbeResult:
@@ -28,7 +30,7 @@ class ProbeResult:
 
     @property
     def refused(self) -> bool:
-        return self.status is None and self.reason == "connection refused"
+        return self.status is None and self.reason == REFUSED
 
 
 def base_url(host: str, port: int) -> str:
@@ -58,9 +60,10 @@ class Prober:
             response = await self._client.request(
                 method, path, timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT, **kwargs  # type: ignore[arg-type]
             )
-        except httpx.ConnectError as exc:
-            reason = "connection refused" if "refused" in str(exc).lower() or "errno 111" in str(exc).lower() else f"cannot connect: {exc}"
-            return None, ProbeResult(None, reason, time.monotonic() - start)
+        except httpx.ConnectError:
+            # httpx reports a refused loopback connection only as "All connection attempts failed":
+            # either way nothing listens on vLLM's port.
+            return None, ProbeResult(None, REFUSED, time.monotonic() - start)
         except httpx.TimeoutException:
             return None, ProbeResult(None, "timed out", time.monotonic() - start)
         except httpx.HTTPError as exc:

@@ -22,15 +22,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import Callable, Union
 
-from . import policy
+from . import liveness, policy
 from .command import Tunables, build_argv, build_env, shell_line
 from .config import Config, load_config
 from .errors import EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK, GiveUp, SpawnError
 from .events import EngineDied, Event, Failure, StartupCompleted, StatsLogged, SpecDecodingLogged
 from .journal import DEFAULT_SOCKET_PATH, Journal
-from .logparse import BarCollapser, Classifier, EventScanner, LineFramer
+from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
 from .memory import (
     MemInfo,
     Preflight,
@@ -46,7 +46,7 @@ from .notify import Notifier
 from .phases import Phase, StartupState, advance, enter, note_io, start, status_text
 from .policy import Cause, History, Outcome, Retry
 from .probe import Prober, base_url
-from .process import ChunkHandler, VllmProcess, become_subreaper, describe_exit, group_alive, group_io_bytes, group_members
+from .process import VllmProcess, become_subreaper, describe_exit, group_alive, group_io_bytes, group_members
 from .statefile import write_state
 
 PRIORITY_ERR, PRIORITY_WARNING, PRIORITY_INFO, PRIORITY_DEBUG = 3, 4, 6, 7
@@ -98,7 +98,8 @@ class ProbeKind(enum.Enum):
     WARMING = "warming"  # /health and /v1/models passed; the warm-up completion is running
     READY = "ready"  # every readiness check passed
     NOT_READY = "not_ready"  # a readiness check failed for a reason no wait can fix
-    HEALTH = "health"  # a periodic /health result while serving
+    DEAD = "dead"  # while serving: /health 503, or nothing listens any more
+    HUNG = "hung"  # while serving: the engine answers /health but generates nothing
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class Probed:
     detail: str = ""
     status: int | None = None
     cause: Cause | None = None
+    label: str = ""  # the liveness verdict's metrics label (hung, probe_timeout, health)
 
 
 Item = Union[Stop, Reload, Parsed, Exited, Probed]
@@ -134,6 +136,40 @@ class Attempt:
     last_extend: float = 0.0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     prober: Prober | None = None
+
+
+class _Stream:
+    """One of vLLM's pipes: frames its bytes, forwards each line to the journal, posts what it means.
+
+    This is the hot path (every byte vLLM prints), so lines are not queued:
+    only parsed events go to the loop.
+    """
+
+    def __init__(self, journal: Journal, collapser: BarCollapser, post: Callable[[Event], None]) -> None:
+        self._journal = journal
+        self._collapser = collapser
+        self._post = post
+        self._framer = LineFramer()
+        self._classifier = Classifier()
+        self._scanner = EventScanner()
+
+    def feed(self, chunk: bytes) -> None:
+        self._lines(self._framer.feed(chunk))
+
+    def finish(self) -> None:
+        """At EOF: the last unterminated line, and a failure message still waiting for its end."""
+        self._lines(self._framer.flush())
+        for event in self._scanner.flush():
+            self._post(event)
+
+    def _lines(self, lines: list[Line]) -> None:
+        for line in lines:
+            text = line.text
+            if self._collapser.forward(text):
+                self._journal.vllm_line(text, self._classifier.classify(text).priority)
+            for event in self._scanner.feed(text):
+                self._post(event)
+        self._journal.flush()
 
 
 class Supervisor:
@@ -189,7 +225,9 @@ class Supervisor:
             outcome = await self._run_attempt(tunables, history.attempts, reason)
             if outcome is None:
                 return await self._stopped()
-            if outcome.was_ready:
+            if outcome.was_ready and outcome.cause is not Cause.ENGINE_HUNG:
+                # It served: a new run of failures begins. A hang keeps counting, so a model that keeps
+                # hanging is given up on rather than restarted forever.
                 history = History(1, 0)
             decision = policy.next_attempt(outcome, tunables, history, self.config)
             self._log_failure(outcome, decision, history.attempts)
@@ -395,14 +433,16 @@ class Supervisor:
                 attempt=attempt.number,
             )
             return Outcome(probed.cause or Cause.CRASH, detail=probed.detail)
-        elif probed.kind is ProbeKind.HEALTH and attempt.ready:
+        elif probed.kind in (ProbeKind.DEAD, ProbeKind.HUNG) and attempt.ready:
+            hung = probed.kind is ProbeKind.HUNG
             self.journal.event(
-                "engine_dead",
-                f"vLLM's /health answered {probed.detail} while serving; the engine is dead, restarting vLLM",
+                "engine_hung" if hung else "engine_dead",
+                f"vLLM's engine is {'hung' if hung else 'dead'}: {probed.detail}; stopping its process group",
                 PRIORITY_ERR,
                 attempt=attempt.number,
             )
-            return Outcome(Cause.ENGINE_DEAD, None, None, True, f"/health {probed.detail}")
+            self.metrics.liveness_failure(probed.label)
+            return Outcome(Cause.ENGINE_HUNG if hung else Cause.ENGINE_DEAD, None, None, True, probed.detail)
         return None
 
     def _became_ready(self, attempt: Attempt, detail: str) -> None:
@@ -431,7 +471,8 @@ class Supervisor:
         self.metrics.set_phase(Phase.READY.value)
         self.metrics.set_startup_seconds(now - attempt.spawned_at)
         self._write_state(status_text_=status)
-        attempt.tasks.append(asyncio.create_task(self._watch_health(attempt)))
+        if self.config.liveness.enabled:
+            attempt.tasks.append(asyncio.create_task(self._watch_liveness(attempt)))
 
     # --- helpers the loop calls ---------------------------------------------
 
@@ -498,48 +539,33 @@ class Supervisor:
                 self.queue.put_nowait(Probed(attempt.serial, ProbeKind.HEALTHY))
                 return
 
-    async def _watch_health(self, attempt: Attempt) -> None:
-        """After ready: /health every liveness.health_interval_s; 503 or refused is a dead engine."""
-        prober = attempt.prober
-        assert prober is not None
-        while True:
-            await asyncio.sleep(self.config.liveness.health_interval_s)
-            result = await prober.health()
-            if result.status == 503 or result.refused:
-                self.queue.put_nowait(Probed(attempt.serial, ProbeKind.HEALTH, str(result.status or result.reason), result.status))
-                return
+    async def _watch_liveness(self, attempt: Attempt) -> None:
+        """After ready: tell a hung engine from a busy one (liveness.py) and report the verdict to the loop."""
+        assert attempt.prober is not None
+
+        def on_verdict(found: liveness.Hung | liveness.Dead) -> None:
+            if isinstance(found, liveness.Hung):
+                self.queue.put_nowait(Probed(attempt.serial, ProbeKind.HUNG, found.evidence, label=found.cause))
+            else:
+                self.queue.put_nowait(Probed(attempt.serial, ProbeKind.DEAD, found.reason, label=found.cause))
+
+        await liveness.watch(attempt.prober, self.config.liveness, on_verdict, model=self.config.vllm.served_names[0])
 
     async def _follow_output(self, attempt: Attempt) -> None:
         """Forward every vLLM line to the journal and parse it; report the exit once both pipes close."""
         n = attempt.serial
-        post = self.queue.put_nowait
-        journal = self.journal
         collapser = BarCollapser()
-
-        def handler() -> ChunkHandler:
-            framer = LineFramer()
-            classifier = Classifier()
-            scanner = EventScanner()
-
-            def on_chunk(chunk: bytes) -> None:
-                for line in framer.feed(chunk):
-                    text = line.text
-                    if collapser.forward(text):
-                        journal.vllm_line(text, classifier.classify(text).priority)
-                    for event in scanner.feed(text):
-                        post(Parsed(n, event))
-                journal.flush()
-
-            return on_chunk
-
-        readers = asyncio.gather(*attempt.process.readers(handler(), handler()))
+        streams = [_Stream(self.journal, collapser, lambda event: self.queue.put_nowait(Parsed(n, event))) for _ in range(2)]
+        readers = asyncio.gather(*attempt.process.readers(streams[0].feed, streams[1].feed))
         status = await attempt.process.wait()
         try:
             # The exit's last words are still in the pipes; an orphaned EngineCore may hold them open forever.
             await asyncio.wait_for(asyncio.shield(readers), PIPE_DRAIN_S)
+            for stream in streams:
+                stream.finish()
         except asyncio.TimeoutError:
             pass
-        post(Exited(n, status))
+        self.queue.put_nowait(Exited(n, status))
         await readers
 
     async def _kill(self, attempt: Attempt) -> None:

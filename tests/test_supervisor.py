@@ -229,3 +229,25 @@ def test_engine_death_after_ready_is_recovered(tmp_path: Path, notify: NotifySoc
     daemon.stop()
     assert_no_vllm_left(daemon)
 
+
+
+def test_hung_engine_is_found_by_liveness_and_restarted(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    # /health keeps answering 200 after the hang; only the idle probe (a one-token completion) shows it.
+    setup = Setup(
+        tmp_path,
+        scenario="hang_after=300",
+        extra={
+            "liveness.health_interval_s": 0.5,
+            "liveness.idle_probe_interval_s": 1.0,
+            "liveness.probe_timeout_s": 2.0,
+            "liveness.progress_timeout_s": 3.0,
+            "restart.max_attempts": 5,
+        },
+    )
+    daemon = run(setup, notify, daemons)
+    ready(notify)
+    line = daemon.wait_line(r"gb10d: vLLM's engine is hung: .*; stopping its process group")
+    assert "idle probe" in line.string or "probe" in line.string
+    wait_until(lambda: notify.count("READY", "1") >= 2, 60, "READY=1 again after the hang")
+    daemon.stop()
+    assert_no_vllm_left(daemon)
