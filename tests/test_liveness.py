@@ -138,8 +138,6 @@ CASES = [
                  id="health_503_is_dead_at_once"),
     pytest.param([M(0, 0, 100), H(10, None, "connection refused")], 10, Dead, "health",
                  ["/health failed (connection refused): vLLM no longer listens on its port"], id="refused_health_is_dead_at_once"),
-    pytest.param([M(0, 0, 100), H(10, None, "cannot connect: All connection attempts failed")], 10, Dead, "health",
-                 ["vLLM no longer listens"], id="failed_connection_is_dead_at_once"),
     pytest.param([M(0, 0, 100), Sent(60), P(60.1, None, "connection refused", 0.001)], 60.1, Dead, "health",
                  ["the idle probe failed (connection refused)"], id="refused_probe_is_dead_at_once"),
     pytest.param([M(0, 2, 100), H(10, None, "timed out"), M(20, 2, 140)], 20, Alive, None, [],
