@@ -49,6 +49,7 @@ class Cause(enum.Enum):
     ENGINE_HUNG = "engine_hung"
     START_TIMEOUT = "start_timeout"
     CRASH = "crash"
+    RELOAD = "reload"  # not a failure: the operator changed what vLLM runs with
 
 
 # Causes that no retry can fix: the operator must change the config or the machine.

@@ -21,13 +21,15 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Union
 
-from . import liveness, policy
+from . import learned, liveness, policy
 from .command import Tunables, build_argv, build_env, shell_line
-from .config import Config, load_config
-from .errors import EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK, GiveUp, SpawnError
+from .config import load_config
+from .reload import ConfigDiff, ConfigSnapshot, ConfigWatcher, WatchUnavailable, diff_configs
+from .errors import EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK, ConfigError, GiveUp, SpawnError
 from .events import EngineDied, Event, Failure, StartupCompleted, StatsLogged, SpecDecodingLogged
 from .journal import DEFAULT_SOCKET_PATH, Journal
 from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
@@ -78,6 +80,11 @@ class Reload:
 
 
 @dataclass(frozen=True)
+class Edited:
+    """The config file or a drop-in changed on disk (a burst of writes, debounced)."""
+
+
+@dataclass(frozen=True)
 class Parsed:
     """A fact parsed from vLLM's output during the attempt with serial `attempt`."""
 
@@ -114,7 +121,7 @@ class Probed:
     label: str = ""  # the liveness verdict's metrics label (hung, probe_timeout, health)
 
 
-Item = Union[Stop, Reload, Parsed, Exited, Probed]
+Item = Union[Stop, Reload, Edited, Parsed, Exited, Probed]
 
 
 @dataclass
@@ -175,21 +182,31 @@ class _Stream:
 class Supervisor:
     """Runs vLLM under one config until stopped or given up; `run()` returns the exit status."""
 
-    def __init__(self, config: Config, journal: Journal, notifier: Notifier, metrics: Metrics) -> None:
-        self.config = config
+    def __init__(self, config_path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier: Notifier, metrics: Metrics) -> None:
+        self.config_path = config_path
+        # What vLLM was started with (env_file contents included): reloads are compared with this.
+        self.snapshot = snapshot
+        self.config = snapshot.config
         self.journal = journal
         self.notifier = notifier
         self.metrics = metrics
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.started_at = time.time()
         self.attempt: Attempt | None = None
-        self.max_attempts = config.restart.max_attempts
         self.state = "starting"
         self.last_failure: dict[str, object] | None = None
         self.ready_at: float | None = None
         self._next_watchdog = 0.0
         # Facts name the attempt by this serial, never by its budget number, which restarts at 1 after ready.
         self._serial = 0
+        # Why the settings now in use differ from the config's, for the learned-settings file.
+        self._correction = ""
+        # A reload between attempts changed what vLLM runs with: the next start begins afresh.
+        self._fresh_start = False
+
+    @property
+    def max_attempts(self) -> int:
+        return self.config.restart.max_attempts
 
     # --- the main loop ---------------------------------------------------
 
@@ -200,6 +217,7 @@ class Supervisor:
             loop.add_signal_handler(sig, self.queue.put_nowait, Stop(sig.name))
         loop.add_signal_handler(signal.SIGHUP, self.queue.put_nowait, Reload())
         self._serve_metrics()
+        watcher = self._watch_config(loop)
         try:
             return await self._supervise()
         except GiveUp as exc:
@@ -209,6 +227,8 @@ class Supervisor:
             self._write_state(status_text_=f"failed: {exc.reason}")
             return exc.exit_status
         finally:
+            if watcher is not None:
+                watcher.stop()
             await self._discard_attempt()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
@@ -216,15 +236,21 @@ class Supervisor:
             self.journal.flush()
 
     async def _supervise(self) -> int:
-        tunables = Tunables.from_config(self.config.vllm)
+        tunables = self._starting_tunables()
         history = History()
         reason = "initial"
         while True:
+            if self._fresh_start:
+                self._fresh_start, tunables, history = False, self._starting_tunables(), History()
             tunables = await self._preflight(tunables)
             history = History(history.attempts + 1, history.backoffs)
             outcome = await self._run_attempt(tunables, history.attempts, reason)
             if outcome is None:
                 return await self._stopped()
+            if outcome.cause is Cause.RELOAD:
+                await self._discard_attempt()
+                tunables, history, reason = self._starting_tunables(), History(), "reload"
+                continue
             if outcome.was_ready and outcome.cause is not Cause.ENGINE_HUNG:
                 # It served: a new run of failures begins. A hang keeps counting, so a model that keeps
                 # hanging is given up on rather than restarted forever.
@@ -271,6 +297,10 @@ class Supervisor:
             if isinstance(item, Stop):
                 self.journal.event("stopping", f"received {item.signame} while waiting to restart; stopping", PRIORITY_INFO)
                 return True
+            if isinstance(item, (Reload, Edited)):
+                diff = self._take_config(requested=isinstance(item, Reload))
+                if diff is not None and diff.needs_vllm_restart:
+                    self._fresh_start = True
         return False
 
     # --- one attempt -----------------------------------------------------
@@ -322,9 +352,10 @@ class Supervisor:
                 continue
             if isinstance(item, Stop):
                 return None
-            if isinstance(item, Reload):
-                self.journal.event("reload_requested", "reload requested; re-reading the config is not supported yet, keeping vLLM as it is", PRIORITY_WARNING)
-                self.notifier.send(ready=1)
+            if isinstance(item, (Reload, Edited)):
+                outcome = await self._on_config_change(attempt, requested=isinstance(item, Reload))
+                if outcome is not None:
+                    return outcome
                 continue
             if getattr(item, "attempt", attempt.serial) != attempt.serial:
                 continue  # a late fact about an attempt already over
@@ -451,11 +482,7 @@ class Supervisor:
         attempt.startup = enter(attempt.startup, Phase.READY, now)
         self.state = "serving"
         self.ready_at = time.time()
-        v = self.config.vllm
-        status = (
-            f"serving {v.served_names[0]} on {v.host}:{v.port} (attempt {attempt.number}, "
-            f"gpu_memory_utilization={attempt.tunables.gpu_memory_utilization:g})"
-        )
+        status = self._serving_status(attempt)
         self.notifier.ready(status)
         since_complete = (now - attempt.startup_complete_at) if attempt.startup_complete_at else None
         self.journal.event(
@@ -471,8 +498,125 @@ class Supervisor:
         self.metrics.set_phase(Phase.READY.value)
         self.metrics.set_startup_seconds(now - attempt.spawned_at)
         self._write_state(status_text_=status)
+        self._remember(attempt.tunables)
         if self.config.liveness.enabled:
             attempt.tasks.append(asyncio.create_task(self._watch_liveness(attempt)))
+
+    # --- configuration: learned settings, reloads, file watching -----------
+
+    def _starting_tunables(self) -> Tunables:
+        """The config's settings, or what a corrected start learned for this very config."""
+        base = Tunables.from_config(self.config.vllm)
+        self._correction = ""
+        state = learned.load(self.config.daemon.learned_file)
+        if state.problem:
+            self.journal.event("learned_discarded", f"{state.problem}; starting from the config's values", PRIORITY_WARNING)
+        verdict = learned.applicable(state, self.config)
+        if verdict.entry is not None:
+            self.journal.event("learned_applied", verdict.reason, PRIORITY_INFO, gpu_memory_utilization=verdict.entry.gpu_memory_utilization)
+            self._correction = verdict.entry.reason
+            return learned.merge(base, verdict.entry)
+        if verdict.reason:
+            self.journal.event("learned_discarded", verdict.reason, PRIORITY_INFO)
+        return base
+
+    def _remember(self, tunables: Tunables) -> None:
+        """After a corrected start reached ready, keep what worked for the next boot."""
+        entry = learned.remember(self.config, tunables, self._correction or "a corrected start", datetime.now(timezone.utc))
+        if entry is None:
+            return
+        try:
+            learned.save(self.config.daemon.learned_file, learned.LearnedState(entry))
+        except learned.LearnedFileError as exc:
+            self.journal.event("learned_discarded", f"cannot keep the learned settings: {exc}", PRIORITY_WARNING)
+
+    def _watch_config(self, loop: asyncio.AbstractEventLoop) -> ConfigWatcher | None:
+        if not self.config.daemon.watch_config:
+            return None
+        watcher = ConfigWatcher(self.config_path, loop, lambda: self.queue.put_nowait(Edited()))
+        try:
+            watcher.start()
+        except WatchUnavailable as exc:
+            self.journal.event("config_changed_on_disk", f"not watching the config for changes: {exc}", PRIORITY_WARNING)
+            return None
+        return watcher
+
+    def _take_config(self, requested: bool) -> ConfigDiff | None:
+        """Re-read and validate the config; apply it if asked to; the changes applied, or None.
+
+        An invalid file is logged problem by problem and changes nothing. An
+        edit seen on disk is only reported unless `daemon.apply_on_change`.
+        """
+        if requested:
+            self.journal.event("reload_requested", f"reload requested: re-reading {self.config_path}", PRIORITY_INFO)
+        try:
+            new = ConfigSnapshot.take(load_config(self.config_path))
+        except ConfigError as exc:
+            for problem in exc.problems:
+                self.journal.event("reload_invalid", f"config not applied: {problem}", PRIORITY_ERR)
+            self.journal.event(
+                "reload_invalid",
+                "keeping the running configuration; fix the file, check it with gb10d check-config, then: systemctl reload gb10d",
+                PRIORITY_ERR,
+            )
+            return None
+        diff = diff_configs(self.snapshot, new)
+        if not requested and not self.config.daemon.apply_on_change:
+            if diff:
+                self.journal.event(
+                    "config_changed_on_disk",
+                    f"config changed ({len(diff.changes)} keys); run systemctl reload gb10d to apply: {diff.describe()}",
+                    PRIORITY_INFO,
+                )
+            else:
+                self.journal.event("config_changed_on_disk", f"{self.config_path} changed on disk; it is valid and nothing gb10d uses differs", PRIORITY_INFO)
+            return None
+        if not diff:
+            self.journal.event("reload_applied", "config re-read: nothing changed", PRIORITY_INFO)
+            return diff
+        listen_before = self.config.metrics.listen
+        self.config, self.snapshot = new.config, new
+        if self.config.metrics.listen != listen_before:
+            self.metrics.close()
+            self._serve_metrics()
+        return diff
+
+    async def _on_config_change(self, attempt: Attempt, requested: bool) -> Outcome | None:
+        """SIGHUP or an edit on disk during an attempt: apply in place, or restart vLLM if its command changed.
+
+        systemd hears RELOADING=1 ... READY=1 only while vLLM serves; during a
+        start the next READY=1 is the start's own.
+        """
+        tell_systemd = attempt.ready and (requested or self.config.daemon.apply_on_change)
+        if tell_systemd:
+            self.notifier.reloading()
+        diff = self._take_config(requested)
+        if diff is None or not diff.needs_vllm_restart:
+            if diff:
+                self.journal.event(
+                    "reload_applied",
+                    f"applied without restarting vLLM (pid {attempt.process.pid}): {diff.describe()}",
+                    PRIORITY_INFO,
+                )
+            if tell_systemd:
+                self.notifier.ready(self._serving_status(attempt))
+            return None
+        grace = self.config.daemon.stop_timeout_s
+        self.journal.event(
+            "reload_applied",
+            f"{diff.describe()}; vLLM's command line changes: stopping vLLM (pid {attempt.process.pid}) and starting it with the new settings",
+            PRIORITY_INFO,
+        )
+        self.notifier.status("reloading: restarting vLLM with the new settings")
+        await attempt.process.stop(grace, self._on_escalate)
+        return Outcome(Cause.RELOAD, detail=diff.describe())
+
+    def _serving_status(self, attempt: Attempt) -> str:
+        v = self.config.vllm
+        return (
+            f"serving {v.served_names[0]} on {v.host}:{v.port} (attempt {attempt.number}, "
+            f"gpu_memory_utilization={attempt.tunables.gpu_memory_utilization:g})"
+        )
 
     # --- helpers the loop calls ---------------------------------------------
 
@@ -649,6 +793,7 @@ class Supervisor:
                     mem_free_bytes=mem.free,
                     mem_available_bytes=mem.available,
                 )
+                self._correction = f"preflight: {decision.reason}"
                 return tunables.with_(gpu_memory_utilization=decision.utilization)
             return tunables
 
@@ -705,6 +850,7 @@ class Supervisor:
             message = f"{cause}: {decision.message}" if outcome.cause not in policy.CONFIG_CAUSES else decision.message
             utilization = None
         self.last_failure = {"cause": outcome.cause.value, "message": cause, "action": decision.message, "at": time.time()}
+        self._correction = cause
         self.journal.event(kind, message, PRIORITY_WARNING if isinstance(decision, Retry) else PRIORITY_ERR,
                            attempt=attempt, cause=outcome.cause.value, gpu_memory_utilization=utilization)
         self.notifier.status(message[:200])
@@ -787,10 +933,10 @@ def _stdout_is_journal() -> bool:
 
 def run_daemon(config_path: Path) -> int:
     """Load the config and supervise; the body of `gb10d run`."""
-    config = load_config(config_path)
+    snapshot = ConfigSnapshot.take(load_config(config_path))
     journal = Journal(sys.stdout, socket_path=DEFAULT_SOCKET_PATH if _stdout_is_journal() else None)
     notifier = Notifier(on_error=lambda message: journal.event("watchdog", message, PRIORITY_ERR))
     metrics = Metrics()
-    supervisor = Supervisor(config, journal, notifier, metrics)
+    supervisor = Supervisor(config_path, snapshot, journal, notifier, metrics)
     become_subreaper()
     return asyncio.run(supervisor.run())

@@ -1,0 +1,145 @@
+"""`systemctl reload gb10d` (SIGHUP), edits seen on disk, and learned settings, against gb10d.sim.
+
+The daemon is the real `gb10d run`; systemd's notify socket is a real
+datagram socket, so RELOADING=1 / READY=1 are observed as systemd sees them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tomllib
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from harness import Daemon, NotifySocket, Setup, vllm_groups, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def notify() -> Iterator[NotifySocket]:
+    sock = NotifySocket()
+    yield sock
+    sock.close()
+
+
+@pytest.fixture
+def daemons() -> Iterator[list[Daemon]]:
+    started: list[Daemon] = []
+    yield started
+    for daemon in started:
+        daemon.kill_everything()
+
+
+def serving(setup: Setup, notify: NotifySocket, daemons: list[Daemon]) -> Daemon:
+    daemon = Daemon(setup, notify)
+    daemons.append(daemon)
+    notify.wait_for(lambda m: m.get("READY") == "1", 90)
+    return daemon
+
+
+def pids(daemon: Daemon) -> list[int]:
+    return list(vllm_groups(daemon.lines))
+
+
+def hup(daemon: Daemon) -> None:
+    os.kill(daemon.proc.pid, signal.SIGHUP)
+
+
+def test_invalid_edit_and_reload_keep_the_same_vllm_serving(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    setup = Setup(tmp_path)
+    daemon = serving(setup, notify, daemons)
+    before = pids(daemon)
+    setup.config.write_text(setup.config.read_text().replace("gpu_memory_utilization = 0.8", "gpu_memory_utilization = 1.5"))
+    hup(daemon)
+    line = daemon.wait_line(r"gb10d: config not applied: .*gb10d.toml:\d+: vllm.gpu_memory_utilization: must be > 0 and <= 1 \(got 1.5\)")
+    assert line
+    notify.wait_for(lambda m: m.get("READY") == "1" and notify.count("RELOADING", "1") == 1 and notify.count("READY", "1") == 2)
+    reloading = next(m for _, m in notify.messages if m.get("RELOADING") == "1")
+    assert int(reloading["MONOTONIC_USEC"]) > 0
+    assert pids(daemon) == before
+    assert daemon.stop() == 0
+
+
+def test_daemon_only_change_is_applied_without_restarting_vllm(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    setup = Setup(tmp_path)
+    daemon = serving(setup, notify, daemons)
+    before = pids(daemon)
+    setup.extra["restart.max_attempts"] = 7
+    setup.write_config()
+    hup(daemon)
+    daemon.wait_line(r"gb10d: applied without restarting vLLM \(pid \d+\): .*restart.max_attempts 3 -> 7")
+    wait_until(lambda: notify.count("READY", "1") == 2, 30, "READY=1 after the reload")
+    assert pids(daemon) == before
+    daemon.stop()
+
+
+def test_served_name_change_restarts_vllm_with_the_new_flag(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    setup = Setup(tmp_path)
+    daemon = serving(setup, notify, daemons)
+    setup.served_name = "renamed"
+    setup.write_config()
+    hup(daemon)
+    daemon.wait_line(r'gb10d: .*vllm.served_model_name "tiny" -> "renamed".*stopping vLLM')
+    wait_until(lambda: notify.count("READY", "1") == 2, 90, "READY=1 from the new vLLM")
+    starts = [line for line in daemon.own_lines() if "started vLLM as pid" in line]
+    assert len(starts) == 2 and "--served-model-name renamed" in starts[1]
+    first = pids(daemon)[0]
+    wait_until(lambda: not os.path.exists(f"/proc/{first}"), 30, "old vLLM gone")
+    daemon.stop()
+
+
+def test_a_burst_of_editor_writes_is_validated_once(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    setup = Setup(tmp_path, extra={"daemon.watch_config": True})
+    daemon = serving(setup, notify, daemons)
+    text = setup.config.read_text()
+    for n in range(5):  # what editors do: write a temporary file, rename it over the original
+        tmp = setup.config.with_name(f".gb10d.toml.swp{n}")
+        tmp.write_text(text.replace("max_attempts = 3", "max_attempts = 4"))
+        tmp.replace(setup.config)
+    daemon.wait_line(r"gb10d: config changed \(1 keys\); run systemctl reload gb10d to apply: .*restart.max_attempts 3 -> 4")
+    # Quiet afterwards: the debounce gave one validation for the whole burst, seen by waiting for the next.
+    setup.config.write_text(text)
+    daemon.wait_line(r"changed on disk; it is valid and nothing gb10d uses differs")
+    assert sum("config changed (" in line for line in daemon.own_lines()) == 1
+    assert notify.count("RELOADING") == 0
+    daemon.stop()
+
+
+def test_learned_utilization_is_used_at_the_next_start_and_dropped_when_the_config_changes(
+    tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]
+) -> None:
+    setup = Setup(tmp_path, free_gib=103.45, utilization=0.92, extra={"memory.preflight": False})
+
+    def serving(setup: Setup, _: NotifySocket, daemons: list[Daemon]) -> Daemon:
+        # A fresh socket per daemon, as systemd gives each start its own view.
+        sock = NotifySocket()
+        try:
+            daemon = Daemon(setup, sock)
+            daemons.append(daemon)
+            sock.wait_for(lambda m: m.get("READY") == "1", 90)
+        finally:
+            sock.close()
+        return daemon
+
+    first = serving(setup, notify, daemons)
+    assert first.stop() == 0
+    learned = tomllib.loads((tmp_path / "lib" / "state.toml").read_text())
+    assert "0.84" in str(learned)
+
+    second = serving(setup, notify, daemons)
+    starts = [line for line in second.own_lines() if "started vLLM as pid" in line]
+    assert len(starts) == 1 and "--gpu-memory-utilization 0.84" in starts[0], "one start, already fitting"
+    assert any("starting from the settings learned for this config" in line for line in second.own_lines())
+    assert second.stop() == 0
+
+    setup.utilization = 0.5
+    setup.write_config()
+    third = serving(setup, notify, daemons)
+    assert any("discarding the settings learned" in line and "vllm.gpu_memory_utilization" in line for line in third.own_lines())
+    starts = [line for line in third.own_lines() if "started vLLM as pid" in line]
+    assert "--gpu-memory-utilization 0.5" in starts[0]
+    third.stop()
