@@ -58,6 +58,8 @@ PRIORITY_ERR, PRIORITY_WARNING, PRIORITY_INFO, PRIORITY_DEBUG = 3, 4, 6, 7
 EXTEND_MARGIN_S = 60.0
 # Bytes of I/O by vLLM's processes that count as a sign of life while no line is printed.
 IO_PROGRESS_MIN_BYTES = 1 << 20
+# How often that I/O is sampled while starting (at most; a quarter of the stall timeout if shorter).
+IO_SAMPLE_S = 2.0
 # How long /health may refuse connections after `Application startup complete.` (uvicorn listens just after).
 LISTEN_GRACE_S = 30.0
 # How long the pipes may stay open after the API server exited before gb10d acts on the exit anyway.
@@ -139,7 +141,8 @@ class Attempt:
     ready: bool = False
     startup_complete_at: float | None = None
     readiness: asyncio.Task[None] | None = None
-    last_io: int = 0
+    last_io: int | None = None  # None until the first sample: the baseline counts as no progress
+    next_io_at: float = 0.0
     last_extend: float = 0.0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     prober: Prober | None = None
@@ -203,6 +206,9 @@ class Supervisor:
         self._correction = ""
         # A reload between attempts changed what vLLM runs with: the next start begins afresh.
         self._fresh_start = False
+        self._written_phase: Phase | None = None
+        self._written_at = 0.0
+        self._deferred_write: asyncio.TimerHandle | None = None
 
     @property
     def max_attempts(self) -> int:
@@ -370,12 +376,26 @@ class Supervisor:
                 return outcome
 
     def _attempt_deadline(self, attempt: Attempt) -> float | None:
-        """When the loop must look again without news: the stall timer or the start timeout."""
+        """When the loop must look again without news: the next I/O sample, the stall timer or the start timeout."""
         if attempt.ready:
             return None
         stall = attempt.startup.last_progress_at + self.config.startup.stall_timeout_s
         start = attempt.spawned_at + self.config.startup.ready_timeout_s
-        return min(stall, start)
+        return min(stall, start, attempt.next_io_at)
+
+    def _sample_io(self, attempt: Attempt, now: float) -> None:
+        """Silent reading or writing by vLLM's processes counts as life (a shard slower than the stall timeout).
+
+        Sampled on a timer, not per line: summing /proc/PID/io walks /proc.
+        """
+        io = group_io_bytes(attempt.process.pgid)
+        grew = attempt.last_io is not None and io - attempt.last_io >= IO_PROGRESS_MIN_BYTES
+        if attempt.last_io is None or grew:
+            attempt.last_io = io
+        if grew:
+            attempt.startup = note_io(attempt.startup, io, now)
+            self._extend(attempt)
+        attempt.next_io_at = now + min(IO_SAMPLE_S, self.config.startup.stall_timeout_s / 4)
 
     async def _on_deadline(self, attempt: Attempt) -> Outcome | None:
         """No news before a deadline: a stall, the start timeout, or silent I/O that still counts as life."""
@@ -391,12 +411,8 @@ class Supervisor:
             )
             await self._kill(attempt)
             return Outcome(Cause.START_TIMEOUT, detail=f"not ready after {s.ready_timeout_s:g} s")
-        io = group_io_bytes(attempt.process.pgid)
-        if io - attempt.last_io >= IO_PROGRESS_MIN_BYTES:
-            # Silent but reading or writing: e.g. a shard that takes longer than the stall timeout.
-            attempt.last_io = io
-            attempt.startup = note_io(attempt.startup, io, now)
-            self._extend(attempt)
+        self._sample_io(attempt, now)
+        if now < attempt.startup.last_progress_at + s.stall_timeout_s:
             return None
         where = self._where(attempt.startup)
         self.journal.event(
@@ -430,8 +446,6 @@ class Supervisor:
             if attempt.ready and isinstance(event, EngineDied):
                 return Outcome(Cause.ENGINE_DEAD, event, None, True, event.message or "engine core died")
         if attempt.startup.progressed and not attempt.ready:
-            # The I/O baseline moves with each visible step, so only silent I/O after it counts.
-            attempt.last_io = group_io_bytes(attempt.process.pgid)
             self._extend(attempt)
         if attempt.startup.phase is not before.phase or attempt.startup.shards_done != before.shards_done:
             self._show_phase(attempt)
@@ -634,7 +648,18 @@ class Supervisor:
         self.metrics.set_phase(attempt.startup.phase.value)
         if attempt.startup.shards_total:
             self.metrics.set_load_progress(attempt.startup.shards_done / attempt.startup.shards_total)
-        self._write_state(status_text_=text)
+        # Every phase change reaches the state file at once; shard steps at most once a second (each
+        # write fsyncs), the latest one always last.
+        now = time.monotonic()
+        if self._deferred_write is not None:
+            self._deferred_write.cancel()
+            self._deferred_write = None
+        wait = 1.0 - (now - self._written_at)
+        if attempt.startup.phase is not self._written_phase or wait <= 0:
+            self._written_phase, self._written_at = attempt.startup.phase, now
+            self._write_state(status_text_=text)
+        else:
+            self._deferred_write = asyncio.get_running_loop().call_later(wait, self._show_phase, attempt)
 
     def _start_readiness(self, attempt: Attempt) -> None:
         if attempt.readiness is None:
@@ -721,6 +746,9 @@ class Supervisor:
     async def _discard_attempt(self) -> None:
         """Make sure the attempt's processes and tasks are gone before anything else starts."""
         attempt, self.attempt = self.attempt, None
+        if self._deferred_write is not None:
+            self._deferred_write.cancel()
+            self._deferred_write = None
         if attempt is None:
             return
         for task in attempt.tasks:

@@ -352,6 +352,8 @@ class Handler(BaseHTTPRequestHandler):
     """vLLM's routes, with uvicorn's access log and headers."""
 
     protocol_version = "HTTP/1.1"
+    # uvicorn sets TCP_NODELAY; without it keep-alive answers wait for a delayed ACK (~40 ms).
+    disable_nagle_algorithm = True
     server: SimHTTPServer
 
     def version_string(self) -> str:
