@@ -35,7 +35,6 @@ from .journal import DEFAULT_SOCKET_PATH, Journal
 from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
 from .memory import (
     MemInfo,
-    Preflight,
     PreflightRefused,
     evict_page_cache,
     memory_returned,

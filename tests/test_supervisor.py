@@ -13,7 +13,6 @@ import re
 import signal
 import time
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -24,21 +23,6 @@ from gb10d.process import group_alive, group_members
 from harness import Daemon, NotifySocket, Setup, vllm_groups, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def notify() -> Iterator[NotifySocket]:
-    sock = NotifySocket()
-    yield sock
-    sock.close()
-
-
-@pytest.fixture
-def daemons() -> Iterator[list[Daemon]]:
-    started: list[Daemon] = []
-    yield started
-    for daemon in started:
-        daemon.kill_everything()
 
 
 def run(setup: Setup, notify: NotifySocket | None, daemons: list[Daemon], env: dict[str, str] | None = None) -> Daemon:

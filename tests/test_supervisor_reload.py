@@ -10,28 +10,12 @@ import os
 import signal
 import tomllib
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from harness import Daemon, NotifySocket, Setup, vllm_groups, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def notify() -> Iterator[NotifySocket]:
-    sock = NotifySocket()
-    yield sock
-    sock.close()
-
-
-@pytest.fixture
-def daemons() -> Iterator[list[Daemon]]:
-    started: list[Daemon] = []
-    yield started
-    for daemon in started:
-        daemon.kill_everything()
 
 
 def serving(setup: Setup, notify: NotifySocket, daemons: list[Daemon]) -> Daemon:
