@@ -851,7 +851,10 @@ class EventScanner:
 
     def feed(self, text: str) -> list[Event]:
         """The events this line completes."""
-        msg = message_of(text, self._prefix)
+        return self.feed_message(message_of(text, self._prefix))
+
+    def feed_message(self, msg: str) -> list[Event]:
+        """`feed` for a line already classified: `Record.message` is the same text `message_of` gives."""
         events = parse_message(msg)
         failures: list[Event] = [e for e in events if isinstance(e, Failure)]
         others = [e for e in events if not isinstance(e, Failure)]

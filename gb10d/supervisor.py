@@ -174,9 +174,11 @@ class _Stream:
     def _lines(self, lines: list[Line]) -> None:
         for line in lines:
             text = line.text
+            # One classification serves both the journal's priority and the event scan.
+            record = self._classifier.classify(text)
             if self._collapser.forward(text):
-                self._journal.vllm_line(text, self._classifier.classify(text).priority)
-            for event in self._scanner.feed(text):
+                self._journal.vllm_line(text, record.priority)
+            for event in self._scanner.feed_message(record.message):
                 self._post(event)
         self._journal.flush()
 
