@@ -25,6 +25,7 @@ from .config import (
     load_config_explained,
 )
 from .errors import EXIT_OK, ConfigError, Gb10dError
+from .journal import connected_to_journal
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -286,13 +287,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _report(exc: Gb10dError, args: argparse.Namespace) -> None:
     """Print an error as `gb10d: ` lines; config errors end with how to check again."""
     lines = [str(p) for p in exc.problems] if isinstance(exc, ConfigError) else str(exc).splitlines() or [repr(exc)]
+    # Under systemd (ExecStartPre=check-config, gb10d run) the journal files these as errors.
+    level = "<3>" if connected_to_journal(sys.stderr) else ""
     for line in lines:
-        print(f"gb10d: {line}", file=sys.stderr)
+        print(f"{level}gb10d: {line}", file=sys.stderr)
     if isinstance(exc, ConfigError) and args.command != "import-script":
         again = "gb10d check-config"
         if getattr(args, "config", None):
             again += f" --config {args.config}"
-        print(f"gb10d: fix the file, then check again with: {again}", file=sys.stderr)
+        print(f"{level}gb10d: fix the file, then check again with: {again}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

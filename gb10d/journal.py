@@ -214,3 +214,18 @@ class Journal:
                 self._socket = None
             return False
         return True
+
+
+def connected_to_journal(stream: TextIO) -> bool:
+    """Whether systemd connected `stream` to the journal ($JOURNAL_STREAM names its device:inode).
+
+    Only then do gb10d's own events go through the native protocol with their
+    structured fields, and error lines carry a `<3>` level prefix; in a
+    terminal (or `gb10d demo`) output stays plain.
+    """
+    expected = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(stream.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool(expected) and expected == f"{st.st_dev}:{st.st_ino}"

@@ -31,7 +31,7 @@ from .config import load_config
 from .reload import ConfigDiff, ConfigSnapshot, ConfigWatcher, WatchUnavailable, diff_configs
 from .errors import EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK, ConfigError, GiveUp, SpawnError
 from .events import EngineDied, Event, Failure, StartupCompleted, StatsLogged, SpecDecodingLogged
-from .journal import DEFAULT_SOCKET_PATH, Journal
+from .journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal
 from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
 from .memory import (
     MemInfo,
@@ -946,24 +946,10 @@ def top_memory_users(count: int = 3) -> str:
     return f"largest processes: {shown}" if shown else "no process information available"
 
 
-def _stdout_is_journal() -> bool:
-    """Whether systemd connected stdout to the journal ($JOURNAL_STREAM names its device:inode).
-
-    Only then do gb10d's own events go through the native protocol with their
-    structured fields; in a terminal (or `gb10d demo`) they stay on stdout.
-    """
-    expected = os.environ.get("JOURNAL_STREAM", "")
-    try:
-        st = os.fstat(sys.stdout.fileno())
-    except (OSError, ValueError):
-        return False
-    return expected == f"{st.st_dev}:{st.st_ino}"
-
-
 def run_daemon(config_path: Path) -> int:
     """Load the config and supervise; the body of `gb10d run`."""
     snapshot = ConfigSnapshot.take(load_config(config_path))
-    journal = Journal(sys.stdout, socket_path=DEFAULT_SOCKET_PATH if _stdout_is_journal() else None)
+    journal = Journal(sys.stdout, socket_path=DEFAULT_SOCKET_PATH if connected_to_journal(sys.stdout) else None)
     notifier = Notifier(on_error=lambda message: journal.event("watchdog", message, PRIORITY_ERR))
     metrics = Metrics()
     supervisor = Supervisor(config_path, snapshot, journal, notifier, metrics)

@@ -406,3 +406,18 @@ def test_progress_bars_reach_the_journal_once_per_step() -> None:
     lines = [line for line in forward_recording("healthy.stderr") if "Completed |" in line or "Capturing CUDA graphs" in line]
     steps = [re.sub(r"\[.*$", "", line) for line in lines]
     assert len(steps) == len(set(steps)), "a bar redraw of the same step was forwarded twice"
+
+
+def test_connected_to_journal_only_when_journal_stream_names_the_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gb10d.journal import connected_to_journal
+
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(write_fd, "w") as stream:
+        st = os.fstat(stream.fileno())
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+        assert connected_to_journal(stream)
+        monkeypatch.setenv("JOURNAL_STREAM", "0:1")
+        assert not connected_to_journal(stream)
+        monkeypatch.delenv("JOURNAL_STREAM")
+        assert not connected_to_journal(stream)
+    os.close(read_fd)
