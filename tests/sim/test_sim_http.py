@@ -58,7 +58,8 @@ def test_health_ping_and_version_answer_like_vllm(served) -> None:  # type: igno
     assert (health.status, health.body, health.headers["server"], health.headers["content-length"]) == (200, b"", "uvicorn", "0")
     assert http(served.port, "/ping").status == 200
     assert http(served.port, "/version").body == b'{"version":"0.23.0"}'
-    assert b'"GET /health HTTP/1.1" 200 OK' in bytes(served.stdout)
+    # The access-log line is written as the reply goes out, so it may reach the pipe just after it.
+    served.wait_text('"GET /health HTTP/1.1" 200 OK')
 
 
 def test_models_lists_every_served_name_in_vllms_card_shape(served) -> None:  # type: ignore[no-untyped-def]
@@ -108,7 +109,7 @@ def test_streaming_sends_sse_chunks_ending_with_done(served) -> None:  # type: i
 def test_wrong_model_name_gets_vllms_exact_404(served) -> None:  # type: ignore[no-untyped-def]
     reply = http(served.port, "/v1/completions", {"model": "Qwen3.6-27B-FP8", "prompt": "x", "max_tokens": 1})
     assert (reply.status, reply.body.decode()) == (404, _probe("completion wrong model"))
-    assert b'"POST /v1/completions HTTP/1.1" 404 Not Found' in bytes(served.stdout)
+    served.wait_text('"POST /v1/completions HTTP/1.1" 404 Not Found')
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
@@ -179,6 +180,8 @@ def test_killed_engine_core_turns_health_503_with_the_recorded_lines(sim) -> Non
     s.wait_ready()
     os.kill(s.engine_pid(), signal.SIGKILL)
     _wait_status(s.port, 503)
+    # /health may turn 503 a moment before the lines reach the pipe.
+    s.wait_text("EngineDeadError: EngineCore encountered an issue.")
     found = messages(bytes(s.stdout))
     assert "[shutdown] MPClient: engine core exited unexpectedly; starting cleanup" in found
     assert "AsyncLLM output_handler failed." in found
