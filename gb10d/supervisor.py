@@ -663,7 +663,8 @@ class Supervisor:
             self._deferred_write = asyncio.get_running_loop().call_later(wait, self._show_phase, attempt)
 
     def _start_readiness(self, attempt: Attempt) -> None:
-        if attempt.readiness is None:
+        """Run the readiness checks, unless they are running; a check that gave up may run again."""
+        if attempt.readiness is None or attempt.readiness.done():
             attempt.readiness = asyncio.create_task(self._check_ready(attempt))
             attempt.tasks.append(attempt.readiness)
 
@@ -700,14 +701,15 @@ class Supervisor:
         post(Probed(n, ProbeKind.READY, detail))
 
     async def _poll_until_healthy(self, attempt: Attempt) -> None:
-        """Fallback for a missed `Application startup complete.` (e.g. --uvicorn-log-level warning)."""
+        """Fallback for a missed `Application startup complete.` (e.g. --uvicorn-log-level warning),
+        or for readiness checks that gave up waiting for the port: poll /health until ready."""
         prober = attempt.prober
         assert prober is not None
-        while attempt.readiness is None:
+        while not attempt.ready:
             await asyncio.sleep(self.config.startup.health_poll_interval_s)
-            if (await prober.health(timeout_s=5.0)).ok:
+            idle = attempt.readiness is None or attempt.readiness.done()
+            if idle and not attempt.ready and (await prober.health(timeout_s=5.0)).ok:
                 self.queue.put_nowait(Probed(attempt.serial, ProbeKind.HEALTHY))
-                return
 
     async def _watch_liveness(self, attempt: Attempt) -> None:
         """After ready: tell a hung engine from a busy one (liveness.py) and report the verdict to the loop."""

@@ -235,3 +235,13 @@ def test_hung_engine_is_found_by_liveness_and_restarted(tmp_path: Path, notify: 
     wait_until(lambda: notify.count("READY", "1") >= 2, 60, "READY=1 again after the hang")
     daemon.stop()
     assert_no_vllm_left(daemon)
+
+
+def test_ready_is_found_by_polling_when_uvicorn_lines_are_hidden(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    # --uvicorn-log-level warning hides 'Application startup complete.'; /health polling still finds the server.
+    setup = Setup(tmp_path, extra={"vllm.args": {"max_model_len": 2048, "uvicorn_log_level": "warning"}, "startup.health_poll_interval_s": 0.5})
+    daemon = run(setup, notify, daemons)
+    ready(notify)
+    daemon.wait_line(r"gb10d: vLLM is ready after .*/health 200")
+    assert not any("Application startup complete." in line for line in daemon.lines)
+    daemon.stop()
