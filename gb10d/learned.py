@@ -24,10 +24,7 @@ only `LearnedFileError`.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
-import tempfile
 import tomllib
 from dataclasses import dataclass
 from datetime import datetime
@@ -41,6 +38,7 @@ from .command import REDACTED, Tunables, redact_setting
 from .config import LOAD_STRATEGIES, Config, normalize_flag
 from .errors import Gb10dError
 from .reload import Change, canonical
+from .statefile import write_atomically
 
 # Readable by operators checking what gb10d learned: nothing in it is secret.
 LEARNED_FILE_MODE = 0o644
@@ -231,26 +229,8 @@ def save(path: Path, state: LearnedState) -> None:
     """Replace the file atomically (temporary file in the same directory, fsync, rename), creating the directory."""
     data = tomli_w.dumps(_to_toml(state.entry)).encode("utf-8")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fchmod(f.fileno(), LEARNED_FILE_MODE)
-                os.fsync(f.fileno())
-            os.replace(temp, path)
-        except BaseException:
-            # The rename did not happen: the temporary must not linger beside the real file.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-            raise
-        # The rename itself must survive a power cut, or the next boot relearns through a failed start.
-        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        # The rename must survive a power cut too, or the next boot relearns through a failed start.
+        write_atomically(path, data, LEARNED_FILE_MODE, sync_directory=True)
     except OSError as exc:
         raise LearnedFileError(_cannot("save the learned settings to", path, exc)) from None
 

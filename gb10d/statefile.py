@@ -28,20 +28,21 @@ from typing import Any
 STATE_FILE_MODE = 0o644
 
 
-def write_state(path: Path, state: Mapping[str, Any]) -> None:
-    """Replace the state file atomically with `state` as JSON, creating its directory if missing.
+def write_atomically(path: Path, data: bytes, mode: int, sync_directory: bool = False) -> None:
+    """Replace `path` with `data` so that readers see the old file or the new one, never a part.
 
-    Raises OSError (or TypeError for values JSON cannot hold) and leaves the
-    previous file in place; logging that is the caller's job.
+    Writes a temporary file in the same directory (created if missing),
+    fsyncs it and renames it over `path`; with `sync_directory` the rename
+    itself is made durable too. Raises OSError, leaving the old file and no
+    temporary behind.
     """
-    data = json.dumps(state, indent=1, sort_keys=True, allow_nan=False).encode("utf-8") + b"\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as tmp:
             tmp.write(data)
             tmp.flush()
-            os.fchmod(tmp.fileno(), STATE_FILE_MODE)
+            os.fchmod(tmp.fileno(), mode)
             os.fsync(tmp.fileno())
         os.replace(tmp_name, path)
     except BaseException:
@@ -51,6 +52,22 @@ def write_state(path: Path, state: Mapping[str, Any]) -> None:
         except FileNotFoundError:
             pass
         raise
+    if sync_directory:
+        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+def write_state(path: Path, state: Mapping[str, Any]) -> None:
+    """Replace the state file atomically with `state` as JSON, creating its directory if missing.
+
+    Raises OSError (or TypeError for values JSON cannot hold) and leaves the
+    previous file in place; logging that is the caller's job.
+    """
+    data = json.dumps(state, indent=1, sort_keys=True, allow_nan=False).encode("utf-8") + b"\n"
+    write_atomically(path, data, STATE_FILE_MODE)
 
 
 def read_state(path: Path) -> dict[str, Any] | None:
