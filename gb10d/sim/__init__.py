@@ -7,7 +7,8 @@ routes, and fails exactly as vLLM fails. gb10d supervises it exactly as it
 supervises vLLM; tests and `gb10d demo` use it where no GPU is at hand.
 
 Command line: `python -m gb10d.sim serve MODEL [vllm serve flags]`,
-`python -m gb10d.sim make-venv DIR` (writes DIR/bin/vllm), `--version`.
+`python -m gb10d.sim make-venv DIR` (writes DIR/bin/vllm, DIR/bin/ray and
+DIR/bin/python, as a vLLM virtualenv has them), `--version`.
 
 Knobs (environment):
 - `GB10D_SIM_ERA`: `0.30` (stream-wrapper tag on every physical line, as the
@@ -25,6 +26,32 @@ Knobs (environment):
 - `GB10D_SIM_TOTAL_GIB` / `GB10D_SIM_FREE_GIB` (default 121.69 / 115), or
   `GB10D_SIM_MEMINFO`: a meminfo-format file whose MemTotal and MemFree are
   read at the moment of vLLM's free-memory check.
+
+Ray mode (`--distributed-executor-backend ray`, as vLLM across two GB10s):
+the EngineCore becomes the driver of a real Ray cluster, `ray.init(address=
+$RAY_ADDRESS or "auto")`, Ray's own lines included. World size = tensor x
+pipeline parallel size; a cluster with fewer GPUs fails the start with
+vLLM's `ValueError: The number of required GPUs exceeds the total number of
+available GPUs in the placement group.`; otherwise one `{"GPU": 1}` bundle
+per rank is placed (PACK, bundle 0 on the driver's node, VLLM_HOST_IP or
+Ray's node IP; vLLM's "Waiting for creating a placement group" lines while
+it cannot be placed) and one `RayWorkerWrapper` actor per rank does the
+per-GPU steps: process-group lines, the free-memory check, the weights
+(rank 0 draws the shard bar). Their lines reach the sim's stdout/stderr
+through Ray's log forwarding, `(RayWorkerWrapper pid=N[, ip=A]) ` in front
+(and Ray's de-duplication of identical lines across workers, unless
+RAY_DEDUP_LOGS=0). The memory knobs an actor uses are those of its own
+machine, i.e. of the environment its `ray start` got; GB10D_SIM_SPEED,
+_SCENARIO, _SHARDS, _ERA, _VERSION and every VLLM_* variable (less
+VLLM_HOST_IP/_PORT) are copied from the driver. A worker's free-memory
+failure is logged by the worker (`Error executing method 'init_device'`)
+and ends the driver's traceback in `ray.exceptions.RayTaskError(ValueError)`;
+a worker lost while serving (checked every second) ends the engine with
+`EngineCore encountered a fatal error.` and the engine-death sequence.
+Without an importable Ray the start fails with vLLM's `Failed to import Ray`.
+The rest (compilation, KV sizing, graphs, serving) stays in the driver; see
+ray_executor.py.
+
 vLLM's own `VLLM_LOGGING_PREFIX`, `VLLM_CONFIGURE_LOGGING`,
 `VLLM_LOGGING_LEVEL`, `VLLM_DISABLE_LOG_LOGO`, `VLLM_LOG_STATS_INTERVAL`,
 `VLLM_API_KEY`, `VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`, `NO_COLOR` and
@@ -38,16 +65,39 @@ import sys
 from pathlib import Path
 
 
-def make_venv(directory: Path) -> Path:
-    """Create `directory/bin/vllm`, running this interpreter's `-m gb10d.sim`; returns its path.
+# pip's launcher for a console script: /bin/sh runs the first two lines
+# (exec of the interpreter with this file), Python reads them as a string.
+_RAY_SCRIPT = """#!/bin/sh
+'''exec' {python} "$0" "$@"
+' '''
+import sys
+from ray.scripts.scripts import main
 
-    The interpreter path is baked in so the script works from any
-    environment, and PYTHONPATH is left alone so the child sees exactly the
-    environment gb10d gives it.
+if __name__ == "__main__":
+    sys.exit(main())
+"""
+
+
+def make_venv(directory: Path) -> Path:
+    """Create `directory/bin/vllm`, `bin/ray` and `bin/python` as a vLLM virtualenv has them; returns the vllm path.
+
+    `vllm` runs this interpreter's `-m gb10d.sim`; `ray` is the launcher pip
+    writes for Ray's console script, so argv[0] is the script's path and the
+    process reads `python DIR/bin/ray ...` as in a real virtualenv; `python`
+    execs this interpreter, so it imports gb10d and Ray. The interpreter path
+    is baked in so the scripts work from any environment, and PYTHONPATH is
+    left alone so the children see exactly the environment gb10d gives them.
     """
     bin_dir = Path(directory) / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
-    vllm = bin_dir / "vllm"
-    vllm.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m gb10d.sim "$@"\n', encoding="utf-8")
-    vllm.chmod(0o755)
-    return vllm
+    python = shlex.quote(sys.executable)
+    scripts = {
+        "vllm": f'#!/bin/sh\nexec {python} -m gb10d.sim "$@"\n',
+        "ray": _RAY_SCRIPT.format(python=python),
+        "python": f'#!/bin/sh\nexec {python} "$@"\n',
+    }
+    for name, text in scripts.items():
+        path = bin_dir / name
+        path.write_text(text, encoding="utf-8")
+        path.chmod(0o755)
+    return bin_dir / "vllm"

@@ -13,7 +13,8 @@ USAGE = """usage: python -m gb10d.sim serve MODEL [vllm serve flags]
 serve      behave like `vllm serve` (knobs: GB10D_SIM_ERA, GB10D_SIM_VERSION,
            GB10D_SIM_SCENARIO, GB10D_SIM_SPEED, GB10D_SIM_SHARDS,
            GB10D_SIM_TOTAL_GIB, GB10D_SIM_FREE_GIB, GB10D_SIM_MEMINFO)
-make-venv  write DIR/bin/vllm, a `vllm` program running this stand-in
+make-venv  write DIR/bin/vllm (a `vllm` program running this stand-in),
+           DIR/bin/ray and DIR/bin/python (this interpreter's Ray and Python)
 """
 
 

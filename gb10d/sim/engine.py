@@ -5,6 +5,11 @@ with no parent-death signal: if the API server dies, this process keeps
 running (and, in the story it tells, keeps its memory) until someone kills
 it, exactly like vLLM issue #55510. It talks to the API server over one
 AF_UNIX stream socket carrying JSON lines.
+
+The per-GPU steps (device init with the free-memory check, weight loading)
+go through an executor as in vLLM: UniProcExecutor runs the one GpuWorker in
+this process; with `--distributed-executor-backend ray` RayExecutor runs one
+per rank in Ray actors (ray_executor.py) and this process is the Ray driver.
 """
 
 from __future__ import annotations
@@ -12,28 +17,27 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import math
 import os
 import select
 import signal
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Protocol, Sequence
 
 from . import texts
-from .output import STDERR, Bar, Console
+from .model import ModelFacts
+from .output import STDERR, STDOUT, Bar, Console, ConsoleStream
 from .settings import GIB, SettingsError, SimSettings
+from .worker import GpuWorker, RankInfo, WorkerFailure, cuda_oom_message, hang_forever, init_method
 
 # Simulated durations in seconds at GB10D_SIM_SPEED=1, shaped after a 27B
-# FP8 model on GB10 (REFERENCE §8): minutes in all, most of it in the shards.
+# FP8 model on GB10 (REFERENCE §8): minutes in all, most of it in the shards
+# (the per-GPU ones are in worker.py).
 SPAWN_S = 10.0
-DISTRIBUTED_INIT_S = 2.0
-RUNNER_SETUP_S = 1.0
-SHARD_S = 12.0
-MODEL_SETTLE_S = 1.0
 DYNAMO_S = 8.0
 COMPILE_RANGE_S = 14.0
 PROFILE_S = 1.0
@@ -44,48 +48,11 @@ TOKENS_PER_S = 8.0
 PREFILL_TOKENS_PER_S = 2000.0
 
 CAPTURE_SIZES = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
-DEFAULT_WEIGHTS_GIB = 27.32
-DEFAULT_MAX_MODEL_LEN = 262144
-KV_BYTES_PER_TOKEN = 65536
 ACTIVATION_GIB = 2.48
 GRAPH_GIB = 0.61
 BLOCK_SIZE = 16
-READ_CHUNK = 64 * 1024
 
 _PR_SET_NAME = 15
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the simulated checkpoint looks like."""
-
-    name: str
-    architecture: str
-    weights_gib: float
-    shard_files: tuple[Path, ...]
-    shards: int
-    max_model_len: int
-    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
-
-
-def describe_model(model: str, max_model_len: int | None, shards_override: int | None) -> ModelFacts:
-    """The checkpoint: a real local folder's *.safetensors if there are any, else a 27B FP8 of 6 shards."""
-    folder = Path(model)
-    files: tuple[Path, ...] = ()
-    architecture = "Qwen3ForCausalLM"
-    try:
-        if folder.is_dir():
-            files = tuple(sorted(folder.glob("*.safetensors")))
-            config = folder / "config.json"
-            if config.is_file():
-                names = json.loads(config.read_text(encoding="utf-8")).get("architectures") or [architecture]
-                architecture = str(names[0])
-    except (OSError, ValueError):
-        files = ()
-    weights = sum(f.stat().st_size for f in files) / GIB if files else DEFAULT_WEIGHTS_GIB
-    shards = shards_override or len(files) or 6
-    effective_len = DEFAULT_MAX_MODEL_LEN if max_model_len in (None, -1) else int(max_model_len)
-    return ModelFacts(model, architecture, round(weights, 2), files, shards, effective_len)
 
 
 def set_process_title(title: str) -> None:
@@ -138,6 +105,52 @@ class _Speculation:
         return accepted
 
 
+class EngineFailure(Exception):
+    """The EngineCore cannot go on: the frames and last line of the traceback vLLM would print."""
+
+    def __init__(self, frames: Sequence[texts.Frame], final: str) -> None:
+        super().__init__(final)
+        self.frames = list(frames)
+        self.final = final
+
+
+class Executor(Protocol):
+    """What the EngineCore needs of vLLM's executor: run a worker method on every rank, and watch the ranks."""
+
+    # How often check_health() is due while serving; None: never.
+    health_interval_s: float | None
+
+    def collective_rpc(self, method: str) -> None:
+        """Run a GpuWorker method on every rank; raises EngineFailure."""
+
+    def check_health(self) -> None:
+        """Raise EngineFailure if a rank has gone."""
+
+    def shutdown(self) -> None:
+        """Let go of the workers before a graceful exit."""
+
+
+class UniProcExecutor:
+    """vLLM's UniProcExecutor: the one worker is part of the EngineCore, so there is nothing to watch or let go."""
+
+    health_interval_s = None
+
+    def __init__(self, worker: GpuWorker) -> None:
+        self.worker = worker
+
+    def collective_rpc(self, method: str) -> None:
+        try:
+            getattr(self.worker, method)()
+        except WorkerFailure as failure:
+            raise EngineFailure(texts.ENGINE_FRAMES[failure.kind], failure.final) from None
+
+    def check_health(self) -> None:
+        """Never due (health_interval_s is None): the worker cannot die without this process."""
+
+    def shutdown(self) -> None:
+        """Nothing to let go: the worker ends with this process."""
+
+
 class EngineCore:
     """One EngineCore run: the startup story, then the busy loop."""
 
@@ -147,8 +160,13 @@ class EngineCore:
         self.model = model
         self.conn = conn
         self.console = Console(settings.style, "EngineCore")
-        self.eager_load = args.safetensors_load_strategy == "eager"
+        self.ray = args.distributed_executor_backend == "ray"
+        # Without Ray the sim stays one GPU whatever the parallel sizes say.
+        world_size = args.tensor_parallel_size * args.pipeline_parallel_size if self.ray else 1
+        self.rank_model = model.per_rank(world_size)
         self.enforce_eager = bool(args.enforce_eager)
+        self.executor: Executor  # made at the start of run()
+        self._wakeup = -1  # read end of the signal wakeup pipe, once serving
         spec = args.speculative_config if isinstance(args.speculative_config, dict) else None
         self.spec = _Speculation(int(spec.get("num_speculative_tokens", 1) or 1)) if spec else None
         self._buffer = b""
@@ -167,26 +185,28 @@ class EngineCore:
             return False
 
     def fail(self, kind: str, final: str) -> NoReturn:
-        """Fail the start as run_engine_core does: ERROR record with traceback, `Process EngineCore:` dump, exit 1."""
-        frames = texts.ENGINE_FRAMES[kind]
-        self.log("v1/engine/core.py:1020", "EngineCore failed to start.\n" + texts.traceback_text(frames, final), "ERROR")
-        self.console.write(STDERR, "Process EngineCore:\n" + texts.traceback_text(texts.PROCESS_FRAMES + frames, final) + "\n")
-        self.settings.trap_memory()
+        """Fail the start with the frames of texts.ENGINE_FRAMES[kind]."""
+        self.fail_with(texts.ENGINE_FRAMES[kind], final)
+
+    def fail_with(self, frames: Sequence[texts.Frame], final: str, fatal: bool = False) -> NoReturn:
+        """End as run_engine_core does: ERROR record with traceback, `Process EngineCore:` dump, exit 1.
+
+        `fatal`: the engine was serving (`EngineCore encountered a fatal
+        error.`) rather than starting.
+        """
+        src, message = ("v1/engine/core.py:1022", "EngineCore encountered a fatal error.") if fatal else ("v1/engine/core.py:1020", "EngineCore failed to start.")
+        self.log(src, message + "\n" + texts.traceback_text(frames, final), "ERROR")
+        self.console.write(STDERR, "Process EngineCore:\n" + texts.traceback_text(texts.PROCESS_FRAMES + list(frames), final) + "\n")
+        self.trap_memory()
         os._exit(1)
 
-    def oom(self, kind: str, tried_gib: float) -> NoReturn:
-        memory = self.settings.memory()
-        total = memory.total_bytes / GIB
-        message = texts.cuda_oom_message(tried_gib, total, min(1.02, total), total - 1.02 - 8.4)
-        if kind == "load":
-            self.log("v1/worker/gpu_model_runner.py:2937", texts.load_oom_error(message), "ERROR")
-        self.fail(kind, f"torch.OutOfMemoryError: {message}")
+    def trap_memory(self) -> None:
+        """leak_gib: only a process that holds GPU memory traps it; with Ray the workers do, for themselves."""
+        if not self.ray:
+            self.settings.trap_memory()
 
-    @staticmethod
-    def hang_forever() -> NoReturn:
-        """No output, no I/O, no exit: what a stuck loader or a deadlocked engine looks like."""
-        while True:
-            signal.pause()
+    def oom(self, kind: str, tried_gib: float) -> NoReturn:
+        self.fail(kind, f"torch.OutOfMemoryError: {cuda_oom_message(self.settings.memory(), tried_gib)}")
 
     # --- startup -----------------------------------------------------------------
 
@@ -195,22 +215,12 @@ class EngineCore:
         set_process_title("VLLM::EngineCore")
         self.settings.sleep(SPAWN_S)
         self.log("v1/engine/core.py:113", self._config_line())
-        self.settings.sleep(DISTRIBUTED_INIT_S)
-        port = 40000 + os.getpid() % 20000
-        self.log("distributed/parallel_state.py:1568", f"world_size=1 rank=0 local_rank=0 distributed_init_method=tcp://127.0.0.1:{port} backend=nccl")
-        self.log("distributed/parallel_state.py:1903", "rank 0 in world size 1 is assigned as DP rank 0, PP rank 0, PCP rank 0, TP rank 0, EP rank N/A, EPLB rank N/A")
-        self.check_free_memory()
-        self.log("v1/worker/gpu_worker.py:303", "Using V2 Model Runner")
-        self.settings.sleep(RUNNER_SETUP_S)
-        self.log("v1/worker/gpu/model_runner.py:298", "Loading model from scratch...")
-        self.log("platforms/cuda.py:378", "Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN', 'TRITON_ATTN', 'FLEX_ATTENTION'].")
-        self.log("v1/attention/backends/flash_attn.py:636", "Using FlashAttention version 3")
-        self.load_weights()
-        load_s = self.model.shards * self._shard_s()
-        self.log("model_executor/model_loader/default_loader.py:397", f"Loading weights took {load_s:.2f} seconds")
-        self.settings.sleep(MODEL_SETTLE_S)
-        memory_word = "GiB memory" if self.settings.minor >= 28 else "GiB"
-        self.log("v1/worker/gpu/model_runner.py:319", f"Model loading took {self.model.weights_gib} {memory_word} and {load_s + MODEL_SETTLE_S + RUNNER_SETUP_S:.6f} seconds")
+        try:
+            self.executor = self._make_executor()
+            self.executor.collective_rpc("init_device")
+            self.executor.collective_rpc("load_model")
+        except EngineFailure as failure:
+            self.fail_with(failure.frames, failure.final)
         compile_s = 0.0 if self.enforce_eager else self.compile()
         self.settings.sleep(PROFILE_S)
         if self.settings.scenario.cuda_oom_during == "profile":
@@ -229,9 +239,29 @@ class EngineCore:
         self.log("config/vllm.py:999", "Asynchronous scheduling is enabled.")
         self.log("config/kernel.py:270", "Final IR op priority after setting platform defaults: IrOpPriorityConfig(rms_norm=['native'], fused_add_rms_norm=['native'])")
         if not self.send({"t": "ready", "kv_tokens": kv_tokens}):
-            self.hang_forever()
+            hang_forever()
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        # A signal may land on another thread (Ray's); its byte on the wakeup
+        # fd ends the busy loop's select, so the handler runs at once.
+        self._wakeup, wakeup_w = os.pipe()
+        os.set_blocking(wakeup_w, False)
+        signal.set_wakeup_fd(wakeup_w)
         self.busy_loop()
+
+    def _make_executor(self) -> Executor:
+        """The executor vLLM would pick: Ray's when asked for, else the single in-process worker."""
+        if not self.ray:
+            rank = RankInfo(init_method=init_method("127.0.0.1", os.getpid()))
+            return UniProcExecutor(GpuWorker(self.settings, self.args, self.model, self.console, rank))
+        # decorate_logs(): Ray's logger and the worker lines Ray forwards write
+        # to sys.stdout/sys.stderr; they must reach the fds as our lines do.
+        stdout = ConsoleStream(self.console, STDOUT)
+        sys.stdout, sys.stderr = stdout, ConsoleStream(self.console, STDERR)
+        try:
+            from .ray_executor import RayExecutor
+        except ImportError as exc:
+            raise EngineFailure(texts.RAY_ENGINE_FRAMES["import"], texts.ray_import_failed(str(exc))) from None
+        return RayExecutor(self.settings, self.args, self.model, self.log, stdout)
 
     def _config_line(self) -> str:
         a, m = self.args, self.model
@@ -252,68 +282,6 @@ class EngineCore:
             f"'backend': 'inductor', 'cudagraph_mode': {graphs}, 'max_cudagraph_capture_size': 512}}"
         )
 
-    def check_free_memory(self) -> None:
-        """request_memory(): fail unless free >= ceil(total * utilization), read at this moment."""
-        memory = self.settings.memory()
-        utilization = float(self.args.gpu_memory_utilization)
-        requested = math.ceil(memory.total_bytes * utilization)
-        if memory.free_bytes < requested:
-            self.fail("free_memory", "ValueError: " + texts.free_memory_error(memory.free_bytes, memory.total_bytes, utilization, requested))
-
-    def _shard_s(self) -> float:
-        slow = self.settings.scenario.slow_shards_s
-        return SHARD_S if slow is None else slow
-
-    def load_weights(self) -> None:
-        """The shard bar over N files, really reading bytes while each shard 'loads'."""
-        available = self.settings.memory().available_bytes / GIB
-        self.log("model_executor/model_loader/weight_utils.py:922", f"Filesystem type for checkpoints: EXT4. Checkpoint size: {self.model.weights_gib:.2f} GiB. Available RAM: {available:.2f} GiB.")
-        strategy = self.args.safetensors_load_strategy
-        if strategy is None:
-            self.log("model_executor/model_loader/weight_utils.py:945", "Auto-prefetch is disabled because the filesystem (EXT4) is not a recognized network FS (NFS/Lustre). If you want to force prefetching, start vLLM with --safetensors-load-strategy=prefetch.")
-        elif strategy == "prefetch":
-            self.log("model_executor/model_loader/weight_utils.py:860", "Prefetching checkpoint files into page cache started (in background, num_threads=8, block_size=16777216 bytes)")
-        scenario = self.settings.scenario
-        total = self.model.shards
-        desc = "Loading safetensors checkpoint shards" + (" (eager)" if self.eager_load else "")
-        bar = Bar(self.console, desc, total, shard_format=True) if self.args.use_tqdm_on_load else None
-        oom_at = (total + 1) // 2 if scenario.cuda_oom_during == "load" else None
-        for index in range(total):
-            if scenario.stall_at is not None and index >= scenario.stall_at and not self.eager_load:
-                self.hang_forever()
-            if oom_at is not None and index == oom_at:
-                self.oom("load", 1.71)
-            self._read_while_waiting(index, self._shard_s())
-            if bar:
-                bar.advance()
-        if bar:
-            bar.close()
-        if strategy == "prefetch":
-            self.log("model_executor/model_loader/weight_utils.py:884", f"Prefetching checkpoint files into page cache finished in {total * self._shard_s() * 0.4:.2f}s")
-
-    def _read_while_waiting(self, index: int, sim_seconds: float) -> None:
-        """Spend one shard's time reading real bytes, so /proc/PID/io shows a live loader."""
-        source = self.model.shard_files[index % len(self.model.shard_files)] if self.model.shard_files else Path(os.__file__)
-        deadline = time.monotonic() + self.settings.delay(sim_seconds)
-        try:
-            fd = os.open(source, os.O_RDONLY)
-        except OSError:
-            self.settings.sleep(sim_seconds)
-            return
-        try:
-            size = max(os.fstat(fd).st_size, 1)
-            offset = 0
-            while True:
-                os.posix_fadvise(fd, offset, READ_CHUNK, os.POSIX_FADV_DONTNEED)
-                data = os.pread(fd, READ_CHUNK, offset)
-                offset = (offset + len(data)) % size if data else 0
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                time.sleep(min(left, 0.05))
-        finally:
-            os.close(fd)
-
     def compile(self) -> float:
         """torch.compile's lines; returns the compile time it reports."""
         cache = os.environ.get("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm"))
@@ -332,11 +300,11 @@ class EngineCore:
         self.settings.sleep(KV_SETUP_S)
         memory = self.settings.memory()
         budget = memory.total_bytes * float(self.args.gpu_memory_utilization)
-        available = budget - (self.model.weights_gib + ACTIVATION_GIB + (0 if self.enforce_eager else GRAPH_GIB)) * GIB
+        available = budget - (self.rank_model.weights_gib + ACTIVATION_GIB + (0 if self.enforce_eager else GRAPH_GIB)) * GIB
         self.log("v1/worker/gpu_worker.py:480", f"Available KV cache memory: {texts.format_gib(available)} GiB")
         if available <= 0:
             self.fail("no_blocks", "ValueError: " + texts.NO_KV_BLOCKS)
-        per_token = self.model.kv_bytes_per_token
+        per_token = self.rank_model.kv_bytes_per_token
         needed = self.model.max_model_len * per_token
         if self.settings.scenario.kv_insufficient:
             available = min(available, needed * 0.6)
@@ -371,6 +339,8 @@ class EngineCore:
     # --- serving -----------------------------------------------------------------
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
+        """The shutdown lines, the executor let go, exit 0; a second SIGTERM (the API server's) changes nothing."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for src, text in (
             ("v1/engine/core.py:1178", "[shutdown] EngineCore: trigger received signal=SIGTERM"),
             ("v1/engine/core.py:1297", "[shutdown] EngineCore: start mode=abort timeout=0s"),
@@ -378,6 +348,7 @@ class EngineCore:
             ("v1/engine/core.py:1191", "[shutdown] EngineCore: exiting busy loop"),
         ):
             self.log(src, text)
+        self.executor.shutdown()
         os._exit(0)
 
     def _messages(self) -> list[dict[str, object]] | None:
@@ -399,25 +370,35 @@ class EngineCore:
         hang_at = started + self.settings.delay(scenario.hang_after_s) if scenario.hang_after_s is not None else None
         die_at = started + self.settings.delay(scenario.engine_dies_after_s) if scenario.engine_dies_after_s is not None else None
         step_s = self.settings.delay(1 / TOKENS_PER_S)
+        health_s = self.executor.health_interval_s
+        health_at = started + health_s if health_s is not None else None
         requests: dict[str, _Request] = {}
         next_step = time.monotonic()
         while True:
             now = time.monotonic()
             if die_at is not None and now >= die_at:
-                self.settings.trap_memory()
+                self.trap_memory()
                 os.kill(os.getpid(), signal.SIGKILL)
             if hang_at is not None and now >= hang_at:
-                self.hang_forever()
-            deadlines = [d for d in (hang_at, die_at) if d is not None]
+                hang_forever()
+            if health_at is not None and health_s is not None and now >= health_at:
+                health_at = now + health_s
+                try:
+                    self.executor.check_health()
+                except EngineFailure as failure:
+                    self.fail_with(failure.frames, failure.final, fatal=True)
+            deadlines = [d for d in (hang_at, die_at, health_at) if d is not None]
             if requests:
                 deadlines.append(max(next_step, min(r.ready_at for r in requests.values())))
             timeout = max(min(deadlines) - now, 0) if deadlines else None
-            readable, _, _ = select.select([self.conn], [], [], timeout)
-            if readable:
+            readable, _, _ = select.select([self.conn, self._wakeup], [], [], timeout)
+            if self._wakeup in readable:
+                os.read(self._wakeup, 512)
+            if self.conn in readable:
                 messages = self._messages()
                 if messages is None:
                     # The API server died; vLLM's EngineCore does not notice and stays.
-                    self.hang_forever()
+                    hang_forever()
                 for message in messages:
                     self._accept(message, requests)
             now = time.monotonic()
@@ -445,7 +426,7 @@ class EngineCore:
             if finished:
                 del requests[request.rid]
             if not self.send({"t": "tok", "id": request.rid, "n": count, "fin": finished, "spec": accepted}):
-                self.hang_forever()
+                hang_forever()
 
 
 def run_engine(settings: SimSettings, args: argparse.Namespace, model: ModelFacts, conn: socket.socket) -> NoReturn:

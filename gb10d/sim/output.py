@@ -9,10 +9,13 @@ continuation of multi-line records, `VLLM_LOGGING_PREFIX` and colour.
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 STDOUT = 1
 STDERR = 2
@@ -33,6 +36,7 @@ class LogStyle:
     configured: bool = True  # VLLM_CONFIGURE_LOGGING
     threshold: int = LEVELS["INFO"]
     color: bool = False
+    process_tag: bool = True  # False in a Ray worker: Ray puts its own `(RayWorkerWrapper pid=N)` in front
 
 
 def tag(name: str, pid: int) -> str:
@@ -51,7 +55,7 @@ def format_record(style: LogStyle, name: str, pid: int, level: str, when: float,
     fileinfo = src if style.threshold <= LEVELS["DEBUG"] else src.rsplit("/", 1)[-1]
     file, _, line = fileinfo.rpartition(":")
     stamp = time.strftime("%m-%d %H:%M:%S", time.localtime(when))
-    in_format_tag = "" if style.wrapper_tag else tag(name, pid)
+    in_format_tag = tag(name, pid) if style.process_tag and not style.wrapper_tag else ""
     if style.color:
         if in_format_tag:
             in_format_tag = f"{_CYAN}{in_format_tag[:-1]}{_RESET} "
@@ -91,7 +95,7 @@ class Console:
             self._write_locked(fd, text)
 
     def _write_locked(self, fd: int, text: str) -> None:
-        if self.style.wrapper_tag and self.style.configured:
+        if self.style.wrapper_tag and self.style.configured and self.style.process_tag:
             prefix = tag(self.name, self.pid)
             if self.style.color:
                 prefix = f"{_CYAN}{prefix[:-1]}{_RESET} "
@@ -130,6 +134,65 @@ class Console:
     def uvicorn(self, message: str, level: str = "INFO", fd: int = STDERR) -> None:
         """Emit a uvicorn line (server messages on stderr, access log on stdout)."""
         self.write(fd, format_uvicorn(level, message))
+
+
+class ConsoleStream(io.TextIOBase):
+    """A `sys.stdout` / `sys.stderr` that writes through the Console, as vLLM's decorate_logs() patches them.
+
+    Python-level writers in the EngineCore (Ray's own logger, and the
+    worker lines Ray forwards to its driver) then reach the fd tagged like
+    every other line of the 0.23-0.30 era. Text is passed on in whole lines,
+    so that a `print()` (text, then a separate newline) from Ray's log thread
+    cannot be split by a record from another thread. The lines that passed
+    are kept, so the driver can wait until a worker's lines have arrived.
+    """
+
+    def __init__(self, console: Console, fd: int, keep: int = 10000) -> None:
+        super().__init__()
+        self.console = console
+        self.fd = fd
+        self._partial = ""
+        self._seen: deque[str] = deque(maxlen=keep)
+        self._changed = threading.Condition()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def isatty(self) -> bool:
+        return os.isatty(self.fd)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        with self._changed:
+            complete, newline, self._partial = (self._partial + text).rpartition("\n")
+            if newline:
+                self.console.write(self.fd, complete + newline)
+                self._seen.extend(complete.split("\n"))
+                self._changed.notify_all()
+        return len(text)
+
+    def flush(self) -> None:
+        with self._changed:
+            if self._partial:
+                self.console.write(self.fd, self._partial)
+                self._partial = ""
+
+    def wait_line(self, predicate: Callable[[str], bool], timeout: float) -> bool:
+        """Until a line that passed satisfies `predicate` (True), or `timeout` seconds (False)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not any(predicate(line) for line in self._seen):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
 
 
 # --- tqdm -------------------------------------------------------------------

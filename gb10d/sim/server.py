@@ -23,7 +23,8 @@ from typing import NoReturn, Sequence
 
 from . import texts
 from .args import DEFAULT_MODEL, non_default_args, parse_serve_args
-from .engine import ModelFacts, describe_model, run_engine
+from .engine import run_engine
+from .model import ModelFacts, describe_model
 from .output import STDERR, Console
 from .settings import SettingsError, SimSettings, from_environ
 

@@ -81,15 +81,19 @@ def engine_init_failed() -> str:
     return "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
 
 
-def traceback_text(frames: Sequence[Frame], final: str) -> str:
-    """A Python traceback, without trailing newline."""
-    lines = ["Traceback (most recent call last):"]
+def frame_lines(frames: Sequence[Frame]) -> list[str]:
+    """The `  File ...` and source lines of a traceback's frames."""
+    lines = []
     for file, line, function, source in frames:
         lines.append(f'  File "{file}", line {line}, in {function}')
         if source:
             lines.append(f"    {source}")
-    lines.append(final)
-    return "\n".join(lines)
+    return lines
+
+
+def traceback_text(frames: Sequence[Frame], final: str) -> str:
+    """A Python traceback, without trailing newline."""
+    return "\n".join(["Traceback (most recent call last):", *frame_lines(frames), final])
 
 
 # --- frames -------------------------------------------------------------------
@@ -106,20 +110,30 @@ _KV_INIT: list[Frame] = [
     (f"{VLLM}/v1/engine/core.py", 115, "__init__", "num_gpu_blocks, num_cpu_blocks, kv_cache_config = self._initialize_kv_caches("),
 ]
 
-ENGINE_FRAMES: dict[str, list[Frame]] = {
-    "free_memory": _ENGINE_START + _EXECUTOR + [
-        (f"{VLLM}/v1/executor/uniproc_executor.py", 47, "_init_executor", "self.driver_worker.init_device()"),
+# What a GPU worker runs, below the executor: the same frames under
+# UniProcExecutor (in the EngineCore) and under a Ray actor's execute_method.
+WORKER_FRAMES: dict[str, list[Frame]] = {
+    "free_memory": [
         (f"{VLLM}/v1/worker/worker_base.py", 326, "init_device", "self.worker.init_device()  # type: ignore"),
         (f"{VLLM}/v1/worker/gpu_worker.py", 264, "init_device", "self.requested_memory = request_memory(init_snapshot, self.cache_config)"),
         (f"{VLLM}/v1/worker/utils.py", 402, "request_memory", "raise ValueError("),
     ],
-    "load": _ENGINE_START + _EXECUTOR + [
-        (f"{VLLM}/v1/executor/uniproc_executor.py", 48, "_init_executor", "self.driver_worker.load_model()"),
+    "load": [
         (f"{VLLM}/v1/worker/gpu_worker.py", 318, "load_model", "self.model_runner.load_model(eep_scale_up=eep_scale_up)"),
         (f"{VLLM}/v1/worker/gpu/model_runner.py", 305, "load_model", "self.model = model_loader.load_model("),
         (f"{VLLM}/model_executor/model_loader/base_loader.py", 58, "load_model", "self.load_weights(model, model_config)"),
         (f"{VLLM}/model_executor/model_loader/default_loader.py", 301, "load_weights", "loaded_weights = model.load_weights(self.get_all_weights(model_config, model))"),
         (f"{SITE}/torch/utils/_device.py", 109, "__torch_function__", "return func(*args, **kwargs)"),
+    ],
+}
+ENGINE_FRAMES: dict[str, list[Frame]] = {
+    "free_memory": _ENGINE_START + _EXECUTOR + [
+        (f"{VLLM}/v1/executor/uniproc_executor.py", 47, "_init_executor", "self.driver_worker.init_device()"),
+        *WORKER_FRAMES["free_memory"],
+    ],
+    "load": _ENGINE_START + _EXECUTOR + [
+        (f"{VLLM}/v1/executor/uniproc_executor.py", 48, "_init_executor", "self.driver_worker.load_model()"),
+        *WORKER_FRAMES["load"],
     ],
     "profile": _ENGINE_START + _KV_INIT + [
         (f"{VLLM}/v1/engine/core.py", 232, "_initialize_kv_caches", "available_gpu_memory = self.model_executor.determine_available_memory()"),
@@ -146,6 +160,119 @@ ENGINE_FRAMES: dict[str, list[Frame]] = {
         (f"{VLLM}/v1/core/kv_cache_utils.py", 684, "check_enough_kv_cache_memory", "raise ValueError("),
     ],
 }
+
+# --- Ray (--distributed-executor-backend ray) ---------------------------------
+
+RAY_WORKER_CLASS = "vllm.v1.executor.ray_utils.RayWorkerWrapper"
+RAY_PG_WAIT_TIMEOUT_S = 1800  # ray_utils.PG_WAIT_TIMEOUT
+RAY_NOT_ENOUGH_GPUS = "ValueError: The number of required GPUs exceeds the total number of available GPUs in the placement group."
+RAY_NO_PLACEMENT_GROUP = "No current placement group found. Creating a new placement group."
+
+_RAY_CLUSTER: list[Frame] = _ENGINE_START + _EXECUTOR + [
+    (f"{VLLM}/v1/executor/ray_executor.py", 97, "_init_executor", "initialize_ray_cluster(self.parallel_config)"),
+]
+
+# Frames down to the point of failure; a failure inside Ray itself (ray.init,
+# ray.get) continues with the real frames of the installed Ray.
+RAY_ENGINE_FRAMES: dict[str, list[Frame]] = {
+    "import": _RAY_CLUSTER + [
+        (f"{VLLM}/v1/executor/ray_utils.py", 308, "initialize_ray_cluster", "assert_ray_available()"),
+        (f"{VLLM}/v1/executor/ray_utils.py", 67, "assert_ray_available", "raise ValueError("),
+    ],
+    "connect": _RAY_CLUSTER + [
+        (f"{VLLM}/v1/executor/ray_utils.py", 345, "initialize_ray_cluster", "ray.init(address=ray_address)"),
+    ],
+    "gpus": _RAY_CLUSTER + [
+        (f"{VLLM}/v1/executor/ray_utils.py", 361, "initialize_ray_cluster", "raise ValueError("),
+    ],
+    "placement": _RAY_CLUSTER + [
+        (f"{VLLM}/v1/executor/ray_utils.py", 393, "initialize_ray_cluster", "_wait_until_pg_ready(current_placement_group)"),
+        (f"{VLLM}/v1/executor/ray_utils.py", 247, "_wait_until_pg_ready", "raise ValueError("),
+    ],
+}
+
+
+def ray_rpc_frames(method: str) -> list[Frame]:
+    """The EngineCore's frames down to the ray.get of a collective_rpc(method) sent to all workers."""
+    return _ENGINE_START + _EXECUTOR + [
+        (f"{VLLM}/v1/executor/ray_executor.py", 104, "_init_executor", "self._init_workers_ray(placement_group)"),
+        (f"{VLLM}/v1/executor/ray_executor.py", 356, "_init_workers_ray", f'self.collective_rpc("{method}")'),
+        (f"{VLLM}/v1/executor/ray_executor.py", 498, "collective_rpc", "return ray.get(ray_worker_outputs, timeout=timeout)"),
+    ]
+
+
+RAY_BUSY_LOOP_FRAMES: list[Frame] = [
+    (f"{VLLM}/v1/engine/core.py", 1014, "run_engine_core", "engine_core.run_busy_loop()"),
+    (f"{VLLM}/v1/engine/core.py", 1045, "run_busy_loop", "self._process_engine_step()"),
+    (f"{VLLM}/v1/engine/core.py", 1078, "_process_engine_step", "outputs, model_executed = self.step_fn()"),
+    (f"{VLLM}/v1/engine/core.py", 338, "step", "model_output = self.model_executor.execute_model(scheduler_output)"),
+    (f"{VLLM}/v1/executor/ray_executor.py", 441, "execute_model", "return ray.get(refs[0])"),
+]
+
+# A worker method as the Ray actor runs it: WorkerWrapperBase.execute_method.
+_WORKER_RPC: list[Frame] = [
+    (f"{VLLM}/v1/worker/worker_base.py", 354, "execute_method", "return run_method(self, method, args, kwargs)"),
+    (f"{VLLM}/v1/serial_utils.py", 479, "run_method", "return func(*args, **kwargs)"),
+]
+RAY_WORKER_ERROR_SRC = "v1/worker/worker_base.py:362"
+
+
+def ray_import_failed(error: str) -> str:
+    """assert_ray_available()'s ValueError (sic: no space after the first period)."""
+    return f"ValueError: Failed to import Ray: {error}.Please install Ray with `pip install ray`."
+
+
+def ray_env_copy_lines(names: Sequence[str], config_root: str) -> list[tuple[str, str]]:
+    """What get_env_vars_to_copy() logs before the workers are started: (source, message) pairs."""
+    return [
+        ("ray/ray_env.py:65", "RAY_NON_CARRY_OVER_ENV_VARS from config: set()"),
+        ("ray/ray_env.py:67", f"Copying the following environment variables to workers: {list(names)}"),
+        ("ray/ray_env.py:72", f"If certain env vars should NOT be copied, add them to {config_root}/ray_non_carry_over_env_vars.json file"),
+    ]
+
+
+def placement_group_waiting(seconds: int, specs: Sequence[dict[str, float]]) -> str:
+    """_wait_until_pg_ready()'s message while the cluster cannot place every bundle."""
+    return (
+        f"Waiting for creating a placement group of specs for {seconds} seconds. specs={list(specs)}. Check "
+        "`ray status` and `ray list nodes` to see if you have enough resources, and make sure the IP addresses "
+        "used by ray cluster are the same as VLLM_HOST_IP environment variable specified in each node if you "
+        "are running on a multi-node."
+    )
+
+
+def placement_group_timeout(specs: Sequence[dict[str, float]]) -> str:
+    """_wait_until_pg_ready()'s ValueError once PG_WAIT_TIMEOUT has passed."""
+    return (
+        f"ValueError: Cannot provide a placement group of placement_group_specs={list(specs)} within "
+        f"{RAY_PG_WAIT_TIMEOUT_S} seconds. See `ray status` and `ray list nodes` to make sure the cluster has "
+        "enough resources."
+    )
+
+
+def ray_worker_error(method: str, kind: str, final: str) -> str:
+    """The worker's logger.exception() in execute_method: the message, then the traceback down to the failure."""
+    return (
+        f"Error executing method {method!r}. This might cause deadlock in distributed execution.\n"
+        + traceback_text(_WORKER_RPC + WORKER_FRAMES[kind], final)
+    )
+
+
+def ray_task_error(kind: str, final: str, pid: int, ip: str, actor_id: str, address: int) -> str:
+    """How a worker's exception ends the driver's traceback once ray.get re-raises it.
+
+    Ray writes the `ray::Class.method()` part between cyan escapes whatever
+    the output is; the frames are the worker's, from the re-raise in
+    execute_method down to the failure; the cause's line closes it.
+    """
+    cause = final.partition(":")[0].rsplit(".", 1)[-1]
+    header = (
+        f"ray.exceptions.RayTaskError({cause}): \x1b[36mray::RayWorkerWrapper.execute_method()\x1b[39m "
+        f"(pid={pid}, ip={ip}, actor_id={actor_id}, repr=<{RAY_WORKER_CLASS} object at {address:#x}>)"
+    )
+    reraise = (f"{VLLM}/v1/worker/worker_base.py", 363, "execute_method", "raise e")
+    return "\n".join([header, *frame_lines([reraise, *_WORKER_RPC, *WORKER_FRAMES[kind]]), final])
+
 
 PROCESS_FRAMES: list[Frame] = [
     (f"{PYLIB}/multiprocessing/process.py", 314, "_bootstrap", "self.run()"),
