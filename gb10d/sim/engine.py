@@ -261,7 +261,7 @@ class EngineCore:
             from .ray_executor import RayExecutor
         except ImportError as exc:
             raise EngineFailure(texts.RAY_ENGINE_FRAMES["import"], texts.ray_import_failed(str(exc))) from None
-        return RayExecutor(self.settings, self.args, self.model, self.log, stdout)
+        return RayExecutor(self.args, self.model, self.log, stdout)
 
     def _config_line(self) -> str:
         a, m = self.args, self.model

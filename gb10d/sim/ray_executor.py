@@ -52,7 +52,7 @@ DRIVER_KNOBS = ("GB10D_SIM_SPEED", "GB10D_SIM_SCENARIO", "GB10D_SIM_SHARDS", "GB
 # vLLM's WORKER_SPECIFIC_ENV_VARS among the VLLM_* ones: never copied.
 WORKER_SPECIFIC = ("VLLM_HOST_IP", "VLLM_HOST_PORT")
 
-LogFn = Callable[..., None]
+LogFn = Callable[[str, str], None]  # (source, message): the EngineCore's INFO record
 
 
 def exception_line(error: BaseException) -> str:
@@ -129,8 +129,7 @@ class RayExecutor:
 
     health_interval_s = HEALTH_CHECK_S
 
-    def __init__(self, settings: SimSettings, args: argparse.Namespace, model: ModelFacts, log: LogFn, stdout: ConsoleStream) -> None:
-        self.args = args
+    def __init__(self, args: argparse.Namespace, model: ModelFacts, log: LogFn, stdout: ConsoleStream) -> None:
         self.log = log
         self.stdout = stdout
         self.world_size = int(args.tensor_parallel_size) * int(args.pipeline_parallel_size)
