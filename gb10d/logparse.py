@@ -67,7 +67,9 @@ MAX_LINE_BYTES = 64 * 1024
 _ANSI_B = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
 # Process names are words (`EngineCore_DP0`, `Worker_TP0`); 0.9-0.10 also wrote `VllmWorker rank=0`.
 _NAME = r"[\w.\[\]=-]+(?: [\w.\[\]=-]+)?"
-_TAG_B = re.compile(rb"\(" + _NAME.encode() + rb" pid=\d+\) ")
+# Ray forwards a remote worker's lines as `(RayWorkerWrapper pid=N, ip=ADDR) ...` (no `ip=` for its own node).
+_RAY_IP = r"(?:, ip=(?P<{i}>[0-9A-Fa-f.:]+))?"
+_TAG_B = re.compile(rb"\(" + _NAME.encode() + rb" pid=\d+(?:, ip=[0-9A-Fa-f.:]+)?\) ")
 
 
 class Line(NamedTuple):
@@ -253,18 +255,19 @@ class Record:
     ts: str | None = None
     source: str | None = None
     lineno: int | None = None
+    node: str | None = None  # the Ray node address of a remote worker's line (`ip=` in its tag)
 
 
-_TAG = r"\((?P<{n}>" + _NAME + r") pid=(?P<{p}>\d+)\) "  # a str.format template: n, p name the groups
+_TAG = r"\((?P<{n}>" + _NAME + r") pid=(?P<{p}>\d+)" + _RAY_IP + r"\) "  # a str.format template: n, p, i name the groups
 
 
 @lru_cache(maxsize=8)
 def _log_regex(prefix: str) -> re.Pattern[str]:
     """vLLM's record format for a given VLLM_LOGGING_PREFIX, both eras, plus the pre-0.23 bracketless source."""
     return re.compile(
-        "^(?:" + _TAG.format(n="t1", p="p1") + ")?"
+        "^(?:" + _TAG.format(n="t1", p="p1", i="i1") + ")?"
         + (f"(?:{re.escape(prefix)})?" if prefix else "")
-        + "(?:" + _TAG.format(n="t2", p="p2") + ")?"
+        + "(?:" + _TAG.format(n="t2", p="p2", i="i2") + ")?"
         r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<ts>\d\d-\d\d \d\d:\d\d:\d\d)(?:[.,]\d+)? "
         r"\[?(?P<src>[^\]\s:]+):(?P<ln>\d+)\] ?(?P<msg>.*)$",
         re.S,
@@ -272,9 +275,9 @@ def _log_regex(prefix: str) -> re.Pattern[str]:
 
 
 _UVICORN = re.compile(
-    r"^(?:\((?P<t>" + _NAME + r") pid=(?P<p>\d+)\) )?(?P<level>CRITICAL|ERROR|WARNING|INFO|DEBUG|TRACE):\s+(?P<msg>.*)$", re.S
+    r"^(?:" + _TAG.format(n="t", p="p", i="i") + r")?(?P<level>CRITICAL|ERROR|WARNING|INFO|DEBUG|TRACE):\s+(?P<msg>.*)$", re.S
 )
-_TAG_STR = re.compile(r"^\((?P<t>" + _NAME + r") pid=(?P<p>\d+)\) ")
+_TAG_STR = re.compile(r"^" + _TAG.format(n="t", p="p", i="i"))
 _SHARD_BAR = re.compile(
     r"(?P<desc>Loading safetensors checkpoint shards|Loading safetensors using [\w ]+?|Multi-thread loading shards"
     r"|Loading pt checkpoint shards|Loading np_cache checkpoint shards|Loading [\w ]*?shards)"
@@ -327,12 +330,12 @@ class Classifier:
         """The record for one line; updates the traceback state."""
         m = self._log.match(text) if " [" in text or "] " in text else None
         if m is not None:
-            t1, p1, t2, p2, level, ts, src, ln, msg = m.group("t1", "p1", "t2", "p2", "level", "ts", "src", "ln", "msg")
-            record_pid = int(p1 or p2) if (p1 or p2) else None
+            t1, p1, i1, t2, p2, i2, level, ts, src, ln, msg = m.group("t1", "p1", "i1", "t2", "p2", "i2", "level", "ts", "src", "ln", "msg")
+            record_pid = int(p2 or p1) if (p1 or p2) else None
             if self._state:
                 self._state.pop(record_pid, None)
                 self._state.pop(None, None)
-            return Record(Kind.VLLM, _LEVEL_PRIORITY[level], msg, t1 or t2, record_pid, level, ts, src, int(ln))
+            return Record(Kind.VLLM, _LEVEL_PRIORITY[level], msg, t2 or t1, record_pid, level, ts, src, int(ln), i2 or i1)
         if ":" in text[:40]:
             u = _UVICORN.match(text)
             if u is not None:
@@ -345,16 +348,17 @@ class Classifier:
                               int(pid_s) if pid_s else None, level)
         tag: str | None = None
         pid: int | None = None
+        node: str | None = None
         message = text
         if text.startswith("("):
             t = _TAG_STR.match(text)
             if t is not None:
-                tag, pid = t.group("t"), int(t.group("p"))
+                tag, pid, node = t.group("t"), int(t.group("p")), t.group("i")
                 message = text[t.end():]
         if _bar_kind(message):
-            return Record(Kind.BAR, PRIORITY_INFO, message, tag, pid)
+            return Record(Kind.BAR, PRIORITY_INFO, message, tag, pid, node=node)
         kind, priority = self._raw(message, pid)
-        return Record(kind, priority, message, tag, pid)
+        return Record(kind, priority, message, tag, pid, node=node)
 
     def _raw(self, message: str, key: int | None) -> tuple[Kind, int]:
         state = self._state.get(key)

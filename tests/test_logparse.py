@@ -564,3 +564,37 @@ def test_scanner_passes_ordinary_lines_straight_through() -> None:
     scanner = EventScanner()
     assert scanner.feed(API + "Starting vLLM server on http://0.0.0.0:8000") == [ServerStarting("http://0.0.0.0:8000")]
     assert scanner.feed("ValueError: " + FREE) == [FreeMemoryShort(103.45, 123.73, 0.92, 113.83, "cuda:0")]
+
+
+# --- lines Ray forwards from vLLM's workers on other machines ------------------
+
+RAY_WORKER_FREE_MEMORY = (
+    "(EngineCore pid=18159) (RayWorkerWrapper pid=18177, ip=10.213.0.2) ERROR 12-02 20:29:38 [worker_base.py:362] "
+    "ValueError: Free memory on device cuda:0 (40.0/121.69 GiB) on startup is less than desired GPU memory "
+    "utilization (0.92, 111.95 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes."
+)
+
+
+def test_a_remote_ray_workers_record_keeps_its_level_and_names_its_machine() -> None:
+    record = classify(RAY_WORKER_FREE_MEMORY)
+    assert (record.kind, record.priority, record.tag, record.pid, record.node) == (Kind.VLLM, 3, "RayWorkerWrapper", 18177, "10.213.0.2")
+    assert record.message.startswith("ValueError: Free memory on device cuda:0")
+
+
+def test_a_ray_worker_on_the_drivers_own_machine_has_no_node_address() -> None:
+    record = classify("(RayWorkerWrapper pid=2207) INFO 12-02 18:00:00 [default_loader.py:1] Loading weights took 3.00 seconds")
+    assert (record.kind, record.tag, record.pid, record.node) == (Kind.VLLM, "RayWorkerWrapper", 2207, None)
+
+
+def test_a_remote_workers_shard_bar_and_traceback_are_recognised_through_the_ray_prefix() -> None:
+    bar = classify("(RayWorkerWrapper pid=2316, ip=10.213.0.2) Loading safetensors checkpoint shards:  50% Completed | 3/6 [00:01<00:01,  2.00it/s]")
+    assert (bar.kind, bar.node) == (Kind.BAR, "10.213.0.2")
+    assert parse_line("(RayWorkerWrapper pid=2316, ip=10.213.0.2) Loading safetensors checkpoint shards:  50% Completed | 3/6 [00:01<00:01,  2.00it/s]") == [ShardsProgressed(3, 6, False)]
+    tb = Classifier()
+    assert tb.classify("(RayWorkerWrapper pid=2316, ip=10.213.0.2) Traceback (most recent call last):").kind is Kind.TRACEBACK
+    assert tb.classify('(RayWorkerWrapper pid=2316, ip=10.213.0.2)   File "worker_base.py", line 354, in execute_method').kind is Kind.TRACEBACK
+
+
+def test_a_remote_workers_free_memory_failure_is_parsed_with_its_numbers() -> None:
+    (event,) = parse_line(RAY_WORKER_FREE_MEMORY)
+    assert (event.free_gib, event.total_gib, event.requested_utilization) == (40.0, 121.69, 0.92)
