@@ -15,11 +15,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import __version__
-from .command import REDACTED, build_argv, env_additions, redact_setting, runnable_problems, shell_line
+from .cluster import cluster_env, ray_argv, vllm_flags
+from .command import CLUSTER_NOT_SUPERVISED, REDACTED, build_argv, env_additions, redact_setting, runnable_problems, shell_line
 from .config import (
     CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
+    ClusterSection,
     LoadedConfig,
+    VllmSection,
     default_config_path,
     dropin_dir_for,
     load_config_explained,
@@ -89,14 +92,30 @@ def cmd_print_command(args: argparse.Namespace) -> int:
     """Print the exact vLLM command line, secrets masked; the program's existence is not checked."""
     loaded = _load(args)
     vllm = loaded.config.vllm
-    argv = build_argv(vllm)
+    cluster = loaded.config.cluster
+    # On a Ray head, vLLM needs the cluster's variables to find Ray and the link: always shown.
+    needed = _print_ray_command(cluster, vllm) if cluster is not None else {}
+    if cluster is not None and cluster.role == "worker":
+        return EXIT_OK
+    argv = build_argv(vllm, cluster_flags=vllm_flags(cluster) if cluster else ())
     if args.env:
-        print(shell_line(argv, env_additions(vllm), path_prefix=vllm.venv / "bin" if vllm.venv else None))
+        print(shell_line(argv, {**env_additions(vllm), **needed}, path_prefix=vllm.venv / "bin" if vllm.venv else None))
     else:
-        print(shell_line(argv))
+        print(shell_line(argv, needed))
     if args.explain:
         _explain(loaded, prefix="vllm.")
     return EXIT_OK
+
+
+def _print_ray_command(cluster: ClusterSection, vllm: VllmSection) -> dict[str, str]:
+    """Print this machine's `ray start` with its interface variables (which interface and why to stderr); those variables."""
+    from .interfaces import find
+
+    choice = find(cluster.role, cluster.head_address, cluster.interface)
+    print(f"gb10d: cluster {cluster.role}: using {choice.interface.name} ({choice.address}) because {choice.reason}", file=sys.stderr)
+    env = cluster_env(cluster, choice.interface.name, str(choice.address))
+    print(shell_line(ray_argv(cluster, vllm, str(choice.address)), env))
+    return env
 
 
 def cmd_import_script(args: argparse.Namespace) -> int:
@@ -111,7 +130,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the supervisor in the foreground (what the systemd unit starts)."""
     from .supervisor import run_daemon
 
-    return run_daemon(_config_path(args))
+    path = _config_path(args)
+    loaded = load_config_explained(path)
+    if loaded.config.cluster is not None:
+        raise ConfigError([loaded.problem("cluster", CLUSTER_NOT_SUPERVISED)])
+    return run_daemon(path)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

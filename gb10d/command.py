@@ -13,7 +13,7 @@ import re
 import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .config import LoadedConfig, VllmSection, normalize_flag
 from .errors import ConfigError, ConfigProblem
@@ -78,8 +78,8 @@ def _scalar(value: Any) -> str:
     return str(value)
 
 
-def build_argv(vllm: VllmSection, tunables: Tunables | None = None) -> list[str]:
-    """The exact argv gb10d executes for one attempt."""
+def build_argv(vllm: VllmSection, tunables: Tunables | None = None, cluster_flags: Sequence[str] = ()) -> list[str]:
+    """The exact argv gb10d executes for one attempt; `cluster_flags` come from gb10d.cluster on a Ray head."""
     tunables = tunables or Tunables.from_config(vllm)
     argv = [str(vllm.program), "serve", vllm.model]
     if vllm.served_model_name is not None:
@@ -95,6 +95,7 @@ def build_argv(vllm: VllmSection, tunables: Tunables | None = None) -> list[str]
     if tunables.load_strategy is not None:
         argv += ["--safetensors-load-strategy", tunables.load_strategy]
     argv += ["--host", vllm.host, "--port", str(vllm.port)]
+    argv += cluster_flags
     argv += vllm.extra_args
     return argv
 
@@ -151,6 +152,13 @@ def build_env(vllm: VllmSection, base: Mapping[str, str] | None = None) -> dict[
     return env
 
 
+# `[cluster]` is validated and `print-command` shows both machines' commands, but `run` does not drive Ray yet.
+CLUSTER_NOT_SUPERVISED = (
+    "gb10d does not supervise a Ray pair yet: remove [cluster] to serve from this machine alone, "
+    "or start Ray and vLLM by hand with the commands `gb10d print-command` shows"
+)
+
+
 def runnable_problems(loaded: LoadedConfig) -> list[ConfigProblem]:
     """What can be checked without starting vLLM: the program exists and runs, env_file parses.
 
@@ -161,6 +169,8 @@ def runnable_problems(loaded: LoadedConfig) -> list[ConfigProblem]:
     key = "vllm.executable" if vllm.executable is not None else "vllm.venv"
     program = vllm.program
     problems: list[ConfigProblem] = []
+    if loaded.config.cluster is not None:
+        problems.append(loaded.problem("cluster", CLUSTER_NOT_SUPERVISED))
     if not program.is_file():
         hint = "is vLLM installed in that venv?" if vllm.venv is not None else "is that the path of the vllm program?"
         problems.append(loaded.problem(key, f"{program} does not exist; {hint}"))

@@ -20,8 +20,9 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass, field, replace
+from ipaddress import IPv4Address
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
@@ -300,6 +301,54 @@ class DaemonSection(_Table):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+class ClusterSection(_Table):
+    """`[cluster]`: this machine's part in a pair of GB10s that serve one model through Ray.
+
+    Absent for a single machine. Both machines name the same `head_address`
+    (the head's address on the ConnectX-7 link); the head also says how many
+    machines, each with its one GPU, the model needs.
+    """
+
+    role: Literal["head", "worker"]
+    head_address: IPv4Address = Field(strict=False)
+    port: int = Field(default=6379, ge=1, le=65535)
+    nodes: int = Field(default=2, ge=2, le=64)
+    interface: str | None = None
+    ray: Path | None = Field(default=None, strict=False)
+    ray_args: list[str] = Field(default_factory=list)
+
+    absolute_ray = field_validator("ray")(_absolute)
+
+    @field_validator("head_address", mode="before")
+    @classmethod
+    def _head_address_form(cls, value: Any) -> Any:
+        try:
+            return IPv4Address(value) if isinstance(value, str) else value
+        except ValueError:
+            raise ValueError(f'must be the head\'s IPv4 address on the link between the machines, e.g. "10.0.0.1" (got {value!r})') from None
+
+    @field_validator("interface")
+    @classmethod
+    def _interface_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[^\s/]{1,15}", value):
+            raise ValueError(f"must be a network interface name such as \"enp1s0f0np0\" (got {value!r}); remove it to let gb10d pick the one on the head's subnet")
+        return value
+
+    @field_validator("ray_args")
+    @classmethod
+    def _ray_args_unmanaged(cls, value: list[str]) -> list[str]:
+        owned = [w for w in value if w.partition("=")[0] in _RAY_OWNED_FLAGS]
+        if owned:
+            raise ValueError(f"{owned[0].partition('=')[0]} is set by gb10d from cluster.role, cluster.head_address and cluster.port; remove it from cluster.ray_args")
+        return value
+
+
+# `ray start` flags gb10d derives from [cluster]; a second value in ray_args would contradict them.
+_RAY_OWNED_FLAGS = {"--head", "--address", "--port", "--node-ip-address", "--block"}
+# vLLM flags the head sets from [cluster]: the tensor-parallel size is the number of machines, the backend Ray.
+CLUSTER_VLLM_FLAGS = ("tensor-parallel-size", "distributed-executor-backend")
+
+
 class Config(_Table):
     """A whole gb10d.toml, after drop-ins are merged."""
 
@@ -310,6 +359,30 @@ class Config(_Table):
     liveness: LivenessSection = Field(default_factory=LivenessSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     daemon: DaemonSection = Field(default_factory=DaemonSection)
+    cluster: ClusterSection | None = None
+
+    def tables(self) -> Iterator[tuple[str, _Table]]:
+        """(name, table) in schema order, skipping an optional table the file leaves out ([cluster])."""
+        for name in type(self).model_fields:
+            table = getattr(self, name)
+            if table is not None:
+                yield name, table
+
+    @model_validator(mode="after")
+    def _cluster_owns_parallelism(self) -> Config:
+        """On the head, gb10d derives the parallel layout from [cluster]; the same flags in [vllm] would contradict it."""
+        if self.cluster is None or self.cluster.role != "head":
+            return self
+        problems: list[tuple[str | tuple[str, ...], str]] = []
+        for key in self.vllm.args:
+            if normalize_flag(key) in CLUSTER_VLLM_FLAGS:
+                problems.append((("vllm", "args", key), f"is set by gb10d on the cluster head (--tensor-parallel-size {self.cluster.nodes} "
+                                 "from cluster.nodes, --distributed-executor-backend ray); remove it"))
+        for word in self.vllm.extra_args:
+            if word.startswith("--") and normalize_flag(word.partition("=")[0]) in CLUSTER_VLLM_FLAGS:
+                problems.append((("vllm", "extra_args"), f"{word.partition('=')[0]} is set by gb10d on the cluster head from cluster.nodes; remove it"))
+        _raise_keyed(problems)
+        return self
 
 
 # Flags owned by a first-class [vllm] key; setting them in args would be ambiguous.
@@ -332,7 +405,7 @@ _MANAGED_FLAGS = {
 _FLAG_NAME = re.compile(r"[a-z0-9][a-z0-9-]*(\.[A-Za-z0-9_-]+)*")
 
 
-def _raise_keyed(problems: list[tuple[str, str]]) -> None:
+def _raise_keyed(problems: list[tuple[str | tuple[str, ...], str]]) -> None:
     """Report problems of several keys of one table at once, each located at its own key."""
     if problems:
         raise PydanticCustomError("keyed", "{summary}", {"summary": "; ".join(m for _, m in problems), "problems": problems})
@@ -455,9 +528,12 @@ def _known_keys(loc: tuple[str | int, ...]) -> list[str]:
     model: type[BaseModel] = Config
     for part in loc[:-1]:
         field_info = model.model_fields.get(str(part))
-        if field_info is None or not isinstance(field_info.annotation, type) or not issubclass(field_info.annotation, BaseModel):
+        # An optional table (`cluster: ClusterSection | None`) is its model for did-you-mean.
+        kinds = get_args(field_info.annotation) or (field_info.annotation,) if field_info is not None else ()
+        tables = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
+        if not tables:
             return []
-        model = field_info.annotation
+        model = tables[0]
     return list(model.model_fields)
 
 
@@ -553,8 +629,7 @@ class LoadedConfig:
     def explain(self) -> list[tuple[str, Any, str]]:
         """(dotted key, effective value, source) for every setting, in schema order."""
         rows: list[tuple[str, Any, str]] = []
-        for section_name in Config.model_fields:
-            section = getattr(self.config, section_name)
+        for section_name, section in self.config.tables():
             for key in type(section).model_fields:
                 value = getattr(section, key)
                 dotted = f"{section_name}.{key}"
@@ -652,7 +727,7 @@ def _problems_from(exc: ValidationError, layers: _Layers) -> list[ConfigProblem]
     for error in exc.errors(include_url=False):
         loc = tuple(str(p) for p in error["loc"] if not _is_union_tag(p))
         keyed = (error.get("ctx") or {}).get("problems")
-        items = [(loc + (k,), m) for k, m in keyed] if keyed else [(loc, _describe(error))]
+        items = [(loc + (k if isinstance(k, tuple) else (k,)), m) for k, m in keyed] if keyed else [(loc, _describe(error))]
         for where, message in items:
             if error["type"] == "extra_forbidden":
                 close = difflib.get_close_matches(where[-1], _known_keys(where), n=1)

@@ -160,8 +160,7 @@ def _vllm_sees(snapshot: ConfigSnapshot) -> tuple[list[str], dict[str, str]]:
 
 def _fields(config: Config) -> Iterator[tuple[str, Any]]:
     """(section.key, value) for every field of the schema, in schema order."""
-    for section_name in Config.model_fields:
-        section = getattr(config, section_name)
+    for section_name, section in config.tables():
         for key in type(section).model_fields:
             yield f"{section_name}.{key}", getattr(section, key)
 
