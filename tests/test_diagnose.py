@@ -260,3 +260,17 @@ def test_lines_of_equal_length_that_each_start_a_record_are_not_joined() -> None
     access = '(APIServer pid=8) INFO:     127.0.0.1:51236 - "GET /health HTTP/1.1" 200 OK'
     lines = read_lines("\n".join([access] * 5))
     assert [line.text for line in lines] == [access] * 5
+
+
+def test_a_free_memory_failure_on_the_ray_worker_machine_is_diagnosed_with_its_numbers() -> None:
+    log = (
+        "(EngineCore pid=18159) (RayWorkerWrapper pid=18177, ip=10.0.0.2) ERROR 12-02 20:29:38 [worker_base.py:362] "
+        "Error executing method 'init_device'. This might cause deadlock in distributed execution.\n"
+        "(EngineCore pid=18159) (RayWorkerWrapper pid=18177, ip=10.0.0.2) ERROR 12-02 20:29:38 [worker_base.py:362] "
+        "ValueError: Free memory on device cuda:0 (40.0/121.69 GiB) on startup is less than desired GPU memory utilization "
+        "(0.92, 111.95 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.\n"
+        "(EngineCore pid=18159) ERROR 12-02 20:29:38 [core.py:1020] EngineCore failed to start.\n"
+    )
+    found = diagnose(log)
+    assert found.verdict == "free_memory"
+    assert (found.facts["free_gib"], found.facts["total_gib"], found.facts["suggested_utilization"]) == (40.0, 121.69, 0.32)
