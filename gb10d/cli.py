@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from . import __version__
 from .cluster import cluster_env, ray_argv, vllm_flags
-from .command import CLUSTER_NOT_SUPERVISED, REDACTED, build_argv, env_additions, redact_setting, runnable_problems, shell_line
+from .command import REDACTED, build_argv, env_additions, redact_setting, runnable_problems, shell_line
 from .config import (
     CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
@@ -130,11 +130,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the supervisor in the foreground (what the systemd unit starts)."""
     from .supervisor import run_daemon
 
-    path = _config_path(args)
-    loaded = load_config_explained(path)
-    if loaded.config.cluster is not None:
-        raise ConfigError([loaded.problem("cluster", CLUSTER_NOT_SUPERVISED)])
-    return run_daemon(path)
+    return run_daemon(_config_path(args))
 
 
 def cmd_status(args: argparse.Namespace) -> int:

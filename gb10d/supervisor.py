@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Callable, Union
 
 from . import learned, liveness, policy
-from .command import Tunables, build_argv, build_env, shell_line
+from .command import CLUSTER_NOT_SUPERVISED, Tunables, build_argv, build_env, shell_line
 from .config import load_config
 from .reload import ConfigDiff, ConfigSnapshot, ConfigWatcher, WatchUnavailable, diff_configs
-from .errors import EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK, ConfigError, GiveUp, SpawnError
+from .errors import EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK, ConfigError, ConfigProblem, GiveUp, SpawnError
 from .events import EngineDied, Event, Failure, StartupCompleted, StatsLogged, SpecDecodingLogged
 from .journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal
 from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
@@ -950,7 +950,10 @@ def top_memory_users(count: int = 3) -> str:
 
 def run_daemon(config_path: Path) -> int:
     """Load the config and supervise; the body of `gb10d run`."""
-    snapshot = ConfigSnapshot.take(load_config(config_path))
+    config = load_config(config_path)
+    if config.cluster is not None:
+        raise ConfigError([ConfigProblem(str(config_path), "cluster", CLUSTER_NOT_SUPERVISED)])
+    snapshot = ConfigSnapshot.take(config)
     journal = Journal(sys.stdout, socket_path=DEFAULT_SOCKET_PATH if connected_to_journal(sys.stdout) else None)
     notifier = Notifier(on_error=lambda message: journal.event("watchdog", message, PRIORITY_ERR))
     metrics = Metrics()
