@@ -229,18 +229,7 @@ class Sim:
 
     def group_pids(self) -> list[int]:
         """Live (non-zombie) processes in the sim's process group."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[2]) == self.process.pid and fields[0] != "Z":
-                pids.append(int(entry.name))
-        return sorted(pids)
+        return live_pids(lambda entry, fields: int(fields[2]) == self.process.pid)
 
     def engine_pid(self, timeout: float = DEADLINE_S) -> int:
         """The EngineCore child's pid, from its tag in the output."""
@@ -248,6 +237,25 @@ class Sim:
         match = re.search(rb"\(EngineCore pid=(\d+)\)", bytes(self.stdout))
         assert match
         return int(match.group(1))
+
+
+def live_pids(selects: Callable[[Path, list[str]], bool]) -> list[int]:
+    """Sorted pids of live (non-zombie) processes that `selects(/proc/PID, stat fields after the name)` picks.
+
+    A process that vanishes while being looked at (OSError) is not picked.
+    """
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] != "Z" and selects(entry, fields):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return sorted(pids)
 
 
 def start_sim(args: list[str], env: dict[str, str] | None = None, port: int | None = None, speed: str = "0.01") -> Sim:

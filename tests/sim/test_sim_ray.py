@@ -27,7 +27,7 @@ from typing import Iterator
 import pytest
 
 from gb10d.sim import make_venv, texts
-from sim_support import Sim, free_port, http, physical_lines
+from sim_support import Sim, free_port, http, live_pids, physical_lines
 
 ray = pytest.importorskip("ray")
 from ray._raylet import GcsClient  # noqa: E402 - only once Ray is known to be there
@@ -57,19 +57,13 @@ class RayHead:
 
     def worker_pids(self) -> list[int]:
         """Live RayWorkerWrapper processes of this cluster (their environment names its RAY_TMPDIR)."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                named = "RayWorkerW" in (entry / "comm").read_text() or b"RayWorkerWrapper" in (entry / "cmdline").read_bytes()
-                ours = f"RAY_TMPDIR={self.tmpdir}".encode() in (entry / "environ").read_bytes().split(b"\0")
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if named and ours and state != "Z":
-                pids.append(int(entry.name))
-        return pids
+        ours = f"RAY_TMPDIR={self.tmpdir}".encode()
+
+        def worker_of_this_cluster(entry: Path, _fields: list[str]) -> bool:
+            named = "RayWorkerW" in (entry / "comm").read_text() or b"RayWorkerWrapper" in (entry / "cmdline").read_bytes()
+            return named and ours in (entry / "environ").read_bytes().split(b"\0")
+
+        return live_pids(worker_of_this_cluster)
 
 
 def _wait_alive(head: RayHead) -> None:
