@@ -1,13 +1,17 @@
-"""The Ray side of a pair of GB10s: the `ray start` command and the variables both machines need.
+"""The Ray side of a pair of GB10s: the `ray start` command, the variables both machines need, and what the cluster's node table means.
 
 Pure: it takes the `[cluster]` table and the interface chosen for the link
-(gb10d.interfaces) and returns argv and environment. vLLM's workers inherit
+(gb10d.interfaces) and returns argv and environment; it reads the node
+table the watcher (gb10d/raywatch.py) reports and answers "is the cluster
+whole?", "has this machine joined?" and "who left, and why?". vLLM's workers inherit
 their environment from the Ray node they run on, so the same interface
 variables go to `ray start` on both machines and to `vllm serve` on the head.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ClusterSection, VllmSection
@@ -53,3 +57,123 @@ def vllm_flags(cluster: ClusterSection) -> list[str]:
     if cluster.role != "head":
         return []
     return ["--tensor-parallel-size", str(cluster.nodes), "--distributed-executor-backend", "ray"]
+
+
+# --- what the cluster looks like (from gb10d/raywatch.py's lines) ---------------
+
+
+@dataclass(frozen=True)
+class Node:
+    """One entry of the head's node table (Ray's GCS), as the watcher reported it."""
+
+    node_id: str
+    ip: str
+    alive: bool
+    head: bool
+    gpus: float
+    death: str = ""  # Ray's own words for why a dead node died
+
+    def named(self) -> str:
+        return f"the {'head' if self.head else 'worker'} {self.ip}"
+
+
+@dataclass(frozen=True)
+class View:
+    """The node table at one moment, or why it could not be read (`error`)."""
+
+    nodes: tuple[Node, ...] = ()
+    error: str | None = None
+
+    def serving_nodes(self) -> list[Node]:
+        """Alive machines with a GPU: those vLLM can place a rank on."""
+        return [node for node in self.nodes if node.alive and node.gpus >= 1]
+
+
+def parse_view(line: str) -> View:
+    """One watcher line; ValueError for anything else (the shell logs and ignores it)."""
+    try:
+        data = json.loads(line)
+        if "error" in data:
+            return View(error=str(data["error"]))
+        return View(tuple(
+            Node(str(n["id"]), str(n["ip"]), bool(n["alive"]), bool(n["head"]), float(n["gpus"]), str(n.get("death") or ""))
+            for n in data["nodes"]
+        ))
+    except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a node table: {line[:200]!r} ({exc})") from None
+
+
+def is_whole(view: View | None, cluster: ClusterSection) -> bool:
+    """Whether the head can start vLLM: `nodes` machines with a GPU are alive."""
+    return view is not None and len(view.serving_nodes()) >= cluster.nodes
+
+
+def has_joined(view: View | None, node_ip: str) -> bool:
+    """Whether the head's table lists this machine alive with its GPU (the worker's readiness)."""
+    return view is not None and any(node.ip == node_ip for node in view.serving_nodes())
+
+
+def departed(before: View | None, after: View) -> list[Node]:
+    """Machines that served in `before` and do not in `after`, with Ray's reason where it gave one."""
+    if before is None:
+        return []
+    now_serving = {node.node_id for node in after.serving_nodes()}
+    latest = {node.node_id: node for node in after.nodes}
+    return [latest.get(node.node_id, node) for node in before.serving_nodes() if node.node_id not in now_serving]
+
+
+def lost_text(before: View | None, after: View, cluster: ClusterSection) -> str:
+    """Why the cluster is no longer whole, for the journal: which machine left and Ray's reason, or the GCS error."""
+    if after.error:
+        return after.error
+    gone = departed(before, after)
+    if gone:
+        return "; ".join(node.named() + " left the Ray cluster" + (f" ({node.death})" if node.death else "") for node in gone)
+    return f"only {len(after.serving_nodes())} of {cluster.nodes} machines with a GPU are in the Ray cluster"
+
+
+def view_text(view: View | None, cluster: ClusterSection) -> str:
+    """`2 of 2 machines up: 10.0.0.1 (head), 10.0.0.2`, for STATUS= and the journal."""
+    if view is None:
+        return "the Ray cluster's node table is not read yet"
+    if view.error:
+        return view.error
+    up = view.serving_nodes()
+    listed = ", ".join(f"{node.ip} (head)" if node.head else node.ip for node in up) or "none"
+    return f"{len(up)} of {cluster.nodes} machines with a GPU up: {listed}"
+
+
+def waiting_text(view: View | None, cluster: ClusterSection) -> str:
+    """What this machine waits for, in words an operator acts on."""
+    if cluster.role == "head":
+        return f"waiting for the Ray cluster: {view_text(view, cluster)}; start gb10d on the other machine(s)"
+    return f"waiting to join the Ray cluster at {cluster.head_address}:{cluster.port}: {view_text(view, cluster)}"
+
+
+def view_state(view: View | None, cluster: ClusterSection, node_ip: str, interface: str) -> dict[str, object]:
+    """The `cluster` object of the state file, read by `gb10d status` on either machine."""
+    return {
+        "role": cluster.role,
+        "head_address": f"{cluster.head_address}:{cluster.port}",
+        "node_ip": node_ip,
+        "interface": interface,
+        "nodes_wanted": cluster.nodes,
+        "error": view.error if view else None,
+        "nodes": [
+            {"ip": node.ip, "head": node.head, "gpus": node.gpus} for node in (view.serving_nodes() if view else [])
+        ],
+    }
+
+
+def watcher_argv(python: Path, cluster: ClusterSection) -> list[str]:
+    """The node-table watcher, run by Ray's own Python (`-I`: nothing from gb10d's environment leaks in)."""
+    return [str(python), "-I", str(Path(__file__).with_name("raywatch.py")), f"{cluster.head_address}:{cluster.port}"]
+
+
+def interpreter(ray_script: str, ray: Path) -> Path:
+    """The Python that runs the `ray` program: its `#!` line, else the `python3` beside it."""
+    words = ray_script.split("\n", 1)[0][2:].split() if ray_script.startswith("#!") else []
+    # `#!/usr/bin/env python3` and pip's `#!/bin/sh` trampoline for long paths name no usable path.
+    if words and words[0].startswith("/") and "python" in Path(words[0]).name:
+        return Path(words[0])
+    return ray.with_name("python3")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .cluster import ray_program
 from .config import LoadedConfig, VllmSection, normalize_flag
 from .errors import ConfigError, ConfigProblem
 
@@ -152,30 +153,18 @@ def build_env(vllm: VllmSection, base: Mapping[str, str] | None = None) -> dict[
     return env
 
 
-# `[cluster]` is validated and `print-command` shows both machines' commands, but `run` does not drive Ray yet.
-CLUSTER_NOT_SUPERVISED = (
-    "gb10d does not supervise a Ray pair yet: remove [cluster] to serve from this machine alone, "
-    "or start Ray and vLLM by hand with the commands `gb10d print-command` shows"
-)
-
-
 def runnable_problems(loaded: LoadedConfig) -> list[ConfigProblem]:
-    """What can be checked without starting vLLM: the program exists and runs, env_file parses.
+    """What can be checked without starting vLLM: the programs exist and run, env_file parses.
 
     `check-config` (the unit's ExecStartPre) reports these so a missing venv
     fails the start at once instead of after a restart loop.
     """
     vllm = loaded.config.vllm
     key = "vllm.executable" if vllm.executable is not None else "vllm.venv"
-    program = vllm.program
-    problems: list[ConfigProblem] = []
-    if loaded.config.cluster is not None:
-        problems.append(loaded.problem("cluster", CLUSTER_NOT_SUPERVISED))
-    if not program.is_file():
-        hint = "is vLLM installed in that venv?" if vllm.venv is not None else "is that the path of the vllm program?"
-        problems.append(loaded.problem(key, f"{program} does not exist; {hint}"))
-    elif not os.access(program, os.X_OK):
-        problems.append(loaded.problem(key, f"{program} is not executable; chmod +x it or fix the path"))
+    problems = _program_problems(loaded, key, vllm.program, "vLLM")
+    cluster = loaded.config.cluster
+    if cluster is not None:
+        problems += _program_problems(loaded, "cluster.ray" if cluster.ray else key, ray_program(cluster, vllm), "Ray")
     if vllm.env_file is not None:
         try:
             read_env_file(vllm.env_file)
@@ -183,6 +172,15 @@ def runnable_problems(loaded: LoadedConfig) -> list[ConfigProblem]:
             # An unreadable file is blamed on the line that names it; a bad line in it, on that line.
             problems += [p if p.line is not None else loaded.problem("vllm.env_file", f"{p.path}: {p.message}") for p in exc.problems]
     return problems
+
+
+def _program_problems(loaded: LoadedConfig, key: str, program: Path, name: str) -> list[ConfigProblem]:
+    if not program.is_file():
+        hint = f"is {name} installed in that venv?" if key == "vllm.venv" else f"is that the path of the {program.name} program?"
+        return [loaded.problem(key, f"{program} does not exist; {hint}")]
+    if not os.access(program, os.X_OK):
+        return [loaded.problem(key, f"{program} is not executable; chmod +x it or fix the path")]
+    return []
 
 
 def redact_argv(argv: list[str]) -> list[str]:

@@ -115,7 +115,12 @@ class StartupCompleted(Event):
 
 @dataclass(frozen=True)
 class Failure(Event):
-    """Base of the events that explain why a start or a running server failed."""
+    """Base of the events that explain why a start or a running server failed.
+
+    `node` is the Ray node address of a remote worker that printed it (a pair of machines), else None.
+    """
+
+    node: str | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,9 @@ class Metrics:
         self._mem_available = gauge("gb10d_mem_available_bytes", "MemAvailable of the unified memory.")
         self._mem_free = gauge("gb10d_mem_free_bytes", "MemFree: what CUDA reports as free on GB10.")
         self._page_cache = gauge("gb10d_page_cache_bytes", "Page cache (Cached), which CUDA counts as used on GB10.")
+        self._cluster_nodes = gauge(
+            "gb10d_cluster_nodes_up", "Machines with a GPU alive in the Ray cluster of a pair of GB10s (0 on a single machine)."
+        )
 
         engine = ("engine",)
         self._prompt = gauge(
@@ -173,6 +176,9 @@ class Metrics:
         self._mem_available.set(available)
         self._mem_free.set(free)
         self._page_cache.set(cached)
+
+    def set_cluster_nodes(self, count: int) -> None:
+        self._cluster_nodes.set(count)
 
     def observe(self, event: Event) -> None:
         """Take the figures of a periodic vLLM stats line; other events are ignored."""

@@ -50,6 +50,7 @@ class Cause(enum.Enum):
     START_TIMEOUT = "start_timeout"
     CRASH = "crash"
     RELOAD = "reload"  # not a failure: the operator changed what vLLM runs with
+    NODE_LOST = "node_lost"  # not vLLM's failure: a machine of the Ray cluster left
 
 
 # Causes that no retry can fix: the operator must change the config or the machine.
@@ -220,13 +221,14 @@ def next_attempt(outcome: Outcome, used: Tunables, history: History, config: Con
 def describe(outcome: Outcome) -> str:
     """A few words for the cause, used in give-up messages and STATUS=."""
     failure = outcome.failure
+    where = f" on the machine {failure.node}" if failure is not None and failure.node else ""
     if isinstance(failure, FreeMemoryShort):
         return (
-            f"free memory {failure.free_gib:g} of {failure.total_gib:g} GiB is below gpu_memory_utilization "
+            f"free memory{where} {failure.free_gib:g} of {failure.total_gib:g} GiB is below gpu_memory_utilization "
             f"{failure.requested_utilization:g} ({failure.requested_gib:g} GiB)"
         )
     if isinstance(failure, CudaOutOfMemory) and failure.tried_gib is not None:
-        return f"CUDA out of memory allocating {failure.tried_gib:g} GiB"
+        return f"CUDA out of memory{where} allocating {failure.tried_gib:g} GiB"
     if outcome.detail:
         return f"{outcome.cause.value}: {outcome.detail}"
     return outcome.cause.value.replace("_", " ")

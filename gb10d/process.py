@@ -1,4 +1,4 @@
-"""The vLLM process group: spawn it, read its pipes, signal it, and make sure it is gone.
+"""A supervised process group (vLLM; Ray on a pair): spawn it, read its pipes, signal it, and make sure it is gone.
 
 vLLM's EngineCore has no parent-death detection: if the API server dies,
 the engine keeps running and keeps its memory. So gb10d starts vLLM in a
@@ -169,8 +169,8 @@ def _is_zombie(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2 :].startswith(b"Z")
 
 
-class VllmProcess:
-    """One running `vllm serve`, leader of its own process group.
+class ProcessGroup:
+    """One running program (`vllm serve`, `ray start --block`), leader of its own process group.
 
     Exit and pipe EOF are watched separately on purpose: an orphaned
     EngineCore keeps vLLM's pipes open after the API server died, and the
@@ -196,8 +196,18 @@ class VllmProcess:
         return self.popen.pid
 
     @classmethod
-    async def spawn(cls, argv: Sequence[str], env: Mapping[str, str], cwd: Path | None = None) -> VllmProcess:
-        """Start vLLM in a new session with both pipes captured and stdin closed."""
+    async def spawn(
+        cls,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: Path | None = None,
+        name: str = "vLLM",
+        key: str = "vllm.executable or vllm.venv",
+    ) -> ProcessGroup:
+        """Start the program in a new session with both pipes captured and stdin closed.
+
+        `name` and `key` make a SpawnError say what could not start and which setting names it.
+        """
         try:
             popen = subprocess.Popen(
                 list(argv),
@@ -209,11 +219,11 @@ class VllmProcess:
                 start_new_session=True,
             )
         except FileNotFoundError:
-            raise SpawnError(f"cannot start vLLM: {argv[0]} does not exist; check vllm.executable or vllm.venv") from None
+            raise SpawnError(f"cannot start {name}: {argv[0]} does not exist; check {key}") from None
         except PermissionError:
-            raise SpawnError(f"cannot start vLLM: {argv[0]} is not executable; check vllm.executable or vllm.venv") from None
+            raise SpawnError(f"cannot start {name}: {argv[0]} is not executable; check {key}") from None
         except OSError as exc:
-            raise SpawnError(f"cannot start vLLM ({argv[0]}): {exc.strerror or exc}") from None
+            raise SpawnError(f"cannot start {name} ({argv[0]}): {exc.strerror or exc}") from None
         return cls(popen, argv, asyncio.get_running_loop())
 
     def _on_exit(self) -> None:

@@ -20,16 +20,32 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Union
 
 from . import learned, liveness, policy
-from .command import CLUSTER_NOT_SUPERVISED, Tunables, build_argv, build_env, shell_line
+from .cluster import (
+    View,
+    cluster_env,
+    has_joined,
+    interpreter,
+    is_whole,
+    lost_text,
+    ray_argv,
+    ray_program,
+    view_state,
+    view_text,
+    vllm_flags,
+    waiting_text,
+    watcher_argv,
+)
+from .command import Tunables, build_argv, build_env, shell_line
 from .config import load_config
+from .interfaces import Choice, InterfaceError, find
 from .reload import ConfigDiff, ConfigSnapshot, ConfigWatcher, WatchUnavailable, diff_configs
-from .errors import EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK, ConfigError, ConfigProblem, GiveUp, SpawnError
+from .errors import EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK, ConfigError, GiveUp, SpawnError
 from .events import EngineDied, Event, Failure, StartupCompleted, StatsLogged, SpecDecodingLogged
 from .journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal
 from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
@@ -47,7 +63,8 @@ from .notify import Notifier
 from .phases import Phase, StartupState, advance, enter, note_io, start, status_text
 from .policy import Cause, History, Outcome, Retry
 from .probe import Prober, base_url
-from .process import VllmProcess, become_subreaper, describe_exit, group_alive, group_io_bytes, group_members
+from .process import ProcessGroup, become_subreaper, describe_exit, group_alive, group_io_bytes, group_members
+from .raynode import RayNode
 from .statefile import write_state
 
 PRIORITY_ERR, PRIORITY_WARNING, PRIORITY_INFO, PRIORITY_DEBUG = 3, 4, 6, 7
@@ -63,6 +80,10 @@ IO_SAMPLE_S = 2.0
 LISTEN_GRACE_S = 30.0
 # How long the pipes may stay open after the API server exited before gb10d acts on the exit anyway.
 PIPE_DRAIN_S = 2.0
+# While a machine of a pair waits for the other, it asks systemd for this much more start time, a third of it at a time.
+CLUSTER_EXTEND_S = 90.0
+# How long a machine of a pair waits for its link interface to come up at boot before refusing the config.
+LINK_WAIT_S = 120.0
 
 
 # --- what the loop is told ---------------------------------------------------
@@ -122,7 +143,14 @@ class Probed:
     label: str = ""  # the liveness verdict's metrics label (hung, probe_timeout, health)
 
 
-Item = Union[Stop, Reload, Edited, Parsed, Exited, Probed]
+@dataclass(frozen=True)
+class ClusterSeen:
+    """The Ray cluster's node table changed, or cannot be read (raynode.RayNode)."""
+
+    view: View
+
+
+Item = Union[Stop, Reload, Edited, Parsed, Exited, Probed, ClusterSeen]
 
 
 @dataclass
@@ -132,7 +160,7 @@ class Attempt:
     number: int
     serial: int
     tunables: Tunables
-    process: VllmProcess
+    process: ProcessGroup
     startup: StartupState
     spawned_at: float
     baseline: MemInfo | None
@@ -179,7 +207,8 @@ class _Stream:
             if self._collapser.forward(text):
                 self._journal.vllm_line(text, record.priority)
             for event in self._scanner.feed_message(record.message):
-                self._post(event)
+                # A remote Ray worker's failure says which machine it happened on.
+                self._post(replace(event, node=record.node) if record.node and isinstance(event, Failure) else event)
         self._journal.flush()
 
 
@@ -210,6 +239,12 @@ class Supervisor:
         self._written_phase: Phase | None = None
         self._written_at = 0.0
         self._deferred_write: asyncio.TimerHandle | None = None
+        # A pair of machines ([cluster]): the link interface, this machine's Ray, the latest node table.
+        self.link: Choice | None = None
+        self.ray: RayNode | None = None
+        self.view: View | None = None
+        self.previous_view: View | None = None
+        self.joined = False
 
     @property
     def max_attempts(self) -> int:
@@ -226,6 +261,11 @@ class Supervisor:
         self._serve_metrics()
         watcher = self._watch_config(loop)
         try:
+            if self.config.cluster is not None:
+                if await self._start_ray():
+                    return await self._stopped()
+                if self.config.cluster.role == "worker":
+                    return await self._serve_worker()
             return await self._supervise()
         except GiveUp as exc:
             self.state = "failed"
@@ -237,6 +277,8 @@ class Supervisor:
             if watcher is not None:
                 watcher.stop()
             await self._discard_attempt()
+            if self.ray is not None:
+                await self.ray.close()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
             self.metrics.close()
@@ -247,6 +289,8 @@ class Supervisor:
         history = History()
         reason = "initial"
         while True:
+            if self.config.cluster is not None and await self._wait_whole():
+                return await self._stopped()
             if self._fresh_start:
                 self._fresh_start, tunables, history = False, self._starting_tunables(), History()
             tunables = await self._preflight(tunables)
@@ -257,6 +301,16 @@ class Supervisor:
             if outcome.cause is Cause.RELOAD:
                 await self._discard_attempt()
                 tunables, history, reason = self._starting_tunables(), History(), "reload"
+                continue
+            if outcome.cause is Cause.NODE_LOST:
+                # Not vLLM's failure: the same settings start again, uncounted, once the cluster is whole.
+                baseline = self.attempt.baseline if self.attempt else None
+                await self._discard_attempt()
+                history, reason = History(history.attempts - 1, history.backoffs), outcome.cause.value
+                self.last_failure = {"cause": reason, "message": outcome.detail, "action": "starting vLLM again once the cluster is whole", "at": time.time()}
+                self.metrics.restart(reason)
+                if await self._memory_gate(baseline):
+                    return await self._stopped()
                 continue
             if outcome.was_ready and outcome.cause is not Cause.ENGINE_HUNG:
                 # It served: a new run of failures begins. A hang keeps counting, so a model that keeps
@@ -297,29 +351,40 @@ class Supervisor:
                 if deadline is not None and loop.time() >= deadline:
                     return None
 
-    async def _wait_stop(self, seconds: float) -> bool:
-        """Wait `seconds` unless a stop signal comes first (True). Other facts are stale here."""
+    async def _wait_stop(self, seconds: float, until: Callable[[], bool] | None = None) -> bool:
+        """Wait `seconds`, or until `until()` holds after a change, unless a stop signal comes first (True).
+
+        Facts about an attempt are stale here; config changes and node tables are taken in.
+        """
         deadline = asyncio.get_running_loop().time() + seconds
-        while (item := await self._next_item(deadline)) is not None:
+        while (until is None or not until()) and (item := await self._next_item(deadline)) is not None:
             if isinstance(item, Stop):
-                self.journal.event("stopping", f"received {item.signame} while waiting to restart; stopping", PRIORITY_INFO)
+                self.journal.event("stopping", f"received {item.signame} while {self._waiting_for()}; stopping", PRIORITY_INFO)
                 return True
             if isinstance(item, (Reload, Edited)):
                 diff = self._take_config(requested=isinstance(item, Reload))
                 if diff is not None and diff.needs_vllm_restart:
                     self._fresh_start = True
+            if isinstance(item, ClusterSeen):
+                self._seen(item.view)
         return False
+
+    def _waiting_for(self) -> str:
+        return {"waiting": "waiting for the Ray cluster", "joining": "waiting to join the Ray cluster", "serving": "serving"}.get(
+            self.state, "waiting to restart"
+        )
 
     # --- one attempt -----------------------------------------------------
 
     async def _run_attempt(self, tunables: Tunables, number: int, reason: str) -> Outcome | None:
         """Start vLLM once and follow it until it fails (its Outcome) or a stop is requested (None)."""
         v = self.config.vllm
-        argv = build_argv(v, tunables)
-        env = build_env(v)
+        cluster = self.config.cluster
+        argv = build_argv(v, tunables, vllm_flags(cluster) if cluster else ())
+        env = {**build_env(v), **self._cluster_env()}
         baseline = self._meminfo()
         try:
-            process = await VllmProcess.spawn(argv, env)
+            process = await ProcessGroup.spawn(argv, env)
         except SpawnError as exc:
             raise GiveUp(str(exc), exc.exit_status) from None
         self.journal.event(
@@ -366,7 +431,9 @@ class Supervisor:
                 continue
             if getattr(item, "attempt", attempt.serial) != attempt.serial:
                 continue  # a late fact about an attempt already over
-            if isinstance(item, Parsed):
+            if isinstance(item, ClusterSeen):
+                outcome = self._on_cluster(attempt, item.view)
+            elif isinstance(item, Parsed):
                 outcome = await self._on_event(attempt, item.event)
             elif isinstance(item, Exited):
                 return self._on_exit(attempt, item.status)
@@ -456,8 +523,11 @@ class Supervisor:
         return None
 
     def _on_exit(self, attempt: Attempt, status: int) -> Outcome:
-        """vLLM's API server exited by itself: classify from what it printed."""
+        """vLLM's API server exited by itself: classify from what it printed (or from the cluster it lost)."""
         self.metrics.set_vllm_up(False)
+        cluster = self.config.cluster
+        if cluster is not None and not is_whole(self.view, cluster):
+            return self._node_lost(attempt, f"vLLM {describe_exit(status)}")
         outcome = policy.classify(attempt.failures, status, attempt.ready)
         if not outcome.detail:
             outcome = Outcome(outcome.cause, outcome.failure, status, outcome.was_ready, f"vLLM {describe_exit(status)}")
@@ -517,6 +587,144 @@ class Supervisor:
         if self.config.liveness.enabled:
             attempt.tasks.append(asyncio.create_task(self._watch_liveness(attempt)))
 
+    # --- a pair of machines ([cluster]) ----------------------------------------
+
+    async def _start_ray(self) -> bool:
+        """Find the link, then start this machine's Ray and the node-table watcher; True if a stop came first.
+
+        A link still coming up at boot is waited for (LINK_WAIT_S), with STATUS= saying so; after that
+        the refusal stands and gb10d exits 78.
+        """
+        cluster = self.config.cluster
+        assert cluster is not None
+        deadline = time.monotonic() + LINK_WAIT_S
+        while True:
+            try:
+                self.link = find(cluster.role, cluster.head_address, cluster.interface)
+                break
+            except InterfaceError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                if self.state != "waiting for the link":
+                    self.state = "waiting for the link"
+                    self.journal.event("cluster_waiting", f"waiting up to {LINK_WAIT_S:g} s for the link: {exc}", PRIORITY_WARNING)
+                    self.notifier.status(f"waiting for the link: {exc}"[:200])
+                if await self._wait_stop(2.0):  # no event tells of an address appearing; look again shortly
+                    return True
+        self.state = "waiting" if cluster.role == "head" else "joining"
+        self.journal.event(
+            "cluster_link",
+            f"cluster {cluster.role}: using {self.link.interface.name} ({self.link.address}) because {self.link.reason}",
+            PRIORITY_INFO,
+        )
+        ray = ray_program(cluster, self.config.vllm)
+        try:
+            python = interpreter(ray.read_text(errors="replace")[:512], ray)
+        except OSError as exc:
+            raise GiveUp(f"cannot start Ray: {ray} cannot be read ({exc.strerror or exc}); check cluster.ray or vllm.venv", EXIT_GAVE_UP) from None
+        env = {**build_env(self.config.vllm), **self._cluster_env()}
+        self.ray = RayNode(
+            ray_argv(cluster, self.config.vllm, str(self.link.address)),
+            watcher_argv(python, cluster),
+            env,
+            self.journal,
+            lambda view: self.queue.put_nowait(ClusterSeen(view)),
+            lambda exits: policy.backoff_delay(self.config, exits),
+        )
+        self.ray.start()
+        return False
+
+    def _cluster_env(self) -> dict[str, str]:
+        cluster, link = self.config.cluster, self.link
+        if cluster is None or link is None:
+            return {}
+        return cluster_env(cluster, link.interface.name, str(link.address))
+
+    def _seen(self, view: View) -> None:
+        """Take in a new node table; while waiting, STATUS= and the state file follow it."""
+        self.previous_view, self.view = self.view, view
+        cluster = self.config.cluster
+        assert cluster is not None
+        self.metrics.set_cluster_nodes(len(view.serving_nodes()))
+        if self.state in ("waiting", "joining"):
+            text = waiting_text(view, cluster)
+            self.notifier.status(text[:200])
+            self._write_state(status_text_=text)
+
+    async def _wait_whole(self) -> bool:
+        """On the head, before each start of vLLM: wait until `nodes` machines with a GPU are up; True if stopped meanwhile."""
+        cluster = self.config.cluster
+        assert cluster is not None
+        if is_whole(self.view, cluster):
+            return False
+        self.state = "waiting"
+        text = waiting_text(self.view, cluster)
+        self.journal.event("cluster_waiting", text, PRIORITY_INFO)
+        self.notifier.status(text[:200])
+        self._write_state(status_text_=text)
+        while not is_whole(self.view, cluster):
+            # The wait may be long (the other machine is off): systemd's start timeout must not end it.
+            self.notifier.extend_timeout(CLUSTER_EXTEND_S)
+            if await self._wait_stop(CLUSTER_EXTEND_S / 3, until=lambda: is_whole(self.view, cluster)):
+                return True
+        self.journal.event("cluster_whole", f"the Ray cluster is whole ({view_text(self.view, cluster)}); starting vLLM", PRIORITY_INFO)
+        return False
+
+    def _on_cluster(self, attempt: Attempt, view: View) -> Outcome | None:
+        """A node table during an attempt: a machine gone means vLLM cannot go on."""
+        before = self.view
+        self._seen(view)
+        cluster = self.config.cluster
+        assert cluster is not None
+        if is_whole(view, cluster):
+            return None
+        self.previous_view = before
+        return self._node_lost(attempt, "")
+
+    def _node_lost(self, attempt: Attempt, how: str) -> Outcome:
+        cluster = self.config.cluster
+        assert cluster is not None
+        why = lost_text(self.previous_view, self.view or View(), cluster)
+        self.journal.event(
+            "node_lost",
+            f"{why}; {how + ', ' if how else ''}stopping vLLM (pid {attempt.process.pid}): it cannot serve without all "
+            f"{cluster.nodes} machines; it starts again once the cluster is whole (not counted as a failed attempt)",
+            PRIORITY_ERR,
+            attempt=attempt.number,
+        )
+        self.notifier.status(f"node lost: {why}"[:200])
+        return Outcome(Cause.NODE_LOST, None, None, attempt.ready, why)
+
+    async def _serve_worker(self) -> int:
+        """The worker's whole job: keep Ray joined to the head; READY=1 once the head lists this machine with its GPU."""
+        cluster, link = self.config.cluster, self.link
+        assert cluster is not None and link is not None
+        me = str(link.address)
+        self._seen(self.view or View())
+        while True:
+            if not self.joined:
+                self.notifier.extend_timeout(CLUSTER_EXTEND_S)
+            if await self._wait_stop(CLUSTER_EXTEND_S / 3, until=lambda: has_joined(self.view, me) != self.joined):
+                return await self._stopped()
+            if has_joined(self.view, me) == self.joined:
+                continue
+            self.joined = not self.joined
+            if self.joined:
+                self.state, self.ready_at = "serving", time.time()
+                text = f"joined the Ray cluster at {cluster.head_address}:{cluster.port} as {me} with its GPU ({view_text(self.view, cluster)})"
+                self.journal.event("cluster_joined", text, PRIORITY_INFO)
+                self.notifier.ready(text[:200])
+                self._write_state(status_text_=text)
+            else:
+                self.state, self.ready_at = "joining", None
+                self.journal.event(
+                    "cluster_left",
+                    f"this machine ({me}) is no longer in the Ray cluster: {lost_text(self.previous_view, self.view or View(), cluster)}; "
+                    "Ray here is restarted until it joins again",
+                    PRIORITY_WARNING,
+                )
+                self._seen(self.view or View())
+
     # --- configuration: learned settings, reloads, file watching -----------
 
     def _starting_tunables(self) -> Tunables:
@@ -572,6 +780,14 @@ class Supervisor:
             self.journal.event(
                 "reload_invalid",
                 "keeping the running configuration; fix the file, check it with gb10d check-config, then: systemctl reload gb10d",
+                PRIORITY_ERR,
+            )
+            return None
+        if new.config.cluster != self.config.cluster:
+            self.journal.event(
+                "reload_invalid",
+                "config not applied: [cluster] changed, and this machine's part in a Ray cluster changes only at a start; "
+                "keeping the running configuration; apply it with: systemctl restart gb10d",
                 PRIORITY_ERR,
             )
             return None
@@ -768,7 +984,7 @@ class Supervisor:
         attempt = self.attempt
         self.state = "stopping"
         grace = self.config.daemon.stop_timeout_s
-        self.notifier.stopping("stopping vLLM")
+        self.notifier.stopping("stopping Ray" if attempt is None and self.ray is not None else "stopping vLLM")
         self._write_state(status_text_="stopping")
         if attempt is not None:
             self.journal.event("stopping", f"stopping vLLM (pid {attempt.process.pid}): SIGTERM to its process group, SIGKILL after {grace:g} s", PRIORITY_INFO)
@@ -782,8 +998,12 @@ class Supervisor:
                 if not second.done():
                     second.cancel()
             await stop
+        if self.ray is not None:
+            self.journal.event("stopping", "stopping Ray on this machine", PRIORITY_INFO)
+            await self.ray.close()
         self.state = "stopped"
-        self.journal.event("stopped", "vLLM stopped; no process of its group is left", PRIORITY_INFO)
+        what = "Ray stopped" if self.config.cluster is not None and self.config.cluster.role == "worker" else "vLLM stopped"
+        self.journal.event("stopped", f"{what}; no process of its group is left", PRIORITY_INFO)
         self._write_state(status_text_="stopped")
         return EXIT_OK
 
@@ -921,6 +1141,11 @@ class Supervisor:
             "status_text": status_text_,
             "metrics_url": f"http://{self.config.metrics.listen}/metrics" if self.config.metrics.listen else None,
         }
+        cluster, link = self.config.cluster, self.link
+        if cluster is not None:
+            state["cluster"] = view_state(self.view, cluster, str(link.address) if link else "", link.interface.name if link else "")
+            if cluster.role == "worker":
+                state["ready_at"] = self.ready_at
         try:
             write_state(self.config.daemon.state_file, state)
         except OSError as exc:
@@ -951,8 +1176,6 @@ def top_memory_users(count: int = 3) -> str:
 def run_daemon(config_path: Path) -> int:
     """Load the config and supervise; the body of `gb10d run`."""
     config = load_config(config_path)
-    if config.cluster is not None:
-        raise ConfigError([ConfigProblem(str(config_path), "cluster", CLUSTER_NOT_SUPERVISED)])
     snapshot = ConfigSnapshot.take(config)
     journal = Journal(sys.stdout, socket_path=DEFAULT_SOCKET_PATH if connected_to_journal(sys.stdout) else None)
     notifier = Notifier(on_error=lambda message: journal.event("watchdog", message, PRIORITY_ERR))
