@@ -13,12 +13,36 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from .config import ClusterSection, VllmSection
 
 # Where NCCL, Gloo, PyTorch's TensorPipe, UCX and Open MPI send traffic between the machines:
 # all of them must use the ConnectX-7 link, or tensor-parallel traffic crawls over the management port.
 INTERFACE_VARIABLES = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "UCX_NET_DEVICES", "OMPI_MCA_btl_tcp_if_include")
+
+
+# Ray's defaults for the GCS's health checks of its nodes (src/ray/common/ray_config_def.h), overridable
+# through these variables in Ray's environment.
+HEALTH_CHECK_DEFAULTS = {"RAY_health_check_period_ms": 3000, "RAY_health_check_timeout_ms": 10000, "RAY_health_check_failure_threshold": 5}
+
+
+def death_notice_s(env: Mapping[str, str]) -> float:
+    """How long to wait for the head's Ray to declare a machine dead, under the health checks `env` sets.
+
+    The GCS marks a node dead after `failure_threshold` checks in a row fail,
+    `period_ms` apart, the last one timing out: 25 s with Ray's defaults. Twice
+    that, plus the watcher's poll and a margin, covers a check cycle that had
+    just begun.
+    """
+    knob = {}
+    for name, default in HEALTH_CHECK_DEFAULTS.items():
+        try:
+            knob[name] = max(0, int(env.get(name, default)))
+        except ValueError:
+            knob[name] = default
+    one_detection_ms = knob["RAY_health_check_period_ms"] * knob["RAY_health_check_failure_threshold"] + knob["RAY_health_check_timeout_ms"]
+    return 2 * one_detection_ms / 1000 + 5.0
 
 
 def ray_program(cluster: ClusterSection, vllm: VllmSection) -> Path:
@@ -72,6 +96,7 @@ class Node:
     head: bool
     gpus: float
     death: str = ""  # Ray's own words for why a dead node died
+    started: float = 0.0  # when its raylet registered (Unix time, that machine's clock)
 
     def named(self) -> str:
         return f"the {'head' if self.head else 'worker'} {self.ip}"
@@ -96,7 +121,7 @@ def parse_view(line: str) -> View:
         if "error" in data:
             return View(error=str(data["error"]))
         return View(tuple(
-            Node(str(n["id"]), str(n["ip"]), bool(n["alive"]), bool(n["head"]), float(n["gpus"]), str(n.get("death") or ""))
+            Node(str(n["id"]), str(n["ip"]), bool(n["alive"]), bool(n["head"]), float(n["gpus"]), str(n.get("death") or ""), float(n.get("started") or 0))
             for n in data["nodes"]
         ))
     except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
@@ -108,9 +133,14 @@ def is_whole(view: View | None, cluster: ClusterSection) -> bool:
     return view is not None and len(view.serving_nodes()) >= cluster.nodes
 
 
-def has_joined(view: View | None, node_ip: str) -> bool:
-    """Whether the head's table lists this machine alive with its GPU (the worker's readiness)."""
-    return view is not None and any(node.ip == node_ip for node in view.serving_nodes())
+def has_joined(view: View | None, node_ip: str, since: float) -> bool:
+    """Whether the head's table lists this machine's Ray, started at `since` or later, alive with its GPU.
+
+    The worker's readiness. `since` tells this Ray from the one before it:
+    the head lists a Ray that was killed as alive for a few seconds more,
+    until its health checks fail.
+    """
+    return view is not None and any(node.ip == node_ip and node.started >= since for node in view.serving_nodes())
 
 
 def departed(before: View | None, after: View) -> list[Node]:
@@ -122,8 +152,17 @@ def departed(before: View | None, after: View) -> list[Node]:
     return [latest.get(node.node_id, node) for node in before.serving_nodes() if node.node_id not in now_serving]
 
 
+def lost_since(start: View | None, now: View | None, cluster: ClusterSection) -> bool:
+    """Whether a vLLM placed on the machines of `start` cannot serve on `now`.
+
+    It cannot when the cluster is not whole, or when one of those machines
+    left even if another joined since: its rank was on the one that left.
+    """
+    return not is_whole(now, cluster) or (now is not None and bool(departed(start, now)))
+
+
 def lost_text(before: View | None, after: View, cluster: ClusterSection) -> str:
-    """Why the cluster is no longer whole, for the journal: which machine left and Ray's reason, or the GCS error."""
+    """Why vLLM on `before` cannot serve on `after`, for the journal: which machine left and Ray's reason, or the GCS error."""
     if after.error:
         return after.error
     gone = departed(before, after)

@@ -193,6 +193,11 @@ class EngineDied(Failure):
 
 
 @dataclass(frozen=True)
+class RayWorkerLost(EngineDied):
+    """A Ray worker of the engine is gone (`ActorDiedError`, `RayActorError`): the engine is dead, and its machine may have left."""
+
+
+@dataclass(frozen=True)
 class EngineStartFailed(Failure):
     """`Engine core initialization failed` / `EngineCore failed to start.`: a wrapper, see the lines before."""
 

@@ -54,6 +54,15 @@ MESSAGE_IDS: dict[str, str] = {
     "watchdog": "7bd32869937d497aa80a773e54774e5a",
     "metrics_unavailable": "958de32b9fa441da862ec844d80f022a",
     "state_file_unwritable": "6d9cac02417f4be9bbd44881e24b34b5",
+    "cluster_link": "131cce89442d49289781fc992824c039",
+    "cluster_waiting": "2480bc9b57b440b5b28b9b5e8865a2f3",
+    "cluster_whole": "3a6f68dfdd334fb59168521dc4c64630",
+    "cluster_joined": "4d442eaab3ad44979c71ad5957805c90",
+    "cluster_left": "5bb058d373934df0b339fd663b505fa0",
+    "node_lost": "c1029d80980a488cb0221199ac3fc91a",
+    "ray_started": "23c321ba45e648de8156d74505d83cd8",
+    "ray_exited": "fbafdec63f78484fae0de397fa3460ef",
+    "ray_watch": "3c86849a36f141ceac4381f4f25f8fff",
 }
 
 # Syslog priorities, named for callers that would otherwise write bare numbers.

@@ -23,7 +23,7 @@ Four pieces, used in this order:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from functools import lru_cache
 from typing import NamedTuple
@@ -49,6 +49,7 @@ from .events import (
     ModelNotFound,
     NoKvCacheMemory,
     PortInUse,
+    RayWorkerLost,
     ServerStarting,
     ShardsProgressed,
     ShutdownStarted,
@@ -628,7 +629,9 @@ def _failures(msg: str) -> list[Event]:
             out.append(BadArgument(m.group("msg").strip()))
     if "should be provided as the first positional argument" in msg or "Config file must be of a yaml" in msg:
         out.append(BadArgument(msg.split(": ", 1)[-1].strip()))
-    if "EngineDeadError" in msg or "engine core exited unexpectedly" in msg or "died unexpectedly" in msg:
+    if "ActorDiedError" in msg or "RayActorError" in msg or "ActorUnavailableError" in msg:
+        out.append(RayWorkerLost(msg.strip()))
+    elif "EngineDeadError" in msg or "engine core exited unexpectedly" in msg or "died unexpectedly" in msg:
         out.append(EngineDied(msg.strip()))
     if ("Engine core initialization failed" in msg or "EngineCore failed to start" in msg
             or "WorkerProc failed to start" in msg or "WorkerProc initialization failed" in msg
@@ -831,6 +834,11 @@ _WRAPPED_LEAD = re.compile(
 _MAX_JOIN = 5  # a 300-character record wrapped at 80 columns is 4 lines; more is not one message
 
 
+# The driver's re-raise of a Ray worker's exception names the worker's machine; the exception's own line follows
+# the worker's frames: `ray.exceptions.RayTaskError(ValueError): ray::RayWorkerWrapper.execute_method() (pid=N, ip=A, ...)`.
+_RAY_TASK_ERROR = re.compile(r"RayTaskError\([\w.]*\): .*?\(pid=\d+, ip=(?P<ip>[0-9A-Fa-f.:]+)")
+
+
 class EventScanner:
     """`parse_line` over a stream, joining a failure message that was split across lines.
 
@@ -842,6 +850,10 @@ class EventScanner:
     following lines (directly, and with a space), up to `_MAX_JOIN` lines. So
     a failure may be reported a few lines late, never twice; call `flush()`
     when the stream ends. Other events are never delayed.
+
+    A Ray worker's exception re-raised in the driver starts with a
+    `RayTaskError(...)` line naming the worker's machine; the failure its
+    last line reports carries that machine as `node`.
     """
 
     def __init__(self, prefix: str = "", wrapped: bool = False) -> None:
@@ -852,6 +864,7 @@ class EventScanner:
         self._wrapped = wrapped
         self._held: list[str] = []
         self._held_events: list[Event] = []
+        self._task_node: str | None = None
 
     def feed(self, text: str) -> list[Event]:
         """The events this line completes."""
@@ -859,6 +872,16 @@ class EventScanner:
 
     def feed_message(self, msg: str) -> list[Event]:
         """`feed` for a line already classified: `Record.message` is the same text `message_of` gives."""
+        if "RayTaskError(" in msg and (m := _RAY_TASK_ERROR.search(msg)) is not None:
+            self._task_node = m.group("ip")
+            return []
+        events = self._scan(msg)
+        if self._task_node is not None and any(isinstance(e, Failure) for e in events):
+            node, self._task_node = self._task_node, None
+            return [replace(e, node=node) if isinstance(e, Failure) and e.node is None else e for e in events]
+        return events
+
+    def _scan(self, msg: str) -> list[Event]:
         events = parse_message(msg)
         failures: list[Event] = [e for e in events if isinstance(e, Failure)]
         others = [e for e in events if not isinstance(e, Failure)]

@@ -28,6 +28,7 @@ from .events import (
     ModelNotFound,
     NoKvCacheMemory,
     PortInUse,
+    RayWorkerLost,
 )
 from .memory import fitting_utilization, floor2
 
@@ -50,6 +51,7 @@ class Cause(enum.Enum):
     START_TIMEOUT = "start_timeout"
     CRASH = "crash"
     RELOAD = "reload"  # not a failure: the operator changed what vLLM runs with
+    WORKER_LOST = "ray_worker_lost"  # one of vLLM's Ray workers died; on a pair, its machine may have left
     NODE_LOST = "node_lost"  # not vLLM's failure: a machine of the Ray cluster left
 
 
@@ -68,6 +70,7 @@ _PRECEDENCE: tuple[tuple[type[Failure], Cause], ...] = (
     (ModelGated, Cause.MODEL_GATED),
     (ModelNotFound, Cause.MODEL_NOT_FOUND),
     (BadArgument, Cause.BAD_ARGUMENT),
+    (RayWorkerLost, Cause.WORKER_LOST),
     (EngineDied, Cause.ENGINE_DEAD),
 )
 
@@ -224,7 +227,7 @@ def describe(outcome: Outcome) -> str:
     where = f" on the machine {failure.node}" if failure is not None and failure.node else ""
     if isinstance(failure, FreeMemoryShort):
         return (
-            f"free memory{where} {failure.free_gib:g} of {failure.total_gib:g} GiB is below gpu_memory_utilization "
+            f"free memory {failure.free_gib:g} of {failure.total_gib:g} GiB{where} is below gpu_memory_utilization "
             f"{failure.requested_utilization:g} ({failure.requested_gib:g} GiB)"
         )
     if isinstance(failure, CudaOutOfMemory) and failure.tried_gib is not None:

@@ -54,6 +54,8 @@ class RayNode:
         self._backoff = backoff
         self._tasks: list[asyncio.Task[None]] = []
         self.process: ProcessGroup | None = None
+        # When the latest `ray start` was spawned (Unix time): its node registers after that.
+        self.started_at = 0.0
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._keep_ray()), asyncio.create_task(self._keep_watcher())]
@@ -70,6 +72,7 @@ class RayNode:
         exits = 0
         while True:
             started = time.monotonic()
+            self.started_at = time.time()
             try:
                 process = await ProcessGroup.spawn(self._ray_argv, self._env, name="Ray", key="cluster.ray")
             except SpawnError as exc:
@@ -96,37 +99,43 @@ class RayNode:
             exits = 0 if time.monotonic() - started >= STEADY_S else exits + 1
             delay = self._backoff(exits)
             self._journal.event("ray_exited", f"{status_text}; starting it again in {delay:g} s", PRIORITY_WARNING)
-            self._report(View(error=f"{status_text}; starting it again"))
+            self._report(View(error=status_text))
             await asyncio.sleep(delay)
 
     async def _keep_watcher(self) -> None:
+        python = self._watcher_argv[0]
         while True:
-            watcher = await asyncio.create_subprocess_exec(
-                *self._watcher_argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.DEVNULL,  # Ray's C++ client retries noisily; the lines say what matters
-                env=self._env,
-                start_new_session=True,
-            )
-            assert watcher.stdout is not None
             try:
-                while line := await watcher.stdout.readline():
-                    try:
-                        self._report(parse_view(line.decode("utf-8", "replace")))
-                    except ValueError as exc:
-                        self._journal.event("ray_watch", f"the Ray watcher printed something unexpected: {exc}", PRIORITY_WARNING)
-                status = await watcher.wait()
-            finally:
-                if watcher.returncode is None:
-                    watcher.kill()
-                    await watcher.wait()
-            self._journal.event(
-                "ray_watch",
-                f"the Ray cluster watcher ({self._watcher_argv[0]}) {describe_exit(status)}; starting it again in {WATCHER_RESTART_S:g} s",
-                PRIORITY_WARNING,
-            )
+                ended = describe_exit(await self._watch())
+            except OSError as exc:
+                ended = f"cannot be started ({exc.strerror or exc}); cluster.ray must be the ray program of vLLM's venv, with its python3 beside it"
+            text = f"the Ray cluster watcher ({python}) {ended}"
+            self._journal.event("ray_watch", f"{text}; starting it again in {WATCHER_RESTART_S:g} s", PRIORITY_WARNING)
+            self._report(View(error=text))
             await asyncio.sleep(WATCHER_RESTART_S)
+
+    async def _watch(self) -> int:
+        """One run of the watcher: each line it prints is reported; returns its exit status."""
+        watcher = await asyncio.create_subprocess_exec(
+            *self._watcher_argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,  # Ray's C++ client retries noisily; the lines say what matters
+            env=self._env,
+            start_new_session=True,
+        )
+        assert watcher.stdout is not None
+        try:
+            while line := await watcher.stdout.readline():
+                try:
+                    self._report(parse_view(line.decode("utf-8", "replace")))
+                except ValueError as exc:
+                    self._journal.event("ray_watch", f"the Ray watcher printed something unexpected: {exc}", PRIORITY_WARNING)
+            return await watcher.wait()
+        finally:
+            if watcher.returncode is None:
+                watcher.kill()
+                await watcher.wait()
 
 
 class _RayOutput:

@@ -5,7 +5,7 @@ has Ray and vLLM (`python -I raywatch.py HEAD:PORT`), and imports nothing
 from gb10d. It asks the head's GCS for its node table once a second, the
 same table `ray status` reads, and prints
 
-    {"nodes": [{"id": ..., "ip": ..., "alive": true, "head": true, "gpus": 1.0, "death": ""}, ...]}
+    {"nodes": [{"id": ..., "ip": ..., "alive": true, "head": true, "gpus": 1.0, "death": "", "started": 1764748800.0}, ...]}
 
 or, while the GCS cannot be reached, {"error": "..."}; a line only when it
 differs from the previous one, so an idle cluster costs gb10d nothing.
@@ -14,6 +14,7 @@ differs from the previous one, so an idle cluster costs gb10d nothing.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 from typing import Any
@@ -31,6 +32,7 @@ def _node(info: Any) -> dict[str, object]:
         "head": bool(info.is_head_node),
         "gpus": float(info.resources_total.get("GPU", 0.0)),
         "death": death,
+        "started": info.start_time_ms / 1000,
     }
 
 
@@ -49,9 +51,12 @@ def main(address: str) -> int:
         _emit({"error": f"this Python cannot import Ray ({exc}); cluster.ray must be the ray of vLLM's venv"}, "")
         return 2
     last, client = "", None
+    host, _, port = address.rpartition(":")
     while True:
         try:
             if client is None:
+                # Ray's client blocks for tens of seconds, silently, when the GCS is not up yet: knock first.
+                socket.create_connection((host, int(port)), timeout=TIMEOUT_S).close()
                 client = GcsClient(address=address)
             table = client.get_all_node_info(timeout=TIMEOUT_S)
             report: dict[str, object] = {"nodes": sorted((_node(info) for info in table.values()), key=lambda n: str(n["id"]))}

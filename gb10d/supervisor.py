@@ -29,9 +29,11 @@ from . import learned, liveness, policy
 from .cluster import (
     View,
     cluster_env,
+    death_notice_s,
     has_joined,
     interpreter,
     is_whole,
+    lost_since,
     lost_text,
     ray_argv,
     ray_program,
@@ -46,7 +48,7 @@ from .config import load_config
 from .interfaces import Choice, InterfaceError, find
 from .reload import ConfigDiff, ConfigSnapshot, ConfigWatcher, WatchUnavailable, diff_configs
 from .errors import EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK, ConfigError, GiveUp, SpawnError
-from .events import EngineDied, Event, Failure, StartupCompleted, StatsLogged, SpecDecodingLogged
+from .events import EngineDied, Event, Failure, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged
 from .journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal
 from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
 from .memory import (
@@ -173,6 +175,7 @@ class Attempt:
     last_extend: float = 0.0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     prober: Prober | None = None
+    start_view: View | None = None  # on a pair: the machines vLLM was placed on
 
 
 class _Stream:
@@ -245,6 +248,7 @@ class Supervisor:
         self.view: View | None = None
         self.previous_view: View | None = None
         self.joined = False
+        self.death_notice_s = 0.0  # how long Ray may take to declare a machine dead (set with Ray's environment)
 
     @property
     def max_attempts(self) -> int:
@@ -302,6 +306,11 @@ class Supervisor:
                 await self._discard_attempt()
                 tunables, history, reason = self._starting_tunables(), History(), "reload"
                 continue
+            if outcome.cause is Cause.WORKER_LOST and self.config.cluster is not None:
+                confirmed = await self._confirm_node_loss(outcome)
+                if confirmed is None:
+                    return await self._stopped()
+                outcome = confirmed
             if outcome.cause is Cause.NODE_LOST:
                 # Not vLLM's failure: the same settings start again, uncounted, once the cluster is whole.
                 baseline = self.attempt.baseline if self.attempt else None
@@ -405,6 +414,7 @@ class Supervisor:
         now = time.monotonic()
         self._serial += 1
         attempt = Attempt(number, self._serial, tunables, process, enter(start(now), Phase.SPAWNING, now), now, baseline)
+        attempt.start_view = self.view
         # One client per attempt, made now: building it (TLS context included) must not delay READY=1 later.
         attempt.prober = Prober(base_url(v.host, v.port), v.api_key, timeout_s=self.config.liveness.probe_timeout_s)
         self.attempt = attempt
@@ -512,7 +522,8 @@ class Supervisor:
         if isinstance(event, Failure):
             attempt.failures.append(event)
             if attempt.ready and isinstance(event, EngineDied):
-                return Outcome(Cause.ENGINE_DEAD, event, None, True, event.message or "engine core died")
+                cause = Cause.WORKER_LOST if isinstance(event, RayWorkerLost) else Cause.ENGINE_DEAD
+                return Outcome(cause, event, None, True, event.message or "engine core died")
         if attempt.startup.progressed and not attempt.ready:
             self._extend(attempt)
         if attempt.startup.phase is not before.phase or attempt.startup.shards_done != before.shards_done:
@@ -526,8 +537,8 @@ class Supervisor:
         """vLLM's API server exited by itself: classify from what it printed (or from the cluster it lost)."""
         self.metrics.set_vllm_up(False)
         cluster = self.config.cluster
-        if cluster is not None and not is_whole(self.view, cluster):
-            return self._node_lost(attempt, f"vLLM {describe_exit(status)}")
+        if cluster is not None and lost_since(attempt.start_view, self.view, cluster):
+            return self._node_lost(attempt, f"vLLM (pid {attempt.process.pid}) {describe_exit(status)}")
         outcome = policy.classify(attempt.failures, status, attempt.ready)
         if not outcome.detail:
             outcome = Outcome(outcome.cause, outcome.failure, status, outcome.was_ready, f"vLLM {describe_exit(status)}")
@@ -623,6 +634,7 @@ class Supervisor:
         except OSError as exc:
             raise GiveUp(f"cannot start Ray: {ray} cannot be read ({exc.strerror or exc}); check cluster.ray or vllm.venv", EXIT_GAVE_UP) from None
         env = {**build_env(self.config.vllm), **self._cluster_env()}
+        self.death_notice_s = death_notice_s(env)
         self.ray = RayNode(
             ray_argv(cluster, self.config.vllm, str(self.link.address)),
             watcher_argv(python, cluster),
@@ -639,6 +651,33 @@ class Supervisor:
         if cluster is None or link is None:
             return {}
         return cluster_env(cluster, link.interface.name, str(link.address))
+
+    async def _confirm_node_loss(self, outcome: Outcome) -> Outcome | None:
+        """vLLM lost a Ray worker: ask the cluster whether its machine left (NODE_LOST) or only the worker died.
+
+        vLLM notices a dead worker within a second; Ray's GCS marks the machine dead only after its
+        health checks fail (seconds to a minute). A machine that left is not vLLM's failure and must
+        not spend an attempt; a worker that died on a machine still there is. None: stopped meanwhile.
+        """
+        cluster, attempt = self.config.cluster, self.attempt
+        assert cluster is not None and attempt is not None
+        where = f" on {outcome.failure.node}" if outcome.failure is not None and outcome.failure.node else ""
+        self.journal.event(
+            "node_lost",
+            f"vLLM lost a Ray worker{where} ({outcome.detail}); waiting up to {self.death_notice_s:g} s for Ray to tell "
+            "whether its machine left the cluster",
+            PRIORITY_WARNING,
+            attempt=attempt.number,
+        )
+
+        def lost() -> bool:
+            return lost_since(attempt.start_view, self.view, cluster)
+
+        if await self._wait_stop(self.death_notice_s, until=lost):
+            return None
+        if lost():
+            return self._node_lost(attempt, f"vLLM (pid {attempt.process.pid}) was stopped when it lost its Ray worker there")
+        return outcome
 
     def _seen(self, view: View) -> None:
         """Take in a new node table; while waiting, STATUS= and the state file follow it."""
@@ -671,23 +710,26 @@ class Supervisor:
         return False
 
     def _on_cluster(self, attempt: Attempt, view: View) -> Outcome | None:
-        """A node table during an attempt: a machine gone means vLLM cannot go on."""
-        before = self.view
+        """A node table during an attempt: a machine gone means vLLM cannot go on.
+
+        A table that could not be read (the GCS hiccuped, the watcher restarts) says nothing
+        about the machines; vLLM's own output and exit tell whether it still serves.
+        """
         self._seen(view)
         cluster = self.config.cluster
         assert cluster is not None
-        if is_whole(view, cluster):
+        if view.error or not lost_since(attempt.start_view, view, cluster):
             return None
-        self.previous_view = before
         return self._node_lost(attempt, "")
 
     def _node_lost(self, attempt: Attempt, how: str) -> Outcome:
+        """Say which machine left and why, and end the attempt uncounted; `how` tells how vLLM ended, if it already did."""
         cluster = self.config.cluster
         assert cluster is not None
-        why = lost_text(self.previous_view, self.view or View(), cluster)
+        why = lost_text(attempt.start_view, self.view or View(), cluster)
         self.journal.event(
             "node_lost",
-            f"{why}; {how + ', ' if how else ''}stopping vLLM (pid {attempt.process.pid}): it cannot serve without all "
+            f"{why}; {how or f'stopping vLLM (pid {attempt.process.pid})'}: it cannot serve without all "
             f"{cluster.nodes} machines; it starts again once the cluster is whole (not counted as a failed attempt)",
             PRIORITY_ERR,
             attempt=attempt.number,
@@ -697,16 +739,20 @@ class Supervisor:
 
     async def _serve_worker(self) -> int:
         """The worker's whole job: keep Ray joined to the head; READY=1 once the head lists this machine with its GPU."""
-        cluster, link = self.config.cluster, self.link
-        assert cluster is not None and link is not None
+        cluster, link, ray = self.config.cluster, self.link, self.ray
+        assert cluster is not None and link is not None and ray is not None
         me = str(link.address)
+
+        def changed() -> bool:
+            return has_joined(self.view, me, ray.started_at) != self.joined
+
         self._seen(self.view or View())
         while True:
             if not self.joined:
                 self.notifier.extend_timeout(CLUSTER_EXTEND_S)
-            if await self._wait_stop(CLUSTER_EXTEND_S / 3, until=lambda: has_joined(self.view, me) != self.joined):
+            if await self._wait_stop(CLUSTER_EXTEND_S / 3, until=changed):
                 return await self._stopped()
-            if has_joined(self.view, me) == self.joined:
+            if not changed():
                 continue
             self.joined = not self.joined
             if self.joined:
@@ -1090,6 +1136,7 @@ class Supervisor:
             Cause.KV_CACHE: "kv_cache_insufficient",
             Cause.NO_KV_MEMORY: "kv_cache_insufficient",
             Cause.ENGINE_DEAD: "engine_dead",
+            Cause.WORKER_LOST: "engine_dead",
             Cause.ENGINE_HUNG: "engine_hung",
         }.get(outcome.cause, "config_error" if outcome.cause in policy.CONFIG_CAUSES else "crashed")
         cause = policy.describe(outcome)

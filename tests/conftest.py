@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from typing import Iterator
 
 import pytest
 
-from harness import Daemon, NotifySocket
+from harness import Daemon, NotifySocket, wait_until
 
 
 @pytest.fixture
@@ -19,8 +22,40 @@ def notify() -> Iterator[NotifySocket]:
 
 @pytest.fixture
 def daemons() -> Iterator[list[Daemon]]:
-    """Daemons a test starts; whatever happened, none of them (nor their vLLM) outlives it."""
+    """Daemons a test starts; whatever happened, none of them (nor their vLLM or Ray) outlives it."""
     started: list[Daemon] = []
     yield started
     for daemon in started:
         daemon.kill_everything()
+
+
+def _ip(*args: str) -> str:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture
+def link() -> Iterator[tuple[str, str]]:
+    """Two machines on one: head and worker network namespaces joined by a veth pair.
+
+    The private test link is 10.213.60.0/24 (head .1 on gb10c-h, worker .2
+    on gb10c-w); each namespace has its own loopback, so nothing leaves the
+    machine and each side has its own ports, as two machines would.
+    """
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to make network namespaces")
+    head, worker = f"gb10c-h{os.getpid()}", f"gb10c-w{os.getpid()}"
+    try:
+        for ns in (head, worker):
+            subprocess.run(["ip", "netns", "add", ns], check=True)
+            subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "link", "add", "gb10c-h", "netns", head, "type", "veth", "peer", "name", "gb10c-w", "netns", worker], check=True)
+        for ns, dev, address in ((head, "gb10c-h", "10.213.60.1/24"), (worker, "gb10c-w", "10.213.60.2/24")):
+            subprocess.run(["ip", "-n", ns, "addr", "add", address, "dev", dev], check=True)
+            subprocess.run(["ip", "-n", ns, "link", "set", dev, "up"], check=True)
+        for ns, dev in ((head, "gb10c-h"), (worker, "gb10c-w")):
+            # A veth reports its carrier a moment after both ends are up.
+            wait_until(lambda: "LOWER_UP" in _ip("-n", ns, "link", "show", dev), 30, f"{dev} to come up")
+        yield head, worker
+    finally:
+        for ns in (head, worker):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

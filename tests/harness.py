@@ -8,6 +8,7 @@ journal line, a port) with generous deadlines.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -61,7 +62,7 @@ class NotifySocket:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.path)
         self.messages: list[tuple[float, dict[str, str]]] = []
-        self._queue: queue.Queue[tuple[float, dict[str, str]]] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, dict[str, str]]] = queue.Queue()
         self._thread = threading.Thread(target=self._receive, daemon=True)
         self._thread.start()
 
@@ -72,13 +73,12 @@ class NotifySocket:
             except OSError:
                 return
             fields = dict(line.split("=", 1) for line in data.decode("latin-1").splitlines() if "=" in line)
-            item = (time.monotonic(), fields)
-            self.messages.append(item)
-            self._queue.put(item)
+            self.messages.append((time.monotonic(), fields))
+            self._queue.put((len(self.messages) - 1, fields))
 
-    def wait_for(self, predicate: Callable[[dict[str, str]], bool], timeout: float = DEADLINE_S) -> dict[str, str]:
-        """The first message (already received or arriving) that satisfies `predicate`."""
-        for _, fields in list(self.messages):
+    def wait_for(self, predicate: Callable[[dict[str, str]], bool], timeout: float = DEADLINE_S, since: int = 0) -> dict[str, str]:
+        """The first message (already received or arriving), from the `since`-th on, that satisfies `predicate`."""
+        for _, fields in self.messages[since:]:
             if predicate(fields):
                 return fields
         deadline = time.monotonic() + timeout
@@ -87,10 +87,10 @@ class NotifySocket:
             if remaining <= 0:
                 raise AssertionError(f"no matching sd_notify message within {timeout} s; got {self.keys()}")
             try:
-                _, fields = self._queue.get(timeout=remaining)
+                index, fields = self._queue.get(timeout=remaining)
             except queue.Empty:
                 continue
-            if predicate(fields):
+            if index >= since and predicate(fields):
                 return fields
 
     def keys(self) -> list[str]:
@@ -188,21 +188,22 @@ class Setup:
 class Daemon:
     """`gb10d run` as a real child process, with its stdout (the journal stream) collected."""
 
-    def __init__(self, setup: Setup, notify: NotifySocket | None, env: dict[str, str] | None = None) -> None:
+    def __init__(self, setup: Setup, notify: NotifySocket | None, env: dict[str, str] | None = None, netns: str | None = None) -> None:
+        """`netns`: run it inside that network namespace (`ip netns exec` execs it: the pid is gb10d's)."""
         self.setup = setup
         child_env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_SOCKET", "WATCHDOG_"))}
         if notify is not None:
             child_env["NOTIFY_SOCKET"] = notify.path
         child_env.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gb10d", "run", "--config", str(setup.config)],
+            [*(["ip", "netns", "exec", netns] if netns else []), sys.executable, "-m", "gb10d", "run", "--config", str(setup.config)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=child_env,
             start_new_session=True,
         )
         self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, str] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
@@ -211,13 +212,13 @@ class Daemon:
         for raw in self.proc.stdout:
             line = raw.decode("utf-8", "replace").rstrip("\n")
             self.lines.append(line)
-            self._queue.put(line)
+            self._queue.put((len(self.lines) - 1, line))
         self._queue.put(None)
 
-    def wait_line(self, pattern: str, timeout: float = DEADLINE_S) -> re.Match[str]:
-        """The first journal line (past or future) matching `pattern`."""
+    def wait_line(self, pattern: str, timeout: float = DEADLINE_S, since: int = 0) -> re.Match[str]:
+        """The first journal line (past or future), from the `since`-th on, matching `pattern`."""
         rx = re.compile(pattern)
-        for line in list(self.lines):
+        for line in self.lines[since:]:
             if m := rx.search(line):
                 return m
         deadline = time.monotonic() + timeout
@@ -226,12 +227,14 @@ class Daemon:
             if remaining <= 0:
                 raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n" + self.tail())
             try:
-                line = self._queue.get(timeout=remaining)
+                item = self._queue.get(timeout=remaining)
             except queue.Empty:
                 continue
-            if line is None:
+            if item is None:
+                self._queue.put(None)  # the end stays visible to the next wait
                 raise AssertionError(f"gb10d exited ({self.proc.poll()}) before a line matched {pattern!r}:\n" + self.tail())
-            if m := rx.search(line):
+            index, line = item
+            if index >= since and (m := rx.search(line)):
                 return m
 
     def own_lines(self) -> list[str]:
@@ -260,16 +263,36 @@ class Daemon:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
-        for pgid in vllm_groups(self.lines):
+        for pgid in [*vllm_groups(self.lines), *ray_groups(self.lines)]:
             if group_alive(pgid):
                 os.killpg(pgid, signal.SIGKILL)
+        if tmpdir := self.setup.sim_env.get("RAY_TMPDIR"):
+            # Ray starts its workers in sessions of their own; they are known by the node's RAY_TMPDIR.
+            for pid in ray_processes(tmpdir):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _groups(lines: list[str], program: str) -> Iterator[int]:
+    for line in lines:
+        if m := re.match(rf"^<\d>gb10d: started {program} as pid (\d+)", line):
+            yield int(m.group(1))
 
 
 def vllm_groups(lines: list[str]) -> Iterator[int]:
     """Process groups of the vLLM servers gb10d started (their leader's pid), from its own journal lines."""
-    for line in lines:
-        if m := re.match(r"^<\d>gb10d: started vLLM as pid (\d+)", line):
-            yield int(m.group(1))
+    return _groups(lines, "vLLM")
+
+
+def ray_groups(lines: list[str]) -> Iterator[int]:
+    """Process groups of the `ray start` gb10d started, from its own journal lines."""
+    return _groups(lines, "Ray")
+
+
+def ray_processes(tmpdir: str) -> list[int]:
+    """Live processes of the Ray node whose environment names RAY_TMPDIR=`tmpdir`."""
+    ours = f"RAY_TMPDIR={tmpdir}".encode()
+    return live_pids(lambda entry, _fields: ours in (entry / "environ").read_bytes().split(b"\0"))
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = DEADLINE_S, what: str = "condition") -> None:
@@ -279,3 +302,22 @@ def wait_until(predicate: Callable[[], bool], timeout: float = DEADLINE_S, what:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout} s")
         time.sleep(0.05)
+
+
+def live_pids(selects: Callable[[Path, list[str]], bool]) -> list[int]:
+    """Sorted pids of live (non-zombie) processes that `selects(/proc/PID, stat fields after the name)` picks.
+
+    A process that vanishes while being looked at (OSError) is not picked.
+    """
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] != "Z" and selects(entry, fields):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return sorted(pids)

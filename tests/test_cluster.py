@@ -8,12 +8,9 @@ program. How `gb10d run` drives the pair: tests/test_pair.py.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -21,8 +18,6 @@ from gb10d.cluster import INTERFACE_VARIABLES, cluster_env, ray_argv, ray_progra
 from gb10d.command import build_argv
 from gb10d.config import Config, parse_config
 from gb10d.errors import ConfigError
-
-from harness import wait_until
 
 
 def config(role: str = "head", **cluster: object) -> Config:
@@ -145,32 +140,6 @@ def test_check_config_wants_the_ray_program_beside_vllm(tmp_path: Path) -> None:
     assert done.returncode == 78
     assert f"vllm.executable: {tmp_path / 'bin' / 'ray'} does not exist; is that the path of the ray program?" in done.stderr
     assert "Traceback" not in done.stderr
-
-
-def _ip(*args: str) -> str:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=True).stdout
-
-
-@pytest.fixture
-def link() -> Iterator[tuple[str, str]]:
-    """Head and worker network namespaces joined by a veth pair on a private test link."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to make network namespaces")
-    head, worker = f"gb10c-h{os.getpid()}", f"gb10c-w{os.getpid()}"
-    try:
-        for ns in (head, worker):
-            subprocess.run(["ip", "netns", "add", ns], check=True)
-        subprocess.run(["ip", "link", "add", "gb10c-h", "netns", head, "type", "veth", "peer", "name", "gb10c-w", "netns", worker], check=True)
-        for ns, dev, address in ((head, "gb10c-h", "10.213.60.1/24"), (worker, "gb10c-w", "10.213.60.2/24")):
-            subprocess.run(["ip", "-n", ns, "addr", "add", address, "dev", dev], check=True)
-            subprocess.run(["ip", "-n", ns, "link", "set", dev, "up"], check=True)
-        for ns, dev in ((head, "gb10c-h"), (worker, "gb10c-w")):
-            # A veth reports its carrier a moment after both ends are up.
-            wait_until(lambda: "LOWER_UP" in _ip("-n", ns, "link", "show", dev), 30, f"{dev} to come up")
-        yield head, worker
-    finally:
-        for ns in (head, worker):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def test_print_command_shows_each_machines_ray_start_on_the_link_and_says_why(tmp_path: Path, link: tuple[str, str]) -> None:

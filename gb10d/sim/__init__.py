@@ -7,8 +7,8 @@ routes, and fails exactly as vLLM fails. gb10d supervises it exactly as it
 supervises vLLM; tests and `gb10d demo` use it where no GPU is at hand.
 
 Command line: `python -m gb10d.sim serve MODEL [vllm serve flags]`,
-`python -m gb10d.sim make-venv DIR` (writes DIR/bin/vllm, DIR/bin/ray and
-DIR/bin/python, as a vLLM virtualenv has them), `--version`.
+`python -m gb10d.sim make-venv DIR` (writes DIR/bin/vllm, DIR/bin/ray,
+DIR/bin/python and python3, as a vLLM virtualenv has them), `--version`.
 
 Knobs (environment):
 - `GB10D_SIM_ERA`: `0.30` (stream-wrapper tag on every physical line, as the
@@ -79,12 +79,12 @@ if __name__ == "__main__":
 
 
 def make_venv(directory: Path) -> Path:
-    """Create `directory/bin/vllm`, `bin/ray` and `bin/python` as a vLLM virtualenv has them; returns the vllm path.
+    """Create `directory/bin/vllm`, `bin/ray`, `bin/python` and `bin/python3` as a vLLM virtualenv has them; returns the vllm path.
 
     `vllm` runs this interpreter's `-m gb10d.sim`; `ray` is the launcher pip
     writes for Ray's console script, so argv[0] is the script's path and the
-    process reads `python DIR/bin/ray ...` as in a real virtualenv; `python`
-    execs this interpreter, so it imports gb10d and Ray. The interpreter path
+    process reads `python DIR/bin/ray ...` as in a real virtualenv; `python` (and
+    `python3`) exec this interpreter, so it imports gb10d and Ray. The interpreter path
     is baked in so the scripts work from any environment, and PYTHONPATH is
     left alone so the children see exactly the environment gb10d gives them.
     """
@@ -96,6 +96,7 @@ def make_venv(directory: Path) -> Path:
         "ray": _RAY_SCRIPT.format(python=python),
         "python": f'#!/bin/sh\nexec {python} "$@"\n',
     }
+    scripts["python3"] = scripts["python"]
     for name, text in scripts.items():
         path = bin_dir / name
         path.write_text(text, encoding="utf-8")

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from harness import live_pids
+
 DEADLINE_S = 30.0
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "real-vllm-0.23.0"
 
@@ -237,25 +239,6 @@ class Sim:
         match = re.search(rb"\(EngineCore pid=(\d+)\)", bytes(self.stdout))
         assert match
         return int(match.group(1))
-
-
-def live_pids(selects: Callable[[Path, list[str]], bool]) -> list[int]:
-    """Sorted pids of live (non-zombie) processes that `selects(/proc/PID, stat fields after the name)` picks.
-
-    A process that vanishes while being looked at (OSError) is not picked.
-    """
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if fields[0] != "Z" and selects(entry, fields):
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return sorted(pids)
 
 
 def start_sim(args: list[str], env: dict[str, str] | None = None, port: int | None = None, speed: str = "0.01") -> Sim:
