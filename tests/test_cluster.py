@@ -14,7 +14,27 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.cluster import INTERFACE_VARIABLES, cluster_env, ray_argv, ray_program, vllm_flags
+from gb10d.cluster import (
+    INTERFACE_VARIABLES,
+    Node,
+    View,
+    cluster_env,
+    death_notice_s,
+    departed,
+    has_joined,
+    interpreter,
+    is_whole,
+    lost_since,
+    lost_text,
+    parse_view,
+    ray_argv,
+    ray_program,
+    view_state,
+    view_text,
+    vllm_flags,
+    waiting_text,
+    watcher_argv,
+)
 from gb10d.command import build_argv
 from gb10d.config import Config, parse_config
 from gb10d.errors import ConfigError
@@ -166,3 +186,101 @@ def test_print_command_on_a_machine_without_the_head_address_says_which_interfac
     assert done.returncode == 78
     assert "cluster.head_address: 10.213.60.1 is not an address of this machine" in done.stderr
     assert "gb10c-w: 10.213.60.2/24" in done.stderr
+
+
+# --- the node table -----------------------------------------------------------
+
+HEAD = Node("a1", "10.0.0.1", True, True, 1.0, started=100.0)
+WORKER = Node("b2", "10.0.0.2", True, False, 1.0, started=200.0)
+WHOLE = View((HEAD, WORKER))
+
+
+def test_the_watchers_line_becomes_a_node_table_and_anything_else_is_refused() -> None:
+    line = ('{"nodes": [{"id": "a1", "ip": "10.0.0.1", "alive": true, "head": true, "gpus": 1.0, "death": "", "started": 100.0}, '
+            '{"id": "b2", "ip": "10.0.0.2", "alive": true, "head": false, "gpus": 1.0, "started": 200.0}]}')
+    assert parse_view(line) == WHOLE
+    assert parse_view('{"error": "GCS does not answer (timeout)"}').error == "GCS does not answer (timeout)"
+    for garbage in ("", "Traceback (most recent call last):", '{"nodes": [{"ip": "10.0.0.1"}]}', "[1, 2]"):
+        with pytest.raises(ValueError, match="not a node table"):
+            parse_view(garbage)
+
+
+def test_the_cluster_is_whole_with_as_many_machines_alive_with_a_gpu_as_nodes() -> None:
+    cluster = config().cluster
+    assert cluster is not None
+    assert is_whole(WHOLE, cluster)
+    assert not is_whole(None, cluster) and not is_whole(View(error="unreachable"), cluster)
+    assert not is_whole(View((HEAD, Node("b2", "10.0.0.2", True, False, 0.0))), cluster)  # a Ray started without its GPU
+    assert not is_whole(View((HEAD, Node("b2", "10.0.0.2", False, False, 1.0))), cluster)
+
+
+def test_the_worker_has_joined_only_when_the_ray_it_started_last_is_listed() -> None:
+    assert has_joined(WHOLE, "10.0.0.2", since=200.0)
+    # The head still lists the Ray that was killed (started at 200) for a few seconds; it is not the new one.
+    assert not has_joined(WHOLE, "10.0.0.2", since=250.0)
+    assert not has_joined(WHOLE, "10.0.0.3", since=0.0) and not has_joined(None, "10.0.0.2", since=0.0)
+
+
+def test_a_departed_machine_is_named_with_rays_reason() -> None:
+    cluster = config().cluster
+    assert cluster is not None
+    dead = View((HEAD, Node("b2", "10.0.0.2", False, False, 1.0, "health check failed due to missing too many heartbeats")))
+    assert departed(WHOLE, dead) == [dead.nodes[1]]
+    assert lost_text(WHOLE, dead, cluster) == "the worker 10.0.0.2 left the Ray cluster (health check failed due to missing too many heartbeats)"
+    assert lost_text(WHOLE, View((HEAD,)), cluster) == "the worker 10.0.0.2 left the Ray cluster"
+    assert lost_text(None, View((HEAD,)), cluster) == "only 1 of 2 machines with a GPU are in the Ray cluster"
+    assert lost_text(WHOLE, View(error="GCS does not answer"), cluster) == "GCS does not answer"
+
+
+def test_vllm_placed_on_a_machine_that_left_cannot_serve_even_when_another_took_its_place() -> None:
+    cluster = config().cluster
+    assert cluster is not None
+    assert not lost_since(WHOLE, WHOLE, cluster)
+    assert lost_since(WHOLE, View((HEAD,)), cluster)
+    rejoined = View((HEAD, Node("c3", "10.0.0.2", True, False, 1.0, started=300.0), Node("b2", "10.0.0.2", False, False, 1.0)))
+    assert is_whole(rejoined, cluster) and lost_since(WHOLE, rejoined, cluster)
+    assert not lost_since(rejoined, rejoined, cluster)
+
+
+def test_status_texts_say_what_each_machine_waits_for() -> None:
+    head, worker = config().cluster, config("worker").cluster
+    assert head is not None and worker is not None
+    assert view_text(WHOLE, head) == "2 of 2 machines with a GPU up: 10.0.0.1 (head), 10.0.0.2"
+    assert view_text(None, head) == "the Ray cluster's node table is not read yet"
+    assert waiting_text(View((HEAD,)), head) == (
+        "waiting for the Ray cluster: 1 of 2 machines with a GPU up: 10.0.0.1 (head); start gb10d on the other machine(s)"
+    )
+    assert waiting_text(View(error="GCS does not answer"), worker) == "waiting to join the Ray cluster at 10.0.0.1:6379: GCS does not answer"
+
+
+def test_the_state_file_lists_the_machines_serving_for_gb10d_status() -> None:
+    cluster = config("worker").cluster
+    assert cluster is not None
+    assert view_state(View((HEAD, Node("b2", "10.0.0.2", False, False, 1.0))), cluster, "10.0.0.2", "enp1s0f0np0") == {
+        "role": "worker",
+        "head_address": "10.0.0.1:6379",
+        "node_ip": "10.0.0.2",
+        "interface": "enp1s0f0np0",
+        "nodes_wanted": 2,
+        "error": None,
+        "nodes": [{"ip": "10.0.0.1", "head": True, "gpus": 1.0}],
+    }
+
+
+def test_the_watcher_runs_in_rays_own_python_isolated_from_gb10d() -> None:
+    cluster = config().cluster
+    assert cluster is not None
+    ray = Path("/opt/vllm/bin/ray")
+    assert interpreter("#!/opt/vllm/bin/python3.12\nimport sys\n", ray) == Path("/opt/vllm/bin/python3.12")
+    # pip's trampoline for long paths, and `env`, name no usable interpreter: the venv's python3 is it.
+    assert interpreter("#!/bin/sh\n'''exec' \"/very/long/venv/bin/python3\" \"$0\" \"$@\"\n", ray) == Path("/opt/vllm/bin/python3")
+    assert interpreter("#!/usr/bin/env python3\n", ray) == Path("/opt/vllm/bin/python3")
+    argv = watcher_argv(Path("/opt/vllm/bin/python3"), cluster)
+    assert argv[:2] == ["/opt/vllm/bin/python3", "-I"] and argv[2].endswith("gb10d/raywatch.py") and argv[3] == "10.0.0.1:6379"
+
+
+def test_the_wait_for_rays_verdict_on_a_machine_follows_its_health_check_settings() -> None:
+    assert death_notice_s({}) == 55.0  # Ray's defaults: 5 checks 3 s apart, the last timing out after 10 s
+    fast = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+    assert death_notice_s(fast) == 10.0
+    assert death_notice_s({"RAY_health_check_period_ms": "soon"}) == 55.0

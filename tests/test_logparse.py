@@ -26,6 +26,7 @@ from gb10d.events import (
     ModelNotFound,
     NoKvCacheMemory,
     PortInUse,
+    RayWorkerLost,
     ServerStarting,
     ShardsProgressed,
     ShutdownStarted,
@@ -598,3 +599,27 @@ def test_a_remote_workers_shard_bar_and_traceback_are_recognised_through_the_ray
 def test_a_remote_workers_free_memory_failure_is_parsed_with_its_numbers() -> None:
     (event,) = parse_line(RAY_WORKER_FREE_MEMORY)
     assert (event.free_gib, event.total_gib, event.requested_utilization) == (40.0, 121.69, 0.92)
+
+
+# --- failures of Ray workers ------------------------------------------------------
+
+
+def test_a_dead_ray_actor_means_a_lost_worker_not_just_a_dead_engine() -> None:
+    assert parse_line(ENGINE_ERR + "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.") == [
+        RayWorkerLost("ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.")
+    ]
+    assert [type(e) for e in parse_line(ENGINE_ERR + "ray.exceptions.RayActorError: The actor died because of an error raised in its creation task")] == [RayWorkerLost]
+
+
+def test_a_workers_exception_re_raised_in_the_driver_carries_the_workers_machine() -> None:
+    scanner = EventScanner()
+    assert scanner.feed(
+        "(EngineCore pid=9) ray.exceptions.RayTaskError(ValueError): \x1b[36mray::RayWorkerWrapper.execute_method()\x1b[39m "
+        "(pid=2316, ip=10.213.0.2, actor_id=5c1e, repr=<vllm.v1.executor.ray_utils.RayWorkerWrapper object at 0x7f>)"
+    ) == []
+    assert scanner.feed('(EngineCore pid=9)   File "worker_base.py", line 363, in execute_method') == []
+    (event,) = scanner.feed("(EngineCore pid=9) ValueError: " + FREE) + scanner.flush()
+    assert isinstance(event, FreeMemoryShort) and event.node == "10.213.0.2"
+    # The machine belongs to that one exception only.
+    (later,) = scanner.feed("(EngineCore pid=9) ValueError: " + FREE) + scanner.flush()
+    assert later.node is None

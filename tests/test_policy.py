@@ -10,6 +10,7 @@ from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP
 from gb10d.events import (
     BadArgument,
     CudaOutOfMemory,
+    EngineDied,
     EngineStartFailed,
     ExceptionRaised,
     FreeMemoryShort,
@@ -17,8 +18,9 @@ from gb10d.events import (
     ModelNotFound,
     NoKvCacheMemory,
     PortInUse,
+    RayWorkerLost,
 )
-from gb10d.policy import Cause, GiveUp, History, Outcome, Retry, backoff_delay, classify, next_attempt
+from gb10d.policy import Cause, GiveUp, History, Outcome, Retry, backoff_delay, classify, describe, next_attempt
 
 
 def config(**tables: dict[str, object]) -> Config:
@@ -41,6 +43,7 @@ FREE = FreeMemoryShort(free_gib=103.45, total_gib=123.73, requested_utilization=
         ([ModelNotFound("Qwen/Nope")], 1, False, Cause.MODEL_NOT_FOUND),
         ([BadArgument("invalid tool call parser: nope")], 1, False, Cause.BAD_ARGUMENT),
         ([], 0, True, Cause.ENGINE_DEAD),
+        ([EngineDied("EngineDeadError"), RayWorkerLost("ray.exceptions.ActorDiedError: The actor died")], 1, True, Cause.WORKER_LOST),
         ([ExceptionRaised("ZeroDivisionError", "division by zero")], 1, False, Cause.CRASH),
         ([], -9, False, Cause.CRASH),
     ],
@@ -121,3 +124,18 @@ def test_budget_is_exhausted_after_max_attempts() -> None:
     assert isinstance(decision, GiveUp)
     assert decision.exit_status == EXIT_GAVE_UP
     assert "giving up after 5 failed starts" in decision.message
+
+
+def test_a_failure_on_the_other_machine_of_a_pair_names_that_machine() -> None:
+    remote = FreeMemoryShort(40.0, 121.69, 0.8, 97.35, "cuda:0", node="10.213.0.2")
+    assert describe(Outcome(Cause.FREE_MEMORY, remote)) == (
+        "free memory 40 of 121.69 GiB on the machine 10.213.0.2 is below gpu_memory_utilization 0.8 (97.35 GiB)"
+    )
+    assert describe(Outcome(Cause.CUDA_OOM, CudaOutOfMemory(1.71, node="10.213.0.2"))) == "CUDA out of memory on the machine 10.213.0.2 allocating 1.71 GiB"
+
+
+def test_a_lost_ray_worker_that_served_restarts_with_the_same_settings_and_counts() -> None:
+    outcome = Outcome(Cause.WORKER_LOST, RayWorkerLost("ray.exceptions.ActorDiedError: The actor died"), None, True, "ActorDiedError")
+    decision = next_attempt(outcome, Tunables(0.92, None, None), History(1, 0), config())
+    assert isinstance(decision, Retry) and decision.delay_s == 0 and decision.message == "restarting with the same settings"
+    assert isinstance(next_attempt(outcome, Tunables(0.92, None, None), History(3, 0), config(restart={"max_attempts": 3})), GiveUp)
