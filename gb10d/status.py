@@ -149,6 +149,26 @@ def _memory_line(state: Mapping[str, Any]) -> str | None:
     return ", ".join(parts) or None
 
 
+def _cluster_rows(state: Mapping[str, Any]) -> list[tuple[str, str | None]]:
+    """One machine of a pair: its role and link, and the machines the head's Ray cluster lists."""
+    cluster = _table(state, "cluster")
+    role = _text(cluster, "role")
+    if role is None:
+        return []
+    wanted, head = _int(cluster, "nodes_wanted"), _text(cluster, "head_address")
+    me, interface = _text(cluster, "node_ip"), _text(cluster, "interface")
+    line = f"{role} of a {wanted}-machine Ray cluster" if wanted else role
+    if role != "head" and head:
+        line += f" headed by {head}"
+    if me:
+        line += f"; this machine is {me}" + (f" on {interface}" if interface else "")
+    listed = cluster.get("nodes")
+    nodes = [n for n in listed if isinstance(n, Mapping)] if isinstance(listed, list) else []
+    up = ", ".join(f"{_text(n, 'ip')} (head)" if n.get("head") is True else str(_text(n, "ip")) for n in nodes)
+    machines = _text(cluster, "error") or f"{len(nodes)}{f' of {wanted}' if wanted else ''} with a GPU up" + (f": {up}" if up else "")
+    return [("Cluster", line), ("Machines", machines)]
+
+
 def _header(state: Mapping[str, Any] | None, alive: bool, now: float) -> str:
     reason = not_running_reason(state, alive)
     if state is None:
@@ -183,6 +203,7 @@ def render(state: Mapping[str, Any] | None, now: float, alive: bool) -> str:
     if model is not None:
         rows.append(("Model", f"{model} (served as {', '.join(names)})" if names else model))
     rows.append(("URL", _text(state, "url")))
+    rows.extend(_cluster_rows(state))
     attempt, max_attempts = _int(state, "attempt"), _int(state, "max_attempts")
     if attempt is not None:
         rows.append(("Attempt", f"{attempt} of {max_attempts}" if max_attempts else str(attempt)))

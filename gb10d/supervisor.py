@@ -1160,7 +1160,7 @@ class Supervisor:
         try:
             self.metrics.serve(*address)
         except OSError as exc:
-            self.journal.event("config_error", f"cannot listen for metrics on {self.config.metrics.listen}: {exc.strerror or exc}; metrics disabled (set metrics.listen)", PRIORITY_WARNING)
+            self.journal.event("metrics_unavailable", f"cannot listen for metrics on {self.config.metrics.listen}: {exc.strerror or exc}; metrics disabled (set metrics.listen)", PRIORITY_WARNING)
 
     def _write_state(self, status_text_: str) -> None:
         attempt = self.attempt
@@ -1192,13 +1192,14 @@ class Supervisor:
         if cluster is not None:
             state["cluster"] = view_state(self.view, cluster, str(link.address) if link else "", link.interface.name if link else "")
             if cluster.role == "worker":
-                state["ready_at"] = self.ready_at
+                # vLLM and its API run on the head: here there is only Ray, ready once joined.
+                state.update(ready_at=self.ready_at, url=None, phase=None, attempt=None, gpu_memory_utilization=None)
         try:
             write_state(self.config.daemon.state_file, state)
         except OSError as exc:
             if not getattr(self, "_state_warned", False):
                 self._state_warned = True
-                self.journal.event("config_error", f"cannot write the state file {self.config.daemon.state_file}: {exc.strerror or exc}; gb10d status will not work (set daemon.state_file)", PRIORITY_WARNING)
+                self.journal.event("state_file_unwritable", f"cannot write the state file {self.config.daemon.state_file}: {exc.strerror or exc}; gb10d status will not work (set daemon.state_file)", PRIORITY_WARNING)
 
 
 def top_memory_users(count: int = 3) -> str:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
@@ -113,6 +115,14 @@ def test_started_head_first_the_head_waits_for_the_worker_then_both_are_ready(pa
     assert h.wait_line(r"gb10d: started vLLM as pid \d+ \(attempt 1/3, .*\): (.*)").group(1).endswith("--tensor-parallel-size 2 --distributed-executor-backend ray")
     # vLLM's rank on the worker machine reports through Ray, with its machine in the prefix.
     h.wait_line(rf"\(RayWorkerWrapper pid=\d+, ip={WORKER_IP}\) .*Loading weights took")
+    # `gb10d status` on either machine shows the pair.
+    for machine, line in ((head, "head of a 2-machine Ray cluster; this machine is 10.213.60.1 on gb10c-h"),
+                          (worker, "worker of a 2-machine Ray cluster headed by 10.213.60.1:6379; this machine is 10.213.60.2 on gb10c-w")):
+        shown = subprocess.run([sys.executable, "-m", "gb10d", "status", "--state-file", str(machine.setup.state_file)],
+                               capture_output=True, text=True, timeout=60).stdout
+        assert f"Cluster: {line}\n" in shown, shown
+        assert "Machines: 2 of 2 with a GPU up: " in shown, shown
+        assert ("URL: http://127.0.0.1:" in shown) is (machine is head), shown  # the API is the head's alone
 
 
 def test_started_worker_first_the_worker_waits_to_join_then_both_are_ready(pair: tuple[Machine, Machine], daemons: list[Daemon]) -> None:

@@ -102,6 +102,19 @@ def test_summary_while_loading_shows_shard_progress_and_no_ready_time() -> None:
     assert "Ready" not in r and "Last failure" not in r and "Action" not in r
 
 
+def test_summary_on_either_machine_of_a_pair_shows_the_pair() -> None:
+    head_cluster = {"role": "head", "head_address": "10.0.0.1:6379", "node_ip": "10.0.0.1", "interface": "enp1s0f0np0",
+                    "nodes_wanted": 2, "error": None, "nodes": [{"ip": "10.0.0.1", "head": True, "gpus": 1.0}, {"ip": "10.0.0.2", "head": False, "gpus": 1.0}]}
+    r = rows(render(state(cluster=head_cluster), NOW, alive=True))
+    assert r["Cluster"] == "head of a 2-machine Ray cluster; this machine is 10.0.0.1 on enp1s0f0np0"
+    assert r["Machines"] == "2 of 2 with a GPU up: 10.0.0.1 (head), 10.0.0.2"
+    worker_cluster = {**head_cluster, "role": "worker", "node_ip": "10.0.0.2", "nodes": [], "error": "Ray's GCS at 10.0.0.1:6379 does not answer"}
+    r = rows(render(state(state="joining", cluster=worker_cluster), NOW, alive=True))
+    assert r["Cluster"] == "worker of a 2-machine Ray cluster headed by 10.0.0.1:6379; this machine is 10.0.0.2 on enp1s0f0np0"
+    assert r["Machines"] == "Ray's GCS at 10.0.0.1:6379 does not answer"
+    assert "Cluster" not in rows(render(state(), NOW, alive=True))
+
+
 def test_summary_of_a_dead_daemon_says_so_and_keeps_the_last_known_facts() -> None:
     text = render(state(), NOW, alive=False)
     assert text.splitlines()[0] == "gb10d is not running (pid 4242 has exited; last state: serving, last update 3s ago)"
