@@ -662,13 +662,12 @@ class Supervisor:
         cluster, attempt = self.config.cluster, self.attempt
         assert cluster is not None and attempt is not None
         where = f" on {outcome.failure.node}" if outcome.failure is not None and outcome.failure.node else ""
-        self.journal.event(
-            "node_lost",
-            f"vLLM lost a Ray worker{where} ({outcome.detail}); waiting up to {self.death_notice_s:g} s for Ray to tell "
-            "whether its machine left the cluster",
-            PRIORITY_WARNING,
-            attempt=attempt.number,
-        )
+        waiting = f"waiting up to {self.death_notice_s:g} s for Ray to tell whether its machine left the cluster"
+        text = f"vLLM lost a Ray worker{where}; {waiting}"
+        self.journal.event("node_lost", f"vLLM lost a Ray worker{where} ({outcome.detail}); {waiting}", PRIORITY_WARNING, attempt=attempt.number)
+        self.state = "restarting"
+        self.notifier.status(text[:200])
+        self._write_state(status_text_=text)
 
         def lost() -> bool:
             return lost_since(attempt.start_view, self.view, cluster)
