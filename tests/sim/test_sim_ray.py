@@ -209,10 +209,12 @@ def test_a_node_short_of_memory_fails_in_the_worker_until_the_utilization_fits(s
     first = re.search(rb"\(RayWorkerWrapper pid=(\d+)\) (ERROR \d\d-\d\d \d\d:\d\d:\d\d \[worker_base\.py:\d+\] )Error executing method 'init_device'\. This might cause deadlock in distributed execution\.\n", stdout)
     assert first, stdout[-3000:]
     worker = _record_lines(stdout, f"(EngineCore pid={engine}) (RayWorkerWrapper pid={first.group(1).decode()}) {first.group(2).decode()}")
-    assert worker[1] == "Traceback (most recent call last):"
+    assert worker[1:2] in ([], ["Traceback (most recent call last):"]), worker
     # Ray forwards a worker's output asynchronously and may not deliver the tail of the record before the
-    # driver exits (real vLLM shares this race): what arrives is the record's beginning, in order.
-    assert re.fullmatch(f"ValueError: {message_any_device}", worker[-1]) or worker[-1].startswith("  "), worker[-1]
+    # driver exits (real vLLM shares this race): what arrives is the record's beginning, in order, cut anywhere.
+    frames, last = worker[2:-1], worker[-1]
+    assert all(line.startswith("  ") for line in frames), worker
+    assert len(worker) <= 2 or last.startswith("  ") or re.fullmatch(f"ValueError: {message_any_device}", last), worker
     assert stdout.index(first.group()) < stdout.index(b"EngineCore failed to start.")
     # The driver's traceback ends in the worker's exception as ray.get re-raises it.
     task_error = re.compile(
