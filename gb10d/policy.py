@@ -131,14 +131,17 @@ def backoff_delay(config: Config, backoffs: int) -> float:
     return min(r.backoff_initial_s * (2 ** max(0, backoffs)), r.backoff_max_s)
 
 
-def _lower_utilization(current: float, target: float, config: Config, why: str) -> Retry | GiveUp:
-    """Retry with `target` (never the same value again), unless below the configured minimum."""
+def _lower_utilization(current: float, target: float, config: Config, why: str, machine: str | None = None) -> Retry | GiveUp:
+    """Retry with `target` (never the same value again), unless below the configured minimum.
+
+    `machine`: where memory ran short, when it is the other machine of a pair.
+    """
     new = min(floor2(target), floor2(current - 0.01))
     minimum = config.memory.min_gpu_memory_utilization
     if new < minimum:
         return GiveUp(
             f"{why}; the next gpu_memory_utilization would be {new:g}, below memory.min_gpu_memory_utilization "
-            f"{minimum:g}. Free memory on this machine (stop what uses it, or reboot if a crashed vLLM left it taken), "
+            f"{minimum:g}. Free memory on {f'the machine {machine}' if machine else 'this machine'} (stop what uses it, or reboot if a crashed vLLM left it taken), "
             "or lower memory.min_gpu_memory_utilization",
             EXIT_GAVE_UP,
         )
@@ -183,8 +186,8 @@ def next_attempt(outcome: Outcome, used: Tunables, history: History, config: Con
             used.gpu_memory_utilization,
             target,
             config,
-            f"free memory {failure.free_gib:g} of {failure.total_gib:g} GiB is below gpu_memory_utilization "
-            f"{failure.requested_utilization:g} ({failure.requested_gib:g} GiB)",
+            describe(outcome),
+            failure.node,
         )
         if isinstance(retry, Retry):
             new = retry.tunables.gpu_memory_utilization

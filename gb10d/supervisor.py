@@ -248,6 +248,7 @@ class Supervisor:
         self.view: View | None = None
         self.previous_view: View | None = None
         self.joined = False
+        self._state_warned = False  # the unwritable state file is reported once
         self.death_notice_s = 0.0  # how long Ray may take to declare a machine dead (set with Ray's environment)
 
     @property
@@ -1196,7 +1197,7 @@ class Supervisor:
         try:
             write_state(self.config.daemon.state_file, state)
         except OSError as exc:
-            if not getattr(self, "_state_warned", False):
+            if not self._state_warned:
                 self._state_warned = True
                 self.journal.event("state_file_unwritable", f"cannot write the state file {self.config.daemon.state_file}: {exc.strerror or exc}; gb10d status will not work (set daemon.state_file)", PRIORITY_WARNING)
 

@@ -73,6 +73,15 @@ def test_free_memory_below_the_minimum_gives_up_with_advice() -> None:
     assert isinstance(decision, GiveUp)
     assert decision.exit_status == EXIT_GAVE_UP
     assert "memory.min_gpu_memory_utilization 0.3" in decision.message
+    assert "Free memory on this machine" in decision.message
+
+
+def test_free_memory_short_on_the_other_machine_of_a_pair_gives_up_naming_it() -> None:
+    short = FreeMemoryShort(free_gib=20.0, total_gib=121.69, requested_utilization=0.9, requested_gib=109.52, node="10.0.0.2")
+    decision = next_attempt(Outcome(Cause.FREE_MEMORY, short), Tunables(0.9), History(1), config())
+    assert isinstance(decision, GiveUp)
+    assert decision.message.startswith("free memory 20 of 121.69 GiB on the machine 10.0.0.2 is below gpu_memory_utilization 0.9")
+    assert "Free memory on the machine 10.0.0.2 (stop what uses it" in decision.message
 
 
 def test_stall_moves_down_the_load_strategy_ladder() -> None:
