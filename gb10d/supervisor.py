@@ -538,7 +538,7 @@ class Supervisor:
         """vLLM's API server exited by itself: classify from what it printed (or from the cluster it lost)."""
         self.metrics.set_vllm_up(False)
         cluster = self.config.cluster
-        if cluster is not None and lost_since(attempt.start_view, self.view, cluster):
+        if cluster is not None and self._placement_lost(attempt):
             return self._node_lost(attempt, f"vLLM (pid {attempt.process.pid}) {describe_exit(status)}")
         outcome = policy.classify(attempt.failures, status, attempt.ready)
         if not outcome.detail:
@@ -660,22 +660,18 @@ class Supervisor:
         health checks fail (seconds to a minute). A machine that left is not vLLM's failure and must
         not spend an attempt; a worker that died on a machine still there is. None: stopped meanwhile.
         """
-        cluster, attempt = self.config.cluster, self.attempt
-        assert cluster is not None and attempt is not None
+        attempt = self.attempt
+        assert attempt is not None
         where = f" on {outcome.failure.node}" if outcome.failure is not None and outcome.failure.node else ""
-        waiting = f"waiting up to {self.death_notice_s:g} s for Ray to tell whether its machine left the cluster"
-        text = f"vLLM lost a Ray worker{where}; {waiting}"
-        self.journal.event("node_lost", f"vLLM lost a Ray worker{where} ({outcome.detail}); {waiting}", PRIORITY_WARNING, attempt=attempt.number)
+        lost, waiting = f"vLLM lost a Ray worker{where}", f"waiting up to {self.death_notice_s:g} s for Ray to tell whether its machine left the cluster"
+        text = f"{lost}; {waiting}"
+        self.journal.event("node_lost", f"{lost} ({outcome.detail}); {waiting}", PRIORITY_WARNING, attempt=attempt.number)
         self.state = "restarting"
         self.notifier.status(text[:200])
         self._write_state(status_text_=text)
-
-        def lost() -> bool:
-            return lost_since(attempt.start_view, self.view, cluster)
-
-        if await self._wait_stop(self.death_notice_s, until=lost):
+        if await self._wait_stop(self.death_notice_s, until=lambda: self._placement_lost(attempt)):
             return None
-        if lost():
+        if self._placement_lost(attempt):
             return self._node_lost(attempt, f"vLLM (pid {attempt.process.pid}) was stopped when it lost its Ray worker there")
         return outcome
 
@@ -716,11 +712,15 @@ class Supervisor:
         about the machines; vLLM's own output and exit tell whether it still serves.
         """
         self._seen(view)
-        cluster = self.config.cluster
-        assert cluster is not None
-        if view.error or not lost_since(attempt.start_view, view, cluster):
+        if view.error or not self._placement_lost(attempt):
             return None
         return self._node_lost(attempt, "")
+
+    def _placement_lost(self, attempt: Attempt) -> bool:
+        """Whether a machine `attempt`'s vLLM was placed on is gone from the latest node table."""
+        cluster = self.config.cluster
+        assert cluster is not None
+        return lost_since(attempt.start_view, self.view, cluster)
 
     def _node_lost(self, attempt: Attempt, how: str) -> Outcome:
         """Say which machine left and why, and end the attempt uncounted; `how` tells how vLLM ended, if it already did."""

@@ -30,6 +30,7 @@ def daemons() -> Iterator[list[Daemon]]:
 
 
 def _ip(*args: str) -> str:
+    """`ip ARGS`, its output; a failure fails the test with ip's own words."""
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=True).stdout
 
 
@@ -46,12 +47,12 @@ def link() -> Iterator[tuple[str, str]]:
     head, worker = f"gb10c-h{os.getpid()}", f"gb10c-w{os.getpid()}"
     try:
         for ns in (head, worker):
-            subprocess.run(["ip", "netns", "add", ns], check=True)
-            subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        subprocess.run(["ip", "link", "add", "gb10c-h", "netns", head, "type", "veth", "peer", "name", "gb10c-w", "netns", worker], check=True)
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("link", "add", "gb10c-h", "netns", head, "type", "veth", "peer", "name", "gb10c-w", "netns", worker)
         for ns, dev, address in ((head, "gb10c-h", "10.213.60.1/24"), (worker, "gb10c-w", "10.213.60.2/24")):
-            subprocess.run(["ip", "-n", ns, "addr", "add", address, "dev", dev], check=True)
-            subprocess.run(["ip", "-n", ns, "link", "set", dev, "up"], check=True)
+            _ip("-n", ns, "addr", "add", address, "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
         for ns, dev in ((head, "gb10c-h"), (worker, "gb10c-w")):
             # A veth reports its carrier a moment after both ends are up.
             wait_until(lambda: "LOWER_UP" in _ip("-n", ns, "link", "show", dev), 30, f"{dev} to come up")
