@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import wait_until
 from sim_support import BLANK_TAGGED, RECORD, SHARD_BAR, TRACEBACK, messages, physical_lines
 
 FREE_MEMORY = re.compile(
@@ -84,10 +85,18 @@ def _io_chars(pid: int) -> int:
     return int(fields["rchar"]) + int(fields["wchar"])
 
 
+def _state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2 :].split()[0]
+
+
 def test_stall_at_k_stops_the_bar_and_all_output_and_io(sim) -> None:  # type: ignore[no-untyped-def]
     s = sim("m", env={"GB10D_SIM_SCENARIO": "stall_at=2"})
     s.wait_output(lambda out, err: (2, 6) in _bar_states(err))
     engine = s.engine_pid()
+    # The bar's bytes can reach us before the kernel counts them in /proc/PID/io (it does once write()
+    # returns): count from when the loader sleeps, which after the 2/6 draw is only the stall itself.
+    wait_until(lambda: _state(engine) == "S", what="the stalled loader to sleep")
     before = (bytes(s.stdout), bytes(s.stderr), _io_chars(engine))
     # An observation window of ten healthy shard times (0.12 s each at this speed).
     time.sleep(1.2)
