@@ -4,11 +4,14 @@ It prints what vLLM's API server prints, binds the port early without
 listening, forks the EngineCore, waits for it, then serves HTTP and writes
 the periodic stats lines. Signals only queue a fact; the main thread acts
 on it (REFERENCE §6 for what vLLM does on SIGTERM and on engine death).
+Only the main thread takes SIGTERM and SIGINT: the serving threads start
+with both blocked (see `_signals_to_main_thread`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
@@ -19,7 +22,7 @@ import socket
 import sys
 import threading
 import time
-from typing import NoReturn, Sequence
+from typing import Iterator, NoReturn, Sequence
 
 from . import texts
 from .args import DEFAULT_MODEL, non_default_args, parse_serve_args
@@ -43,6 +46,28 @@ _LOGO = (
     "   \u2580\u2580  \u2580\u2580\u2580\u2580\u2580 \u2580\u2580\u2580\u2580\u2580 \u2580     \u2580",
     "",
 )
+
+
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
+@contextlib.contextmanager
+def _signals_to_main_thread() -> Iterator[None]:
+    """Threads started inside never take SIGTERM or SIGINT; the main thread does.
+
+    The kernel may hand a process-directed signal to any thread that has
+    it unblocked, and a thread being created (glibc unblocks signals in
+    pthread_create) readily takes one. CPython then runs the Python handler
+    only when the main thread next executes bytecode, and a main thread
+    blocked in `queue.get()` never does: the SIGTERM that should stop the
+    server would be lost. Threads inherit the mask of the thread that
+    starts them, so the HTTP server's per-request threads are covered too.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 class _Terminated(Exception):
@@ -244,10 +269,11 @@ class ApiServer:
         self.uvicorn("Waiting for application startup.")
         self.uvicorn("Application startup complete.")
         server.server_activate()
-        threading.Thread(target=server.serve_forever, args=(0.05,), name="http", daemon=True).start()
-        client.start()
-        if not args.disable_log_stats and settings.speed > 0:
-            threading.Thread(target=self._stats_loop, args=(client, spec_k), name="stats", daemon=True).start()
+        with _signals_to_main_thread():
+            threading.Thread(target=server.serve_forever, args=(0.05,), name="http", daemon=True).start()
+            client.start()
+            if not args.disable_log_stats and settings.speed > 0:
+                threading.Thread(target=self._stats_loop, args=(client, spec_k), name="stats", daemon=True).start()
         while True:
             event = self.events.get()
             if event == "stop":

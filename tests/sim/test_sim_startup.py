@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -143,6 +145,32 @@ def test_sigterm_while_serving_prints_the_shutdown_lines_and_exits_0(sim) -> Non
         f"(APIServer pid={s.process.pid}) INFO:     Application shutdown complete.",
     ]
     assert s.group_pids() == []
+
+
+def test_sigterm_while_connections_keep_arriving_still_stops_the_server(sim) -> None:  # type: ignore[no-untyped-def]
+    # Every connection starts a handler thread, and a thread being created
+    # readily takes a process-directed signal; the stop must still happen.
+    s = sim("m")
+    s.wait_ready()
+    stop = threading.Event()
+
+    def connect_repeatedly() -> None:
+        while not stop.is_set():
+            try:
+                socket.create_connection(("127.0.0.1", s.port), timeout=1).close()
+            except OSError:
+                return
+
+    clients = [threading.Thread(target=connect_repeatedly, daemon=True) for _ in range(2)]
+    for client in clients:
+        client.start()
+    try:
+        s.process.send_signal(signal.SIGTERM)
+        assert s.wait_exit() == 0
+    finally:
+        stop.set()
+    s.drain()
+    assert messages(bytes(s.stdout))[-1] == "[shutdown] API server: shutting down FastAPI HTTP server"
 
 
 def test_sigterm_during_startup_exits_as_keyboard_interrupt_and_stops_the_engine(sim) -> None:  # type: ignore[no-untyped-def]
