@@ -238,6 +238,9 @@ class RestartSection(_Table):
     max_attempts: int = Field(default=5, ge=1, le=100)
     backoff_initial_s: float = Field(default=5.0, ge=0)
     backoff_max_s: float = Field(default=300.0, ge=0)
+    # After serving this long, a failure starts a new count of max_attempts;
+    # a failure sooner counts with the start that preceded it.
+    reset_after_s: float = Field(default=600.0, ge=0)
 
     @model_validator(mode="after")
     def _backoff_order(self) -> RestartSection:

@@ -84,6 +84,18 @@ class Outcome:
     exit_status: int | None = None
     was_ready: bool = False
     detail: str = ""
+    served_s: float = 0.0  # how long it served before it ended (0 if it never became ready)
+
+
+def starts_new_count(outcome: Outcome, config: Config) -> bool:
+    """Whether this failure begins a new count of `restart.max_attempts`.
+
+    Only after vLLM served for `restart.reset_after_s` or longer: an engine
+    that dies soon after every ready would otherwise be restarted forever
+    (the loop a systemd `Restart=` makes). A hang never begins a new count,
+    so a model that keeps hanging is given up on.
+    """
+    return outcome.was_ready and outcome.cause is not Cause.ENGINE_HUNG and outcome.served_s >= config.restart.reset_after_s
 
 
 def classify(failures: Sequence[Failure], exit_status: int | None, was_ready: bool) -> Outcome:
@@ -119,7 +131,7 @@ class GiveUp:
 
 @dataclass(frozen=True)
 class History:
-    """Attempts made since the last time vLLM was ready."""
+    """Attempts made since the last failure that began a new count (`starts_new_count`)."""
 
     attempts: int = 0
     backoffs: int = 0
@@ -209,9 +221,17 @@ def next_attempt(outcome: Outcome, used: Tunables, history: History, config: Con
             )
         else:
             retry = Retry(used, backoff_delay(config, history.backoffs), "retrying with the same settings")
-    elif outcome.was_ready:
-        # It served before: a fresh start is the fix, and a full start is slow enough to pace itself.
+    elif starts_new_count(outcome, config) or outcome.cause is Cause.ENGINE_HUNG:
+        # It served a good while (or hung, which keeps counting): a fresh start is the fix,
+        # and a full start is slow enough to pace itself.
         retry = Retry(used, 0.0, "restarting with the same settings")
+    elif outcome.was_ready:
+        retry = Retry(
+            used,
+            backoff_delay(config, history.backoffs),
+            f"it served only {outcome.served_s:.0f} s (less than restart.reset_after_s "
+            f"{config.restart.reset_after_s:g}), so this counts as a failed start; restarting with the same settings",
+        )
     else:
         retry = Retry(used, backoff_delay(config, history.backoffs), "restarting with the same settings")
 

@@ -168,6 +168,7 @@ class Attempt:
     baseline: MemInfo | None
     failures: list[Failure] = field(default_factory=list)
     ready: bool = False
+    ready_since: float | None = None  # monotonic, once ready
     startup_complete_at: float | None = None
     readiness: asyncio.Task[None] | None = None
     last_io: int | None = None  # None until the first sample: the baseline counts as no progress
@@ -322,9 +323,9 @@ class Supervisor:
                 if await self._memory_gate(baseline):
                     return await self._stopped()
                 continue
-            if outcome.was_ready and outcome.cause is not Cause.ENGINE_HUNG:
-                # It served: a new run of failures begins. A hang keeps counting, so a model that keeps
-                # hanging is given up on rather than restarted forever.
+            if self.attempt is not None and self.attempt.ready_since is not None:
+                outcome = replace(outcome, served_s=time.monotonic() - self.attempt.ready_since)
+            if policy.starts_new_count(outcome, self.config):
                 history = History(1, 0)
             decision = policy.next_attempt(outcome, tunables, history, self.config)
             self._log_failure(outcome, decision, history.attempts)
@@ -575,7 +576,7 @@ class Supervisor:
 
     def _became_ready(self, attempt: Attempt, detail: str) -> None:
         now = time.monotonic()
-        attempt.ready = True
+        attempt.ready, attempt.ready_since = True, now
         attempt.startup = enter(attempt.startup, Phase.READY, now)
         self.state = "serving"
         self.ready_at = time.time()

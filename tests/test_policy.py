@@ -20,7 +20,7 @@ from gb10d.events import (
     PortInUse,
     RayWorkerLost,
 )
-from gb10d.policy import Cause, GiveUp, History, Outcome, Retry, backoff_delay, classify, describe, next_attempt
+from gb10d.policy import Cause, GiveUp, History, Outcome, Retry, backoff_delay, classify, describe, next_attempt, starts_new_count
 
 
 def config(**tables: dict[str, object]) -> Config:
@@ -144,7 +144,48 @@ def test_a_failure_on_the_other_machine_of_a_pair_names_that_machine() -> None:
 
 
 def test_a_lost_ray_worker_that_served_restarts_with_the_same_settings_and_counts() -> None:
-    outcome = Outcome(Cause.WORKER_LOST, RayWorkerLost("ray.exceptions.ActorDiedError: The actor died"), None, True, "ActorDiedError")
+    outcome = Outcome(Cause.WORKER_LOST, RayWorkerLost("ray.exceptions.ActorDiedError: The actor died"), None, True, "ActorDiedError", served_s=900)
     decision = next_attempt(outcome, Tunables(0.92, None, None), History(1, 0), config())
     assert isinstance(decision, Retry) and decision.delay_s == 0 and decision.message == "restarting with the same settings"
     assert isinstance(next_attempt(outcome, Tunables(0.92, None, None), History(3, 0), config(restart={"max_attempts": 3})), GiveUp)
+
+
+def test_a_failure_after_serving_reset_after_s_or_longer_starts_a_new_count() -> None:
+    cfg = config(restart={"reset_after_s": 600})
+    assert starts_new_count(Outcome(Cause.ENGINE_DEAD, was_ready=True, served_s=600), cfg)
+    assert not starts_new_count(Outcome(Cause.ENGINE_DEAD, was_ready=True, served_s=599), cfg)
+    assert not starts_new_count(Outcome(Cause.CRASH), cfg)
+
+
+def test_a_failure_after_serving_a_good_while_restarts_at_once() -> None:
+    outcome = Outcome(Cause.ENGINE_DEAD, was_ready=True, served_s=3600)
+    decision = next_attempt(outcome, Tunables(0.8), History(1, 0), config())
+    assert isinstance(decision, Retry) and decision.delay_s == 0 and decision.message == "restarting with the same settings"
+
+
+def test_a_failure_soon_after_ready_backs_off_and_says_why_it_counts() -> None:
+    cfg = config(restart={"backoff_initial_s": 5, "reset_after_s": 600})
+    decision = next_attempt(Outcome(Cause.ENGINE_DEAD, was_ready=True, served_s=42.4), Tunables(0.8), History(2, 1), cfg)
+    assert isinstance(decision, Retry) and decision.delay_s == 10
+    assert decision.message == (
+        "it served only 42 s (less than restart.reset_after_s 600), so this counts as a failed start; "
+        "restarting with the same settings"
+    )
+
+
+def test_an_engine_that_dies_soon_after_every_ready_is_given_up_on() -> None:
+    outcome = Outcome(Cause.ENGINE_DEAD, was_ready=True, served_s=30)
+    decision = next_attempt(outcome, Tunables(0.8), History(5, 3), config())
+    assert isinstance(decision, GiveUp) and decision.exit_status == EXIT_GAVE_UP
+    assert "giving up after 5 failed starts" in decision.message
+
+
+def test_a_hang_never_starts_a_new_count_however_long_it_served() -> None:
+    hang = Outcome(Cause.ENGINE_HUNG, was_ready=True, served_s=86400)
+    assert not starts_new_count(hang, config())
+    decision = next_attempt(hang, Tunables(0.8), History(2, 0), config())
+    assert isinstance(decision, Retry) and decision.delay_s == 0
+
+
+def test_reset_after_s_zero_makes_every_ready_start_a_new_count() -> None:
+    assert starts_new_count(Outcome(Cause.ENGINE_DEAD, was_ready=True, served_s=0.0), config(restart={"reset_after_s": 0}))

@@ -202,15 +202,35 @@ def test_killed_api_server_leaves_no_orphaned_engine_and_is_recovered(tmp_path: 
     assert_no_vllm_left(daemon)
 
 
-def test_engine_death_after_ready_is_recovered(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
-    setup = Setup(tmp_path, scenario="engine_dies_after=200", extra={"liveness.health_interval_s": 0.5, "restart.max_attempts": 5})
+def test_engine_death_after_serving_reset_after_s_is_recovered_with_a_new_count(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    # Each start serves about 2 s, longer than restart.reset_after_s: every death begins a new count,
+    # so a budget of 2 never runs out.
+    setup = Setup(
+        tmp_path,
+        scenario="engine_dies_after=200",
+        extra={"liveness.health_interval_s": 0.5, "restart.max_attempts": 2, "restart.reset_after_s": 0.5},
+    )
     daemon = run(setup, notify, daemons)
     ready(notify)
     daemon.wait_line(r"gb10d: .*(engine is dead|engine core died|EngineDeadError|engine_dead)")
     # The restarted vLLM serves again; the dead attempt's own exit is not mistaken for the new one crashing.
-    wait_until(lambda: notify.count("READY", "1") >= 2, 60, "READY=1 again after the restart")
+    wait_until(lambda: notify.count("READY", "1") >= 3, 90, "READY=1 again after two restarts")
     assert not any("crash:" in line for line in daemon.own_lines()), daemon.own_lines()
+    assert not any("giving up" in line for line in daemon.own_lines()), daemon.own_lines()
     daemon.stop()
+    assert_no_vllm_left(daemon)
+
+
+def test_an_engine_that_dies_soon_after_every_ready_is_given_up_on(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    # Serving about 2 s is less than restart.reset_after_s (600 s by default): the deaths add up like failed starts.
+    setup = Setup(tmp_path, scenario="engine_dies_after=200", extra={"liveness.health_interval_s": 0.5, "restart.max_attempts": 3})
+    daemon = run(setup, notify, daemons)
+    assert daemon.wait_exit(180) == EXIT_GAVE_UP
+    assert notify.count("READY", "1") == 3
+    assert len(starts(daemon)) == 3
+    own = daemon.own_lines()
+    assert any("it served only" in line and "so this counts as a failed start" in line and "(attempt 2/3)" in line for line in own), own
+    assert any("giving up after 3 failed starts" in line for line in own), own
     assert_no_vllm_left(daemon)
 
 

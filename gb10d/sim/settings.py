@@ -55,7 +55,7 @@ def parse_scenario(text: str) -> Scenario:
         if name in flags and not sep:
             values[name] = True
         elif name == "stall_at" and sep:
-            values["stall_at"] = _number(f"GB10D_SIM_SCENARIO stall_at", raw, integer=True)
+            values["stall_at"] = _number("GB10D_SIM_SCENARIO stall_at", raw, integer=True)
         elif name in numbers and sep:
             values[numbers[name]] = _number(f"GB10D_SIM_SCENARIO {name}", raw)
         elif name == "cuda_oom_during" and raw in OOM_PHASES:
