@@ -194,7 +194,10 @@ class EngineDied(Failure):
 
 @dataclass(frozen=True)
 class RayWorkerLost(EngineDied):
-    """A Ray worker of the engine is gone (`ActorDiedError`, `RayActorError`): the engine is dead, and its machine may have left."""
+    """A Ray worker of the engine is gone (`ActorDiedError`, `RayActorError`, V2's `RayWorkerProc rank=[N] died unexpectedly`).
+
+    The engine is dead, and the worker's machine may have left the cluster.
+    """
 
 
 @dataclass(frozen=True)

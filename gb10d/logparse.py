@@ -68,9 +68,11 @@ MAX_LINE_BYTES = 64 * 1024
 _ANSI_B = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
 # Process names are words (`EngineCore_DP0`, `Worker_TP0`); 0.9-0.10 also wrote `VllmWorker rank=0`.
 _NAME = r"[\w.\[\]=-]+(?: [\w.\[\]=-]+)?"
-# Ray forwards a remote worker's lines as `(RayWorkerWrapper pid=N, ip=ADDR) ...` (no `ip=` for its own node).
-_RAY_IP = r"(?:, ip=(?P<{i}>[0-9A-Fa-f.:]+))?"
-_TAG_B = re.compile(rb"\(" + _NAME.encode() + rb" pid=\d+(?:, ip=[0-9A-Fa-f.:]+)?\) ")
+# Ray forwards an actor's lines behind its own tag, `(RayWorkerProc pid=N, ip=ADDR) ` (no `ip=` for the
+# driver's node), after the EngineCore's tag and before vLLM's own one in the actor: a line can carry a
+# chain, `(EngineCore pid=1) (RayWorkerProc pid=2, ip=10.0.0.2) (Worker pid=2) INFO ...`.
+_ONE_TAG = r"\(" + _NAME + r" pid=\d+(?:, ip=[0-9A-Fa-f.:]+)?\) "
+_TAGS_B = re.compile(rb"(?:" + _ONE_TAG.encode() + rb")+")
 
 
 class Line(NamedTuple):
@@ -195,7 +197,7 @@ class LineFramer:
         if complete and len(parts) == 1:
             self._emit(first, False, out)
             return
-        tag = _TAG_B.match(first)
+        tag = _TAGS_B.match(first)
         self._tag = tag.group(0) if tag else b""
         head = first[len(self._tag) :]
         if head.strip():
@@ -259,16 +261,26 @@ class Record:
     node: str | None = None  # the Ray node address of a remote worker's line (`ip=` in its tag)
 
 
-_TAG = r"\((?P<{n}>" + _NAME + r") pid=(?P<{p}>\d+)" + _RAY_IP + r"\) "  # a str.format template: n, p, i name the groups
+_TAG_PARTS = re.compile(r"\((?P<t>" + _NAME + r") pid=(?P<p>\d+)(?:, ip=(?P<i>[0-9A-Fa-f.:]+))?\) ")
+
+
+def _tag_facts(chain: str) -> tuple[str | None, int | None, str | None]:
+    """The innermost process name and pid of a tag chain, and the Ray node address any of its tags names."""
+    name: str | None = None
+    pid: int | None = None
+    node: str | None = None
+    for t in _TAG_PARTS.finditer(chain):
+        name, pid = t.group("t"), int(t.group("p"))
+        node = node or t.group("i")
+    return name, pid, node
 
 
 @lru_cache(maxsize=8)
 def _log_regex(prefix: str) -> re.Pattern[str]:
     """vLLM's record format for a given VLLM_LOGGING_PREFIX, both eras, plus the pre-0.23 bracketless source."""
     return re.compile(
-        "^(?:" + _TAG.format(n="t1", p="p1", i="i1") + ")?"
-        + (f"(?:{re.escape(prefix)})?" if prefix else "")
-        + "(?:" + _TAG.format(n="t2", p="p2", i="i2") + ")?"
+        "^(?P<tags>(?:" + _ONE_TAG + ")*"
+        + (f"(?:{re.escape(prefix)})?(?:" + _ONE_TAG + ")*" if prefix else "") + ")"
         r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<ts>\d\d-\d\d \d\d:\d\d:\d\d)(?:[.,]\d+)? "
         r"\[?(?P<src>[^\]\s:]+):(?P<ln>\d+)\] ?(?P<msg>.*)$",
         re.S,
@@ -276,9 +288,9 @@ def _log_regex(prefix: str) -> re.Pattern[str]:
 
 
 _UVICORN = re.compile(
-    r"^(?:" + _TAG.format(n="t", p="p", i="i") + r")?(?P<level>CRITICAL|ERROR|WARNING|INFO|DEBUG|TRACE):\s+(?P<msg>.*)$", re.S
+    r"^(?P<tags>(?:" + _ONE_TAG + r")*)(?P<level>CRITICAL|ERROR|WARNING|INFO|DEBUG|TRACE):\s+(?P<msg>.*)$", re.S
 )
-_TAG_STR = re.compile(r"^" + _TAG.format(n="t", p="p", i="i"))
+_TAG_STR = re.compile(r"^(?:" + _ONE_TAG + ")+")
 _SHARD_BAR = re.compile(
     r"(?P<desc>Loading safetensors checkpoint shards|Loading safetensors using [\w ]+?|Multi-thread loading shards"
     r"|Loading pt checkpoint shards|Loading np_cache checkpoint shards|Loading [\w ]*?shards)"
@@ -294,6 +306,8 @@ _TQDM_OPEN_BAR = re.compile(
 )
 _EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Fault|Warning))(?::\s?(?P<msg>.*))?$", re.S)
 _PY_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")
+# Ray's own logger in the driver (`2026-12-03 15:16:30,441\tINFO worker.py:1691 -- Connected to Ray cluster.`).
+_RAY_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\t(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
 _GLOG = re.compile(r"^(?:\[rank\d+\]:)?\[(?P<sev>[IWEF])\d{4} \d\d:\d\d:\d\d")
 _PROCESS_DUMP = re.compile(r"^Process [\w.\[\]-]+:$")
 _CHAIN = ("The above exception was the direct cause", "During handling of the above exception")
@@ -331,22 +345,21 @@ class Classifier:
         """The record for one line; updates the traceback state."""
         m = self._log.match(text) if " [" in text or "] " in text else None
         if m is not None:
-            t1, p1, i1, t2, p2, i2, level, ts, src, ln, msg = m.group("t1", "p1", "i1", "t2", "p2", "i2", "level", "ts", "src", "ln", "msg")
-            record_pid = int(p2 or p1) if (p1 or p2) else None
+            chain, level, ts, src, ln, msg = m.group("tags", "level", "ts", "src", "ln", "msg")
+            name, record_pid, node = _tag_facts(chain) if chain else (None, None, None)
             if self._state:
                 self._state.pop(record_pid, None)
                 self._state.pop(None, None)
-            return Record(Kind.VLLM, _LEVEL_PRIORITY[level], msg, t2 or t1, record_pid, level, ts, src, int(ln), i2 or i1)
+            return Record(Kind.VLLM, _LEVEL_PRIORITY[level], msg, name, record_pid, level, ts, src, int(ln), node)
         if ":" in text[:40]:
             u = _UVICORN.match(text)
             if u is not None:
-                pid_s = u.group("p")
+                name, uvicorn_pid, _ = _tag_facts(u.group("tags"))
                 if self._state:
-                    self._state.pop(int(pid_s) if pid_s else None, None)
+                    self._state.pop(uvicorn_pid, None)
                     self._state.pop(None, None)
                 level = u.group("level")
-                return Record(Kind.UVICORN, _LEVEL_PRIORITY[level], u.group("msg"), u.group("t"),
-                              int(pid_s) if pid_s else None, level)
+                return Record(Kind.UVICORN, _LEVEL_PRIORITY[level], u.group("msg"), name, uvicorn_pid, level)
         tag: str | None = None
         pid: int | None = None
         node: str | None = None
@@ -354,7 +367,7 @@ class Classifier:
         if text.startswith("("):
             t = _TAG_STR.match(text)
             if t is not None:
-                tag, pid, node = t.group("t"), int(t.group("p")), t.group("i")
+                tag, pid, node = _tag_facts(t.group(0))
                 message = text[t.end():]
         if _bar_kind(message):
             return Record(Kind.BAR, PRIORITY_INFO, message, tag, pid, node=node)
@@ -397,6 +410,8 @@ class Classifier:
         if _PY_WARNING.match(message):
             self._state[key] = "warn"
             return Kind.RAW, PRIORITY_WARNING
+        if message[:2] == "20" and (r := _RAY_LOG.match(message)) is not None:
+            return Kind.RAW, _LEVEL_PRIORITY[r.group("level")]
         g = _GLOG.match(message)
         if g is not None:
             sev = g.group("sev")
@@ -629,7 +644,10 @@ def _failures(msg: str) -> list[Event]:
             out.append(BadArgument(m.group("msg").strip()))
     if "should be provided as the first positional argument" in msg or "Config file must be of a yaml" in msg:
         out.append(BadArgument(msg.split(": ", 1)[-1].strip()))
-    if "ActorDiedError" in msg or "RayActorError" in msg or "ActorUnavailableError" in msg:
+    # vLLM's Ray executors: V1 re-raises Ray's actor errors; V2 (0.23's default) has a monitor thread that says
+    # `RayWorkerProc rank=[1] died unexpectedly, shutting down executor.`
+    if ("ActorDiedError" in msg or "RayActorError" in msg or "ActorUnavailableError" in msg
+            or ("RayWorkerProc rank=" in msg and "died unexpectedly" in msg)):
         out.append(RayWorkerLost(msg.strip()))
     elif "EngineDeadError" in msg or "engine core exited unexpectedly" in msg or "died unexpectedly" in msg:
         out.append(EngineDied(msg.strip()))

@@ -601,6 +601,41 @@ def test_a_remote_workers_free_memory_failure_is_parsed_with_its_numbers() -> No
     assert (event.free_gib, event.total_gib, event.requested_utilization) == (40.0, 121.69, 0.92)
 
 
+# vLLM 0.23's default Ray executor (V2): Ray's `(RayWorkerProc pid=N[, ip=A])` sits between the EngineCore's
+# tag and vLLM's own `(Worker pid=N)` in the actor (as captured from a real vLLM 0.23.0, cyan escapes removed).
+V2_CHAIN = "(EngineCore pid=1285) (RayWorkerProc pid=2100, ip=10.213.0.2) (Worker pid=2100) "
+
+
+def test_a_v2_ray_workers_record_behind_three_tags_keeps_its_level_and_names_its_machine() -> None:
+    record = classify(V2_CHAIN + "ERROR 12-03 15:16:57 [gpu_worker.py:303] boom")
+    assert (record.kind, record.priority, record.tag, record.pid, record.node, record.message) == (
+        Kind.VLLM, 3, "Worker", 2100, "10.213.0.2", "boom"
+    )
+    local = classify("(EngineCore pid=1285) (RayWorkerProc pid=2100) (Worker pid=2100) INFO 12-03 15:16:59 "
+                     "[default_loader.py:397] Loading weights took 0.02 seconds")
+    assert (local.kind, local.tag, local.node) == (Kind.VLLM, "Worker", None)
+
+
+def test_a_v2_ray_workers_shard_bar_and_traceback_are_recognised_behind_three_tags() -> None:
+    line = V2_CHAIN + "Loading safetensors checkpoint shards: 100% Completed | 6/6 [00:00<00:00, 458.11it/s]"
+    record = classify(line)
+    assert (record.kind, record.node) == (Kind.BAR, "10.213.0.2")
+    assert parse_line(line) == [ShardsProgressed(6, 6, False)]
+    tb = Classifier()
+    assert tb.classify(V2_CHAIN + "Traceback (most recent call last):").kind is Kind.TRACEBACK
+    assert tb.classify(V2_CHAIN + '  File "gpu_worker.py", line 240, in init_device').priority == 3
+
+
+def test_a_bar_redrawn_behind_a_tag_chain_keeps_the_whole_chain_on_every_state() -> None:
+    framer = LineFramer()
+    lines = framer.feed((V2_CHAIN + "\rLoading safetensors checkpoint shards:   0% Completed | 0/6 [00:00<?, ?it/s]"
+                         "\rLoading safetensors checkpoint shards: 100% Completed | 6/6 [00:00<00:00, 458.11it/s]\n").encode())
+    assert [line.text for line in lines] == [
+        V2_CHAIN + "Loading safetensors checkpoint shards:   0% Completed | 0/6 [00:00<?, ?it/s]",
+        V2_CHAIN + "Loading safetensors checkpoint shards: 100% Completed | 6/6 [00:00<00:00, 458.11it/s]",
+    ]
+
+
 # --- failures of Ray workers ------------------------------------------------------
 
 
@@ -609,6 +644,11 @@ def test_a_dead_ray_actor_means_a_lost_worker_not_just_a_dead_engine() -> None:
         RayWorkerLost("ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.")
     ]
     assert [type(e) for e in parse_line(ENGINE_ERR + "ray.exceptions.RayActorError: The actor died because of an error raised in its creation task")] == [RayWorkerLost]
+
+
+def test_the_v2_executors_worker_monitor_reporting_a_dead_worker_means_a_lost_worker() -> None:
+    line = "(EngineCore pid=1285) ERROR 12-03 15:20:01 [ray_executor_v2.py:464] RayWorkerProc rank=[1] died unexpectedly, shutting down executor."
+    assert parse_line(line) == [RayWorkerLost("RayWorkerProc rank=[1] died unexpectedly, shutting down executor.")]
 
 
 def test_a_workers_exception_re_raised_in_the_driver_carries_the_workers_machine() -> None:
@@ -623,3 +663,9 @@ def test_a_workers_exception_re_raised_in_the_driver_carries_the_workers_machine
     # The machine belongs to that one exception only.
     (later,) = scanner.feed("(EngineCore pid=9) ValueError: " + FREE) + scanner.flush()
     assert later.node is None
+
+
+def test_rays_own_log_lines_keep_their_level() -> None:
+    warning = classify("(EngineCore pid=1285) 2026-12-03 15:16:30,441\tWARNING worker.py:2100 -- Ray is slow")
+    info = classify("(EngineCore pid=1285) 2026-12-03 15:16:30,475\tINFO worker.py:2038 -- Connected to Ray cluster.")
+    assert (warning.kind, warning.priority, info.priority) == (Kind.RAW, 4, 6)

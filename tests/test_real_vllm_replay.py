@@ -5,6 +5,11 @@ printed them (installation paths normalised), plus gb10d's own journal and
 sd_notify messages from that run. Parser and decision core must read them
 as the live supervisor did: every phase, no false failure, the right cause
 and the right next setting.
+
+real-vllm-0.23.0-ray holds one start with `--distributed-executor-backend ray`
+(tests/gpu/run-real-vllm-ray.sh): vLLM 0.23's default Ray executor (V2) runs
+the model in a `RayWorkerProc` actor whose lines reach the EngineCore's
+stderr and stdout through Ray, behind a chain of three tags.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from gb10d.phases import Phase, advance, start
 from gb10d.policy import Cause, History, Retry, classify, next_attempt
 
 FIXTURES = Path(__file__).parent / "fixtures" / "real-vllm-0.23.0-gb10d"
+RAY_FIXTURES = Path(__file__).parent / "fixtures" / "real-vllm-0.23.0-ray"
 HEALTHY_STARTS = ["2-ready-then-api-server-killed", "3-ready-then-engine-killed", "4-ready-then-sigterm"]
 
 
@@ -35,7 +41,7 @@ class Replay:
     priorities: dict[str, int] = field(default_factory=dict)
 
 
-def replay(name: str) -> Replay:
+def replay(name: str, fixtures: Path = FIXTURES) -> Replay:
     """Both streams of one start through framing, classification, event scanning and phase tracking.
 
     The capture kept stdout and stderr apart, so each is replayed on its own
@@ -45,10 +51,10 @@ def replay(name: str) -> Replay:
     for stream in ("stdout", "stderr"):
         framer, classifier, scanner = LineFramer(), Classifier(), EventScanner()
         state = start(0.0)
-        for line in framer.feed((FIXTURES / f"{name}.{stream}").read_bytes()) + framer.flush():
+        for line in framer.feed((fixtures / f"{name}.{stream}").read_bytes()) + framer.flush():
             record = classifier.classify(line.text)
             result.priorities[line.text] = record.priority
-            if record.kind is Kind.RAW and line.text.strip() and not re.fullmatch(r"\(\w+ pid=\d+\) ", line.text):
+            if record.kind is Kind.RAW and line.text.strip() and not re.fullmatch(r"(?:\(\w+ pid=\d+\) )+", line.text):
                 result.raw.append(line.text)
             for event in scanner.feed(line.text):
                 result.events.append(event)
@@ -116,3 +122,34 @@ def test_the_real_run_sent_ready_only_after_health_and_models_and_recovered_ever
     notify = json.loads((FIXTURES / "notify.json").read_text())
     assert sum(1 for m in notify if m.get("READY") == "1") == 3
     assert notify[-1].get("STOPPING") == "1" or any(m.get("STOPPING") == "1" for m in notify)
+
+
+# --- the Ray backend -----------------------------------------------------------------
+
+
+def test_a_real_ray_backed_start_passes_its_phases_from_the_ray_workers_lines() -> None:
+    r = replay("ready-ray-v2", RAY_FIXTURES)
+    for phase in (Phase.LOADING_WEIGHTS, Phase.KV_CACHE, Phase.STARTING_SERVER):
+        assert phase in r.phases, (phase, r.phases)
+    assert any(isinstance(e, StartupCompleted) for e in r.events)
+    assert [e for e in r.events if isinstance(e, Failure)] == []
+
+
+def test_every_line_of_the_real_ray_backed_start_is_classified_with_its_level() -> None:
+    r = replay("ready-ray-v2", RAY_FIXTURES)
+    # Left as raw text: Ray's own logger (its level still read) and torch's glog lines.
+    assert all("\tINFO worker.py:" in line or "[W1203 " in line for line in r.raw), r.raw
+    warning = next(line for line in r.priorities if "Missing `shared_worker_lock`" in line)
+    assert r.priorities[warning] == 4
+    worker = Classifier().classify(next(line for line in r.priorities if "Loading weights took" in line))
+    assert (worker.kind, worker.tag, worker.pid, worker.level) == (Kind.VLLM, "Worker", 2100, "INFO")
+
+
+def test_the_real_ray_backed_run_was_ready_only_after_health_models_and_a_completion() -> None:
+    journal = (RAY_FIXTURES / "gb10d-journal.txt").read_text()
+    (ready,) = [line for line in journal.splitlines() if "gb10d: vLLM is ready after" in line]
+    assert "/health 200, /v1/models lists tiny, warm-up completion took" in ready
+    notify = json.loads((RAY_FIXTURES / "notify.json").read_text())
+    statuses = [m["STATUS"] for m in notify if "STATUS" in m]
+    assert any(s.startswith("loading weights 0/6") for s in statuses) and any(s.startswith("allocating KV cache") for s in statuses)
+    assert [m.get("READY") for m in notify if "READY" in m] == ["1"]

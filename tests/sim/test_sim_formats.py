@@ -44,7 +44,7 @@ def test_multi_line_record_repeats_the_full_prefix_after_each_carriage_return() 
 def test_debug_level_shows_the_relative_source_path() -> None:
     style = LogStyle(wrapper_tag=True, threshold=10)
     line = format_record(style, "APIServer", 1, "DEBUG", WHEN, "v1/metrics/loggers.py:271", "m")
-    assert f"[v1/metrics/loggers.py:271] m" in line
+    assert "[v1/metrics/loggers.py:271] m" in line
 
 
 def test_uvicorn_level_is_padded_to_nine_then_a_space() -> None:
