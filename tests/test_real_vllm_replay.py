@@ -23,7 +23,7 @@ import pytest
 
 from gb10d.command import Tunables
 from gb10d.config import Config
-from gb10d.events import EngineDied, Event, Failure, FreeMemoryShort, StartupCompleted
+from gb10d.events import EngineDied, Event, Failure, FreeMemoryShort, RayWorkerLost, StartupCompleted
 from gb10d.logparse import Classifier, EventScanner, Kind, LineFramer
 from gb10d.phases import Phase, advance, start
 from gb10d.policy import Cause, History, Retry, classify, next_attempt
@@ -153,3 +153,17 @@ def test_the_real_ray_backed_run_was_ready_only_after_health_models_and_a_comple
     statuses = [m["STATUS"] for m in notify if "STATUS" in m]
     assert any(s.startswith("loading weights 0/6") for s in statuses) and any(s.startswith("allocating KV cache") for s in statuses)
     assert [m.get("READY") for m in notify if "READY" in m] == ["1"]
+
+
+def test_a_real_v2_ray_worker_killed_while_serving_is_a_lost_ray_worker() -> None:
+    failures = [e for e in replay("ready-then-worker-killed-ray-v2", RAY_FIXTURES).events if isinstance(e, Failure)]
+    assert failures == [RayWorkerLost("RayWorkerProc rank=[0] died unexpectedly, shutting down executor.")]
+    assert classify(failures, None, was_ready=True).cause is Cause.WORKER_LOST
+
+
+def test_the_real_ray_backed_run_named_the_lost_worker_and_served_again() -> None:
+    journal = (RAY_FIXTURES / "gb10d-journal-worker-killed.txt").read_text()
+    own = [line.split(" ", 1)[1].strip() for line in journal.splitlines() if "gb10d: " in line]
+    assert any("gb10d: ray_worker_lost: RayWorkerProc rank=[0] died unexpectedly" in line
+               and "restarting with the same settings in 1 s (attempt 2/4)" in line for line in own), own
+    assert len([line for line in own if "vLLM is ready after" in line]) == 2
