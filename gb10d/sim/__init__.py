@@ -35,7 +35,10 @@ vLLM's `ValueError: The number of required GPUs exceeds the total number of
 available GPUs in the placement group.`; otherwise one `{"GPU": 1}` bundle
 per rank is placed (PACK, bundle 0 on the driver's node, VLLM_HOST_IP or
 Ray's node IP; vLLM's "Waiting for creating a placement group" lines while
-it cannot be placed) and one `RayWorkerWrapper` actor per rank does the
+it cannot be placed) and one `RayWorkerWrapper` actor per rank (vLLM's
+V1 Ray executor; 0.23 defaults to V2, whose `RayWorkerProc` actors tag
+their lines differently and report a death from a monitor thread: see
+docs/REAL_VLLM.md, the parser reads both) does the
 per-GPU steps: process-group lines, the free-memory check, the weights
 (rank 0 draws the shard bar). Their lines reach the sim's stdout/stderr
 through Ray's log forwarding, `(RayWorkerWrapper pid=N[, ip=A]) ` in front
