@@ -167,7 +167,6 @@ class Attempt:
     spawned_at: float
     baseline: MemInfo | None
     failures: list[Failure] = field(default_factory=list)
-    ready: bool = False
     ready_since: float | None = None  # monotonic, once ready
     startup_complete_at: float | None = None
     readiness: asyncio.Task[None] | None = None
@@ -177,6 +176,11 @@ class Attempt:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     prober: Prober | None = None
     start_view: View | None = None  # on a pair: the machines vLLM was placed on
+
+    @property
+    def ready(self) -> bool:
+        """READY=1 was sent for this attempt; derived from `ready_since`, so the two cannot disagree."""
+        return self.ready_since is not None
 
 
 class _Stream:
@@ -576,7 +580,7 @@ class Supervisor:
 
     def _became_ready(self, attempt: Attempt, detail: str) -> None:
         now = time.monotonic()
-        attempt.ready, attempt.ready_since = True, now
+        attempt.ready_since = now
         attempt.startup = enter(attempt.startup, Phase.READY, now)
         self.state = "serving"
         self.ready_at = time.time()
