@@ -118,54 +118,121 @@ def replay(stdout: Path, stderr: Path) -> dict[str, Any]:
             "failures": failures, "phases": phases, "unclassified": kinds.get(Kind.RAW.value, 0)}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+
+VLLM_PROGRAM = "python3 -c 'import sys; from vllm.entrypoints.cli.main import main; sys.argv[0]=\"vllm\"; sys.exit(main())'"
+PORT = 8000
+
+
+def driver_arguments(description: str) -> argparse.ArgumentParser:
+    """The arguments every driver takes: the model, where results go, and the program behind `vllm`."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--program", default=VLLM_PROGRAM, help="what the vllm wrapper execs (a dry run points it at gb10d.sim)")
+    return parser
+
+
+class Run:
+    """One driver run: its report, `gb10d run` under a real notify socket, the starts it made, and the kept outputs.
+
+    Every step records what it saw as it goes, so a run cut short by a
+    failed step still leaves an honest report.
+    """
+
+    def __init__(self, out: Path, work_name: str) -> None:
+        self.out = out
+        self.raw_dir = out / "raw"
+        self.raw_dir.mkdir(parents=True, exist_ok=True)
+        self.work = Path(os.environ.get("HOME", "/tmp")) / work_name
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.report: dict[str, Any] = {"checks": {}, "timeline": []}
+        self.t0 = time.monotonic()
+        self.groups: list[int] = []
+
+    def note(self, what: str, **facts: Any) -> None:
+        self.report["timeline"].append({"t": round(time.monotonic() - self.t0, 3), "what": what, **facts})
+        (self.out / "report.json").write_text(json.dumps(self.report, indent=2))
+        print(f"[{time.monotonic() - self.t0:7.1f}s] {what} {facts if facts else ''}", flush=True)
+
+    def write_config(self, model: str, program: str, utilization: float, args: dict[str, Any], env: dict[str, str]) -> Path:
+        """A `vllm` wrapper keeping each start's own stdout and stderr for the replay, and the config that runs it."""
+        wrapper = self.work / "vllm"
+        wrapper.write_text(
+            "#!/bin/bash\n"
+            f'n=$(date +%s%N); exec > >(tee "{self.raw_dir}/$n.stdout") 2> >(tee "{self.raw_dir}/$n.stderr" >&2)\n'
+            f'exec {program} "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        config = self.work / "gb10d.toml"
+        config.write_text(tomli_w.dumps({
+            "vllm": {
+                "executable": str(wrapper), "model": model, "served_model_name": "tiny", "host": "127.0.0.1", "port": PORT,
+                "gpu_memory_utilization": utilization, "args": args, "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0", **env},
+            },
+            "startup": {"stall_timeout_s": 180.0, "ready_timeout_s": 600.0},
+            # Host /proc/meminfo says nothing about an H200's own memory: only vLLM's error can.
+            "memory": {"preflight": False, "recovery_timeout_s": 30.0, "min_gpu_memory_utilization": 0.1},
+            "restart": {"max_attempts": 4, "backoff_initial_s": 1.0, "backoff_max_s": 5.0},
+            "liveness": {"health_interval_s": 1.0},
+            "metrics": {"listen": "127.0.0.1:9400"},
+            "daemon": {"state_file": str(self.work / "state.json"), "learned_file": str(self.work / "learned.toml"), "watch_config": False},
+        }))
+        return config
+
+    def start_gb10d(self, config: Path) -> None:
+        self.notify = NotifySocket()
+        env = dict(os.environ, NOTIFY_SOCKET=self.notify.path, PYTHONUNBUFFERED="1")
+        self.daemon = subprocess.Popen([sys.executable, "-m", "gb10d", "run", "--config", str(config)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.journal = Journal(self.daemon)
+
+    def started(self, after: int, timeout: float) -> tuple[int, int]:
+        """The journal index and pid of the next vLLM start after line `after`."""
+        index, _, m = self.journal.wait(r"gb10d: started vLLM as pid (\d+)", timeout, after + 1)
+        self.groups.append(int(m.group(1)))
+        return index, int(m.group(1))
+
+    def ready(self, count: int, timeout: float) -> None:
+        """Until READY=1 came `count` times; gb10d exiting first fails the step."""
+        wait_until(lambda: self.notify.count("READY", "1") >= count or self.daemon.poll() is not None, timeout, f"READY=1 number {count}")
+        assert self.daemon.poll() is None, f"gb10d exited with status {self.daemon.returncode}"
+
+    def finish(self) -> None:
+        """Nothing of gb10d or its vLLM starts outlives the run; the sd_notify messages and the journal are kept."""
+        if self.daemon.poll() is None:
+            os.killpg(self.daemon.pid, signal.SIGKILL)
+        for g in self.groups:
+            if group_alive(g):
+                os.killpg(g, signal.SIGKILL)
+        notify_log = [{"t": round(stamp - self.t0, 3), **m} for stamp, m in self.notify.messages]
+        (self.out / "notify.json").write_text(json.dumps(notify_log, indent=1))
+        (self.out / "journal.txt").write_text("\n".join(f"{stamp - self.t0:9.3f} {line}" for stamp, line in self.journal.lines))
+        self.notify.close()
+
+    def replay_starts(self) -> dict[str, Any]:
+        """The parser over every start's complete output; then the outputs go into raw.tar.gz."""
+        replays = {}
+        for stdout in sorted(self.raw_dir.glob("*.stdout")):
+            stderr = stdout.with_suffix(".stderr")
+            if stderr.exists():
+                replays[stdout.stem] = replay(stdout, stderr)
+        return replays
+
+    def pack_starts(self) -> None:
+        with tarfile.open(self.out / "raw.tar.gz", "w:gz") as tar:
+            tar.add(self.raw_dir, arcname="raw")
+        for f in self.raw_dir.iterdir():
+            f.unlink()
+        self.raw_dir.rmdir()
+
+
+def main() -> int:
+    parser = driver_arguments(__doc__ or "")
     parser.add_argument("--hold-gib", type=float, default=100.0)
-    parser.add_argument(
-        "--program",
-        default="python3 -c 'import sys; from vllm.entrypoints.cli.main import main; sys.argv[0]=\"vllm\"; sys.exit(main())'",
-        help="what the vllm wrapper execs (a dry run points it at gb10d.sim)",
-    )
     args = parser.parse_args()
-    out: Path = args.out
-    raw_dir = out / "raw"
-    raw_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(os.environ.get("HOME", "/tmp")) / "gb10d-real"
-    work.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"checks": {}, "timeline": []}
-    t0 = time.monotonic()
-
-    def note(what: str, **facts: Any) -> None:
-        report["timeline"].append({"t": round(time.monotonic() - t0, 3), "what": what, **facts})
-        (out / "report.json").write_text(json.dumps(report, indent=2))
-        print(f"[{time.monotonic() - t0:7.1f}s] {what} {facts if facts else ''}", flush=True)
-
-    # vLLM as `vllm`, with each start's own stdout and stderr kept for the replay check.
-    wrapper = work / "vllm"
-    wrapper.write_text(
-        "#!/bin/bash\n"
-        f'n=$(date +%s%N); exec > >(tee "{raw_dir}/$n.stdout") 2> >(tee "{raw_dir}/$n.stderr" >&2)\n'
-        f'exec {args.program} "$@"\n'
-    )
-    wrapper.chmod(0o755)
-    port = 8000
-    config = work / "gb10d.toml"
-    config.write_text(tomli_w.dumps({
-        "vllm": {
-            "executable": str(wrapper), "model": args.model, "served_model_name": "tiny", "host": "127.0.0.1", "port": port,
-            "gpu_memory_utilization": 0.9, "args": {"max_model_len": 2048},
-            "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"},
-        },
-        "startup": {"stall_timeout_s": 180.0, "ready_timeout_s": 600.0},
-        # Host /proc/meminfo says nothing about an H200's own memory: only vLLM's error can.
-        "memory": {"preflight": False, "recovery_timeout_s": 30.0, "min_gpu_memory_utilization": 0.1},
-        "restart": {"max_attempts": 4, "backoff_initial_s": 1.0, "backoff_max_s": 5.0},
-        "liveness": {"health_interval_s": 1.0},
-        "metrics": {"listen": "127.0.0.1:9400"},
-        "daemon": {"state_file": str(work / "state.json"), "learned_file": str(work / "learned.toml"), "watch_config": False},
-    }))
+    run = Run(args.out, "gb10d-real")
+    note, report = run.note, run.report
+    config = run.write_config(args.model, args.program, 0.9, {"max_model_len": 2048}, {})
 
     hog = subprocess.Popen(
         [sys.executable, "-c", f"import torch,time; x=torch.empty(int({args.hold_gib}*2**30),dtype=torch.uint8,device='cuda'); print('held',flush=True); time.sleep(3600)"]
@@ -176,30 +243,19 @@ def main() -> int:
     hog.stdout.readline()
     note("another process holds GPU memory", gib=args.hold_gib, gpu=gpu_processes())
 
-    notify = NotifySocket()
-    env = dict(os.environ, NOTIFY_SOCKET=notify.path, PYTHONUNBUFFERED="1")
-    daemon = subprocess.Popen([sys.executable, "-m", "gb10d", "run", "--config", str(config)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    journal = Journal(daemon)
-    groups: list[int] = []
-
-    def started(after: int, timeout: float) -> tuple[int, int]:
-        index, _, m = journal.wait(r"gb10d: started vLLM as pid (\d+)", timeout, after + 1)
-        groups.append(int(m.group(1)))
-        return index, int(m.group(1))
+    run.start_gb10d(config)
+    notify, journal, daemon = run.notify, run.journal, run.daemon
+    port = PORT
 
     def ready_count() -> int:
         return notify.count("READY", "1")
 
-    def wait_ready(count: int, timeout: float) -> None:
-        wait_until(lambda: ready_count() >= count, timeout, f"READY=1 number {count}")
-
     try:
         # Checks 1 and 2: phases, readiness, and the free-memory failure recovered by one retry.
-        i1, pid1 = started(-1, 60)
+        i1, pid1 = run.started(-1, 60)
         index, _, m = journal.wait(r"gb10d: free memory ([\d.]+) of ([\d.]+) GiB is below gpu_memory_utilization 0.9 .*restarting with ([\d.]+)", 400, i1)
         note("free-memory failure read from the real error", line=m.group(0))
-        i2, pid2 = started(index, 60)
+        i2, pid2 = run.started(index, 60)
         notify.wait_for(lambda m: m.get("READY") == "1", 500)
         ready_at = next(stamp for stamp, m in notify.messages if m.get("READY") == "1")
         complete = [stamp for stamp, line in journal.lines if "Application startup complete." in line]
@@ -221,14 +277,14 @@ def main() -> int:
         os.kill(pid2, signal.SIGKILL)
         time.sleep(0.5)
         right_after = gpu_processes()
-        i3, pid3 = started(i2, 120)
+        i3, pid3 = run.started(i2, 120)
         old_gone = not group_alive(pid2)
         after_restart = gpu_processes()
         report["checks"]["3_api_server_killed"] = {
             "engine_pids": engine, "gpu_right_after_kill": right_after, "old_group_gone_before_next_start": old_gone,
             "gpu_at_next_start": after_restart, "orphan_engine_in_gpu_list": any(r["pid"] in map(str, engine) for r in after_restart),
         }
-        wait_ready(2, 400)
+        run.ready(2, 400)
         note("recovered after API server SIGKILL", ready=ready_count())
 
         # Check 4: SIGKILL the EngineCore; /health turns 503, vLLM exits 0, gb10d restarts it.
@@ -236,9 +292,9 @@ def main() -> int:
         os.kill(engine[0], signal.SIGKILL)
         killed_at = time.monotonic()
         _, seen_at, m = journal.wait(r"gb10d: .*(restarting|giving up)", 60, i3)
-        i4, pid4 = started(i3, 120)
+        i4, pid4 = run.started(i3, 120)
         report["checks"]["4_engine_killed"] = {"engine_pid": engine[0], "noticed_after_s": round(seen_at - killed_at, 2), "journal": m.group(0)}
-        wait_ready(3, 400)
+        run.ready(3, 400)
         note("recovered after EngineCore SIGKILL", ready=ready_count())
 
         # Check 5: SIGTERM to gb10d stops vLLM; nothing is left; exit 0.
@@ -247,35 +303,18 @@ def main() -> int:
         status = daemon.wait(120)
         report["checks"]["5_sigterm"] = {
             "exit_status": status, "seconds": round(time.monotonic() - term_at, 2),
-            "groups_left": [g for g in groups if group_alive(g)], "gpu_after": gpu_processes(),
+            "groups_left": [g for g in run.groups if group_alive(g)], "gpu_after": gpu_processes(),
         }
         note("gb10d stopped", status=status)
     except Exception as exc:  # record and go on to the replay: a partial report is still evidence
         note("step failed", error=f"{type(exc).__name__}: {exc}")
     finally:
-        if daemon.poll() is None:
-            os.killpg(daemon.pid, signal.SIGKILL)
-        for g in groups:
-            if group_alive(g):
-                os.killpg(g, signal.SIGKILL)
+        run.finish()
         os.killpg(hog.pid, signal.SIGKILL)
-        notify_log = [{"t": round(stamp - t0, 3), **m} for stamp, m in notify.messages]
-        (out / "notify.json").write_text(json.dumps(notify_log, indent=1))
-        (out / "journal.txt").write_text("\n".join(f"{stamp - t0:9.3f} {line}" for stamp, line in journal.lines))
-        notify.close()
 
     # Check 6: the parser over every start's complete real output.
-    replays = {}
-    for stdout in sorted(raw_dir.glob("*.stdout")):
-        stderr = stdout.with_suffix(".stderr")
-        if stderr.exists():
-            replays[stdout.stem] = replay(stdout, stderr)
-    report["checks"]["6_replay"] = replays
-    with tarfile.open(out / "raw.tar.gz", "w:gz") as tar:
-        tar.add(raw_dir, arcname="raw")
-    for f in raw_dir.iterdir():
-        f.unlink()
-    raw_dir.rmdir()
+    report["checks"]["6_replay"] = run.replay_starts()
+    run.pack_starts()
     note("done")
     return 0
 
