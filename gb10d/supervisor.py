@@ -47,7 +47,8 @@ from .command import Tunables, build_argv, build_env, shell_line
 from .config import load_config
 from .interfaces import Choice, InterfaceError, find
 from .reload import ConfigDiff, ConfigSnapshot, ConfigWatcher, WatchUnavailable, diff_configs
-from .errors import EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK, ConfigError, GiveUp, SpawnError
+from .devices import check_gpu_access
+from .errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK, ConfigError, GiveUp, SpawnError
 from .events import EngineDied, Event, Failure, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged
 from .journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal
 from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
@@ -61,7 +62,7 @@ from .memory import (
     safetensors_files,
 )
 from .metrics import Metrics
-from .notify import Notifier
+from .notify import Notifier, unit_name
 from .phases import Phase, StartupState, advance, enter, note_io, start, status_text
 from .policy import Cause, History, Outcome, Retry
 from .probe import Prober, base_url
@@ -271,6 +272,9 @@ class Supervisor:
         self._serve_metrics()
         watcher = self._watch_config(loop)
         try:
+            problem = check_gpu_access(unit_name())
+            if problem is not None:
+                raise GiveUp(problem, EXIT_CONFIG)
             if self.config.cluster is not None:
                 if await self._start_ray():
                     return await self._stopped()
