@@ -195,6 +195,21 @@ class ProcessGroup:
         # start_new_session makes the leader's pid the group id, and it stays so after it dies.
         return self.popen.pid
 
+    @property
+    def label(self) -> str:
+        return f"pid {self.pid}"
+
+    def alive(self) -> bool:
+        """Whether any process of the group is left (zombies included)."""
+        return group_alive(self.pgid)
+
+    def io_bytes(self) -> int | None:
+        """Bytes the group's processes have read and written (/proc/PID/io)."""
+        return group_io_bytes(self.pgid)
+
+    def members(self) -> list[int]:
+        return group_members(self.pgid)
+
     @classmethod
     async def spawn(
         cls,
