@@ -128,7 +128,7 @@ def cmd_import_script(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the supervisor in the foreground (what the systemd unit starts)."""
-    from .supervisor import run_daemon
+    from .daemon import run_daemon
 
     return run_daemon(_config_path(args))
 
@@ -142,7 +142,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_forget(args: argparse.Namespace) -> int:
     """Remove the learned settings, so the next start begins from the config's values."""
-    from .learned import forget, load
+    from .learnedfile import forget, load
 
     path = Path(args.learned_file) if args.learned_file else _load(args).config.daemon.learned_file
     state = load(path)

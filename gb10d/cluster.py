@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .config import ClusterSection, VllmSection
+from .statefile import ClusterRecord, NodeRecord
 
 # Where NCCL, Gloo, PyTorch's TensorPipe, UCX and Open MPI send traffic between the machines:
 # all of them must use the ConnectX-7 link, or tensor-parallel traffic crawls over the management port.
@@ -189,19 +190,17 @@ def waiting_text(view: View | None, cluster: ClusterSection) -> str:
     return f"waiting to join the Ray cluster at {cluster.head_address}:{cluster.port}: {view_text(view, cluster)}"
 
 
-def view_state(view: View | None, cluster: ClusterSection, node_ip: str, interface: str) -> dict[str, object]:
+def view_state(view: View | None, cluster: ClusterSection, node_ip: str, interface: str) -> ClusterRecord:
     """The `cluster` object of the state file, read by `gb10d status` on either machine."""
-    return {
-        "role": cluster.role,
-        "head_address": f"{cluster.head_address}:{cluster.port}",
-        "node_ip": node_ip,
-        "interface": interface,
-        "nodes_wanted": cluster.nodes,
-        "error": view.error if view else None,
-        "nodes": [
-            {"ip": node.ip, "head": node.head, "gpus": node.gpus} for node in (view.serving_nodes() if view else [])
-        ],
-    }
+    return ClusterRecord(
+        role=cluster.role,
+        head_address=f"{cluster.head_address}:{cluster.port}",
+        node_ip=node_ip,
+        interface=interface,
+        nodes_wanted=cluster.nodes,
+        error=view.error if view else None,
+        nodes=tuple(NodeRecord(node.ip, node.head, node.gpus) for node in (view.serving_nodes() if view else [])),
+    )
 
 
 def watcher_argv(python: Path, cluster: ClusterSection) -> list[str]:

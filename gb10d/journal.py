@@ -21,6 +21,8 @@ import sys
 from collections.abc import Iterable
 from typing import TextIO
 
+from .levels import PRIORITY_INFO
+
 DEFAULT_SOCKET_PATH = "/run/systemd/journal/socket"
 
 # One id per event kind, fixed forever: dashboards, alerts and the catalog key on them.
@@ -65,11 +67,6 @@ MESSAGE_IDS: dict[str, str] = {
     "ray_watch": "3c86849a36f141ceac4381f4f25f8fff",
 }
 
-# Syslog priorities, named for callers that would otherwise write bare numbers.
-PRIORITY_ERR = 3
-PRIORITY_WARNING = 4
-PRIORITY_INFO = 6
-PRIORITY_DEBUG = 7
 
 # journald drops a datagram larger than its receive buffer; a field this long is
 # a runaway traceback or command line, and its head is what the operator needs.

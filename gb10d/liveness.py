@@ -13,21 +13,19 @@ over time, judged by the pure core below:
   nothing);
 - /health 503 or a refused connection means the engine is dead at once.
 
-The shell, `watch`, samples /health and /metrics every
+The shell, `probing.watch_liveness`, samples /health and /metrics every
 `liveness.health_interval_s`, runs the idle probe as its own task when the
 core says it is due, and reports the first verdict that is not `Alive`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Union
+from typing import Union
 
 from .config import LivenessSection
-from .probe import Prober, ProbeResult
+from .facts import ProbeResult
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -165,7 +163,7 @@ def observe_metrics(state: LivenessState, sample: MetricsSample | None, now: flo
 
 def observe_health(state: LivenessState, result: ProbeResult, now: float) -> LivenessState:
     """Take one /health answer; 503 and refused connections are death, anything else only a fact."""
-    dead = state.dead or _death(result, "/health")
+    dead = state.dead or death(result, "/health")
     return replace(state, health=result, dead=dead)
 
 
@@ -182,11 +180,12 @@ def observe_probe(state: LivenessState, result: ProbeResult, now: float) -> Live
         last_probe=result,
         last_probe_sent_at=state.probe_sent_at,
         last_probe_done_at=now,
-        dead=state.dead or _death(result, "the idle probe"),
+        dead=state.dead or death(result, "the idle probe"),
     )
 
 
-def _death(result: ProbeResult, what: str) -> str | None:
+def death(result: ProbeResult, what: str) -> str | None:
+    """Why an answer proves the engine dead (503, or nothing listens), or None."""
     if result.status == 503:
         return f"{what} answered 503 Service Unavailable: vLLM reports its engine dead"
     if result.refused:
@@ -308,74 +307,3 @@ def _probe_evidence(state: LivenessState, sent_at: float, now: float, limits: Li
         f"liveness.probe_timeout_s {limits.probe_timeout_s:g} and no token was generated since: "
         f"{_tokens_fact(state, now)}; {_requests_fact(state)}; {_health_fact(state)}"
     )
-
-
-# --- the shell ---------------------------------------------------------------------
-
-
-async def watch(
-    prober: Prober,
-    limits: LivenessSection,
-    on_verdict: Callable[[Hung | Dead], None],
-    *,
-    model: str,
-    clock: Callable[[], float] = time.monotonic,
-) -> None:
-    """Watch a serving vLLM until the evidence says hung or dead; report that once, then return.
-
-    Samples (/health, then /metrics) and the idle probe are tasks of their
-    own, so a request that hangs (which is the very symptom looked for)
-    never stops the others or the clock. Cancelling `watch` cancels them.
-    """
-    state = start(clock())
-    sampling: asyncio.Task[tuple[ProbeResult, MetricsSample | None]] | None = None
-    probing: asyncio.Task[ProbeResult] | None = None
-    next_sample = state.started_at + limits.health_interval_s
-
-    async def sample() -> tuple[ProbeResult, MetricsSample | None]:
-        health = await prober.health(timeout_s=limits.probe_timeout_s)
-        if _death(health, "/health"):
-            return health, None
-        text = await prober.metrics_text(timeout_s=limits.probe_timeout_s)
-        return health, parse_metrics(text) if text is not None else None
-
-    try:
-        while True:
-            now = clock()
-            deadline = next_deadline(state, limits)
-            due = next_probe_due(state, now, limits)
-            # Deadlines and a due probe bring the next sample forward: verdicts are taken, and the
-            # probe is sent, on fresh figures only.
-            sample_at = min(t for t in (next_sample, deadline, due) if t is not None)
-            if sampling is None and now >= sample_at:
-                sampling = asyncio.create_task(sample())
-            await _first_of([t for t in (sampling, probing) if t is not None], None if sampling else sample_at - now)
-            now = clock()
-            if sampling is not None and sampling.done():
-                health, metrics = sampling.result()
-                state = observe_metrics(observe_health(state, health, now), metrics, now)
-                sampling, next_sample = None, now + limits.health_interval_s
-                due = next_probe_due(state, now, limits)
-                if probing is None and due is not None and now >= due:
-                    state = probe_sent(state, now)
-                    probing = asyncio.create_task(prober.complete(model, timeout_s=limits.probe_timeout_s))
-            elif probing is not None and probing.done():
-                state, probing = observe_probe(state, probing.result(), now), None
-            else:
-                continue
-            if isinstance(found := verdict(state, now, limits), (Hung, Dead)):
-                on_verdict(found)
-                return
-    finally:
-        leftovers = [task for task in (sampling, probing) if task is not None and not task.done()]
-        for task in leftovers:
-            task.cancel()
-        await asyncio.gather(*leftovers, return_exceptions=True)
-
-
-async def _first_of(tasks: Iterable[asyncio.Task[Any]], timeout_s: float | None) -> None:
-    """Wait until one of `tasks` finishes or `timeout_s` passes (a timer when there is no task)."""
-    if tasks := list(tasks):
-        await asyncio.wait(tasks, timeout=None if timeout_s is None else max(0.0, timeout_s), return_when=asyncio.FIRST_COMPLETED)
-    elif timeout_s is not None:
-        await asyncio.sleep(max(0.0, timeout_s))

@@ -28,6 +28,7 @@ from enum import Enum
 from functools import lru_cache
 from typing import NamedTuple
 
+from .levels import PRIORITY_DEBUG, PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from .events import (
     ArgsSeen,
     BadArgument,
@@ -225,11 +226,6 @@ class Kind(str, Enum):
     TRACEBACK = "traceback"  # a Python traceback line, or `Process EngineCore:`
     RAW = "raw"  # anything else (third-party text, warnings, blank lines)
 
-
-PRIORITY_ERR = 3
-PRIORITY_WARNING = 4
-PRIORITY_INFO = 6
-PRIORITY_DEBUG = 7
 
 _LEVEL_PRIORITY = {
     "CRITICAL": PRIORITY_ERR,

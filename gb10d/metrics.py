@@ -24,7 +24,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from . import __version__
 from .events import Event, SpecDecodingLogged, StatsLogged
 from .phases import Phase
-from .policy import CONFIG_CAUSES, Cause
+from .outcome import Cause
+from .policy import CONFIG_CAUSES
 
 # Each phase is one series of the `gb10d_phase` state set, so a dashboard sees
 # a 0 for every phase that is not current rather than a missing series.
@@ -32,8 +33,9 @@ PHASES: tuple[str, ...] = tuple(phase.value for phase in Phase)
 
 # Known label values are created at zero, so `rate()` and alerts see the
 # series before the first increment instead of a gap. A restart's cause is
-# the policy's word for the failure; causes no retry can fix never restart.
-RESTART_CAUSES: tuple[str, ...] = tuple(cause.value for cause in Cause if cause not in CONFIG_CAUSES)
+# the policy's word for the failure (or node_lost: a machine of a pair left); causes no retry can fix
+# never restart.
+RESTART_CAUSES: tuple[str, ...] = (*(cause.value for cause in Cause if cause not in CONFIG_CAUSES), "node_lost")
 START_REASONS: tuple[str, ...] = ("initial", "reload", *RESTART_CAUSES)
 LIVENESS_CAUSES: tuple[str, ...] = ("health", "hung", "probe_timeout", "engine_dead")
 

@@ -1,16 +1,17 @@
 """What went wrong with an attempt, and what the next attempt should be.
 
 `classify` turns the failure events seen during an attempt (plus how it
-ended) into one `Cause`; `next_attempt` turns the cause, the settings used
-and the history into `Retry` (with corrected settings and a delay) or
-`GiveUp` (with an exit status). Both are pure: the supervisor feeds them
-facts and carries out the answer.
+ended) into a `Failed` outcome with one `Cause`; `next_attempt` turns it,
+the settings used and the history into `Retry` (with corrected settings and
+a delay) or `GiveUp` (with an exit status); `after_failure` also keeps the
+count of attempts and back-offs, and `failure_line` and `event_kind` say
+how the journal tells of it. All pure: the supervisor feeds them facts and
+carries out the answer.
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from .command import Tunables
@@ -31,28 +32,7 @@ from .events import (
     RayWorkerLost,
 )
 from .memory import fitting_utilization, floor2
-
-
-class Cause(enum.Enum):
-    """Why an attempt ended; the value is the metrics label and the journal word."""
-
-    FREE_MEMORY = "free_memory"
-    STALL = "stall"
-    CUDA_OOM = "cuda_oom"
-    KV_CACHE = "kv_cache"
-    NO_KV_MEMORY = "no_kv_memory"
-    PORT_IN_USE = "port_in_use"
-    MODEL_NOT_FOUND = "model_not_found"
-    MODEL_GATED = "model_gated"
-    BAD_ARGUMENT = "bad_argument"
-    SERVED_NAME = "served_name_mismatch"
-    ENGINE_DEAD = "engine_dead"
-    ENGINE_HUNG = "engine_hung"
-    START_TIMEOUT = "start_timeout"
-    CRASH = "crash"
-    RELOAD = "reload"  # not a failure: the operator changed what vLLM runs with
-    WORKER_LOST = "ray_worker_lost"  # one of vLLM's Ray workers died; on a pair, its machine may have left
-    NODE_LOST = "node_lost"  # not vLLM's failure: a machine of the Ray cluster left
+from .outcome import Cause, Failed
 
 
 # Causes that no retry can fix: the operator must change the config or the machine.
@@ -74,20 +54,20 @@ _PRECEDENCE: tuple[tuple[type[Failure], Cause], ...] = (
     (EngineDied, Cause.ENGINE_DEAD),
 )
 
+# The journal event (MESSAGE_ID, catalog entry) that tells of a failure, by cause.
+_EVENT_KINDS = {
+    Cause.FREE_MEMORY: "free_memory_retry",
+    Cause.STALL: "load_strategy_changed",
+    Cause.CUDA_OOM: "cuda_oom",
+    Cause.KV_CACHE: "kv_cache_insufficient",
+    Cause.NO_KV_MEMORY: "kv_cache_insufficient",
+    Cause.ENGINE_DEAD: "engine_dead",
+    Cause.WORKER_LOST: "engine_dead",
+    Cause.ENGINE_HUNG: "engine_hung",
+}
 
-@dataclass(frozen=True)
-class Outcome:
-    """How one attempt ended, as far as the supervisor could observe it."""
 
-    cause: Cause
-    failure: Failure | None = None
-    exit_status: int | None = None
-    was_ready: bool = False
-    detail: str = ""
-    served_s: float = 0.0  # how long it served before it ended (0 if it never became ready)
-
-
-def starts_new_count(outcome: Outcome, config: Config) -> bool:
+def starts_new_count(outcome: Failed, config: Config) -> bool:
     """Whether this failure begins a new count of `restart.max_attempts`.
 
     Only after vLLM served for `restart.reset_after_s` or longer: an engine
@@ -98,18 +78,18 @@ def starts_new_count(outcome: Outcome, config: Config) -> bool:
     return outcome.was_ready and outcome.cause is not Cause.ENGINE_HUNG and outcome.served_s >= config.restart.reset_after_s
 
 
-def classify(failures: Sequence[Failure], exit_status: int | None, was_ready: bool) -> Outcome:
+def classify(failures: Sequence[Failure], exit_status: int | None, was_ready: bool) -> Failed:
     """The cause of an attempt that vLLM ended itself (exited), from what it printed."""
     for kind, cause in _PRECEDENCE:
         for failure in reversed(failures):
             if isinstance(failure, kind):
-                return Outcome(cause, failure, exit_status, was_ready)
+                return Failed(cause=cause, failure=failure, exit_status=exit_status, was_ready=was_ready)
     if was_ready and exit_status == 0:
         # vLLM exits 0 after its engine dies (REFERENCE: engine death at run time).
-        return Outcome(Cause.ENGINE_DEAD, None, exit_status, was_ready, "vLLM exited with status 0 while serving")
+        return Failed(cause=Cause.ENGINE_DEAD, exit_status=exit_status, was_ready=was_ready, detail="vLLM exited with status 0 while serving")
     last = next((f for f in reversed(failures) if isinstance(f, ExceptionRaised)), None)
     detail = f"{last.exc_type}: {last.message}" if last else ""
-    return Outcome(Cause.CRASH, last, exit_status, was_ready, detail)
+    return Failed(cause=Cause.CRASH, failure=last, exit_status=exit_status, was_ready=was_ready, detail=detail)
 
 
 @dataclass(frozen=True)
@@ -157,10 +137,10 @@ def _lower_utilization(current: float, target: float, config: Config, why: str, 
             "or lower memory.min_gpu_memory_utilization",
             EXIT_GAVE_UP,
         )
-    return Retry(Tunables(new, None, None), 0.0, f"restarting with gpu_memory_utilization {new:g}")
+    return Retry(tunables=Tunables(new, None, None), delay_s=0.0, message=f"restarting with gpu_memory_utilization {new:g}")
 
 
-def next_attempt(outcome: Outcome, used: Tunables, history: History, config: Config) -> Retry | GiveUp:
+def next_attempt(outcome: Failed, used: Tunables, history: History, config: Config) -> Retry | GiveUp:
     """The next attempt's settings and delay after `outcome`, or the reason to stop.
 
     `history.attempts` counts attempts made so far (including the one that
@@ -244,7 +224,7 @@ def next_attempt(outcome: Outcome, used: Tunables, history: History, config: Con
     return retry
 
 
-def describe(outcome: Outcome) -> str:
+def describe(outcome: Failed) -> str:
     """A few words for the cause, used in give-up messages and STATUS=."""
     failure = outcome.failure
     where = f" on the machine {failure.node}" if failure is not None and failure.node else ""
@@ -260,7 +240,7 @@ def describe(outcome: Outcome) -> str:
     return outcome.cause.value.replace("_", " ")
 
 
-def _config_advice(outcome: Outcome, config: Config) -> str:
+def _config_advice(outcome: Failed, config: Config) -> str:
     """The operator's fix for a failure no retry can mend."""
     failure = outcome.failure
     v = config.vllm
@@ -283,3 +263,33 @@ def _config_advice(outcome: Outcome, config: Config) -> str:
         return f"{outcome.detail}; set vllm.served_model_name to the name clients use"
     message = failure.message if isinstance(failure, BadArgument) else outcome.detail
     return f"vLLM rejected its command line: {message}; fix the flag in vllm.args or vllm.extra_args (gb10d print-command shows the line)"
+
+
+def event_kind(cause: Cause) -> str:
+    """The journal event that tells of a failure with this cause."""
+    return _EVENT_KINDS.get(cause, "config_error" if cause in CONFIG_CAUSES else "crashed")
+
+
+def after_failure(outcome: Failed, used: Tunables, history: History, config: Config) -> tuple[History, Retry | GiveUp]:
+    """The count after `outcome` and what to do next: a failure after a long enough serve begins a new
+    count, and a retry that waits counts one more back-off (so the next wait doubles)."""
+    if starts_new_count(outcome, config):
+        history = History(1, 0)
+    decision = next_attempt(outcome, used, history, config)
+    if isinstance(decision, Retry) and decision.delay_s > 0:
+        history = History(history.attempts, history.backoffs + 1)
+    return history, decision
+
+
+def uncounted(history: History) -> History:
+    """The count after an attempt that was not vLLM's failure (a machine of the pair left)."""
+    return History(history.attempts - 1, history.backoffs)
+
+
+def failure_line(outcome: Failed, decision: Retry | GiveUp, history: History, config: Config) -> str:
+    """The journal's and STATUS='s one line for a failure: the cause, the numbers and the action."""
+    cause = describe(outcome)
+    if isinstance(decision, Retry):
+        wait = f" in {decision.delay_s:g} s" if decision.delay_s else ""
+        return f"{cause}; {decision.message}{wait} (attempt {history.attempts + 1}/{config.restart.max_attempts})"
+    return decision.message if outcome.cause in CONFIG_CAUSES else f"{cause}: {decision.message}"

@@ -8,29 +8,10 @@ gets words like `connection refused` rather than a traceback.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import httpx
 
-REFUSED = "connection refused"
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """What one probe saw: an HTTP status (None if no answer), why, how long it took."""
-
-    status: int | None
-    reason: str
-    seconds: float
-    models: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200
-
-    @property
-    def refused(self) -> bool:
-        return self.status is None and self.reason == REFUSED
+from .facts import REFUSED, ProbeResult
 
 
 def base_url(host: str, port: int) -> str:

@@ -1,66 +1,25 @@
-"""Config changes: what changed between two configs, and a watcher that notices edits.
+"""Config changes: what changed between two configs, and whether vLLM must restart for it.
 
-`diff_configs` is the core: it compares two `ConfigSnapshot`s (a config and
-its env_file contents), names every changed key (old -> new, secrets masked)
-and decides whether vLLM must be restarted, which is only the case when its
-command line or environment comes out different. Restarting vLLM
-costs minutes of loading, so a change to gb10d's own settings (timeouts,
-restart policy, metrics, logging) never does.
-
-`ConfigWatcher` is the shell: watchdog's inotify observer on the config's
-directory and drop-in directory, debounced on the asyncio loop, so a burst
-of editor writes becomes one call of `on_change`. It only reports that
-something changed; the supervisor re-reads, validates and decides.
+`diff_configs` compares two `ConfigSnapshot`s (a config and its env_file
+contents), names every changed key (old -> new, secrets masked) and
+decides whether vLLM must be restarted, which is only the case when its
+command line or environment comes out different. Restarting vLLM costs
+minutes of loading, so a change to gb10d's own settings (timeouts, restart
+policy, metrics, logging) never does. Noticing edits on disk is the
+watcher's job (`gb10d.watcher`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import errno
 import json
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
-
-from watchdog.events import (
-    DirCreatedEvent,
-    DirDeletedEvent,
-    DirMovedEvent,
-    FileClosedEvent,
-    FileCreatedEvent,
-    FileDeletedEvent,
-    FileModifiedEvent,
-    FileMovedEvent,
-    FileSystemEvent,
-    FileSystemEventHandler,
-)
-from watchdog.observers import Observer
-from watchdog.observers.api import BaseObserver, ObservedWatch
+from typing import Any, Iterator, Mapping
 
 from .command import REDACTED, build_argv, build_env, is_secret_name, read_env_file, redact_setting
-from .config import Config, dropin_dir_for, normalize_flag
-from .errors import Gb10dError
+from .config import Config, normalize_flag
 
-DEFAULT_DEBOUNCE_S = 0.5
 NOT_SET = "(not set)"
-_INOTIFY_HINT = " (raise fs.inotify.max_user_instances or fs.inotify.max_user_watches with sysctl)"
-
-# The event kinds that mean content changed. Opens and reads are left out on
-# purpose: gb10d reads the file to validate it, and a watcher that woke up on
-# that would validate forever; leaving them out of the inotify mask also spares
-# the thread every read of every file in /etc.
-_CONTENT_EVENTS: list[type[FileSystemEvent]] = [
-    FileCreatedEvent,
-    FileDeletedEvent,
-    FileModifiedEvent,
-    FileMovedEvent,
-    FileClosedEvent,
-    DirCreatedEvent,
-    DirDeletedEvent,
-    DirMovedEvent,
-]
 
 
 # --- the core: what changed ---------------------------------------------------
@@ -83,6 +42,17 @@ class ConfigSnapshot:
         """Read the env_file now; raises ConfigError (located) when it cannot be read or parsed."""
         path = config.vllm.env_file
         return cls(config, read_env_file(path) if path is not None else {})
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """vLLM's environment as of this snapshot: the env_file as it was read, never read again.
+
+        An edit of the env_file takes effect at the next reload, not at the
+        next crash-restart; a deleted one does not stop a running gb10d.
+        """
+        vllm = self.config.vllm
+        # The file's contents go under [vllm.env], which wins over the file.
+        inlined = vllm.model_copy(update={"env_file": None, "env": {**self.env_file, **vllm.env}})
+        return build_env(inlined, base)
 
 
 @dataclass(frozen=True)
@@ -151,11 +121,7 @@ def diff_configs(old: ConfigSnapshot, new: ConfigSnapshot) -> ConfigDiff:
 
 def _vllm_sees(snapshot: ConfigSnapshot) -> tuple[list[str], dict[str, str]]:
     """The argv and added environment vLLM gets, with the env_file contents taken from the snapshot."""
-    vllm = snapshot.config.vllm
-    # Inlining the snapshot's env_file contents (under [vllm.env], which wins over
-    # the file) lets build_env decide the environment without reading the file again.
-    inlined = vllm.model_copy(update={"env_file": None, "env": {**snapshot.env_file, **vllm.env}})
-    return build_argv(vllm), build_env(inlined, base={})
+    return build_argv(snapshot.config.vllm), snapshot.env(base={})
 
 
 def _fields(config: Config) -> Iterator[tuple[str, Any]]:
@@ -196,144 +162,3 @@ def _masked(key: str, value: Any) -> Any:
 def _shown(value: Any) -> str:
     """A value as it reads in TOML (strings quoted, true/false), or "(not set)"."""
     return NOT_SET if value is None else json.dumps(value, default=str)
-
-
-# --- the shell: noticing edits ------------------------------------------------
-
-
-class WatchUnavailable(Gb10dError):
-    """The config file cannot be watched; edits take effect only with systemctl reload."""
-
-
-class ConfigWatcher:
-    """Calls `on_change` in the loop's thread once per burst of edits to the config or its drop-ins.
-
-    The config's directory is watched rather than the file, because editors
-    replace files by rename (vim, sed -i) and a watch on the old inode would
-    go silent. The drop-in directory is watched once it exists; its creation
-    or removal is itself an edit. A burst ends `debounce_s` after its last
-    event, measured by a loop timer that every event re-arms.
-    """
-
-    def __init__(
-        self,
-        path: Path,
-        loop: asyncio.AbstractEventLoop,
-        on_change: Callable[[], None],
-        debounce_s: float = DEFAULT_DEBOUNCE_S,
-    ) -> None:
-        self.path = path.absolute()
-        self.dropin_dir = dropin_dir_for(self.path)
-        self._loop = loop
-        self._on_change = on_change
-        self._debounce_s = debounce_s
-        self._observer: BaseObserver | None = None
-        self._dropin_watch: ObservedWatch | None = None
-        self._dropin_inode: tuple[int, int] | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._handler = _Relay(self._relevant, loop, self._event)
-
-    def start(self) -> None:
-        """Begin watching; raises WatchUnavailable when inotify refuses (limits, missing directory)."""
-        observer: BaseObserver | None = None
-        try:
-            observer = Observer()
-            observer.schedule(self._handler, str(self.path.parent), event_filter=_CONTENT_EVENTS)
-            observer.start()
-        except OSError as exc:
-            if observer is not None:
-                observer.stop()
-            hint = _INOTIFY_HINT if exc.errno in (errno.EMFILE, errno.ENOSPC) else ""
-            raise WatchUnavailable(
-                f"cannot watch {self.path.parent} for config changes: {exc.strerror or exc}{hint}; "
-                "edits take effect with: systemctl reload gb10d"
-            ) from None
-        self._observer = observer
-        self._follow_dropin_dir()
-
-    def stop(self) -> None:
-        """Stop watching; no `on_change` call happens after this returns. Safe to call twice."""
-        observer, self._observer = self._observer, None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if observer is not None:
-            observer.stop()
-            observer.join(timeout=10.0)
-
-    def _relevant(self, event: FileSystemEvent) -> bool:
-        """Whether an event touches the config file, the drop-in directory or a drop-in."""
-        paths = [event.src_path, getattr(event, "dest_path", "")]
-        for raw in filter(None, paths):
-            path = Path(os.fsdecode(raw))
-            if path == self.path:
-                return True
-            if path == self.dropin_dir and event.event_type in ("created", "deleted", "moved"):
-                return True
-            # The same rule as config's loader: *.toml, hidden files (editor swap files) excluded.
-            if path.parent == self.dropin_dir and path.suffix == ".toml" and not path.name.startswith("."):
-                return True
-        return False
-
-    def _event(self) -> None:
-        """In the loop thread: an edit happened; (re)start the quiet period."""
-        if self._observer is None:
-            return  # stopped while the event was on its way
-        self._follow_dropin_dir()
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self._loop.call_later(self._debounce_s, self._quiet)
-
-    def _quiet(self) -> None:
-        self._timer = None
-        if self._observer is not None:
-            self._on_change()
-
-    def _follow_dropin_dir(self) -> None:
-        """Watch the drop-in directory while it exists; a new directory of the same name needs a new watch."""
-        assert self._observer is not None
-        try:
-            st = self.dropin_dir.stat()
-        except OSError:
-            st = None
-        inode = (st.st_dev, st.st_ino) if st is not None and stat.S_ISDIR(st.st_mode) else None
-        if inode == self._dropin_inode:
-            return
-        if self._dropin_watch is not None:
-            try:
-                self._observer.unschedule(self._dropin_watch)
-            except (KeyError, OSError):
-                pass  # the watch of a deleted directory is already gone on the kernel's side
-            self._dropin_watch = None
-        self._dropin_inode = None
-        if inode is None:
-            return
-        try:
-            self._dropin_watch = self._observer.schedule(self._handler, str(self.dropin_dir), event_filter=_CONTENT_EVENTS)
-        except OSError:
-            # Gone again, or inotify is out of watches: the parent watch still
-            # sees the directory itself, and the next event tries again.
-            return
-        self._dropin_inode = inode
-
-
-class _Relay(FileSystemEventHandler):
-    """Runs in watchdog's thread: filters events and hands the relevant ones to the loop's thread."""
-
-    def __init__(
-        self,
-        relevant: Callable[[FileSystemEvent], bool],
-        loop: asyncio.AbstractEventLoop,
-        deliver: Callable[[], None],
-    ) -> None:
-        self._relevant = relevant
-        self._loop = loop
-        self._deliver = deliver
-
-    def on_any_event(self, event: FileSystemEvent) -> None:
-        if not self._relevant(event):
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:
-            pass  # the loop is closed: gb10d is shutting down and nobody waits for edits any more

@@ -6,13 +6,10 @@ never a half-written one. It lives under the runtime directory
 (/run/gb10d/state.json by default), so it disappears at reboot with the
 daemon it describes.
 
-Fields the supervisor writes: pid, started_at, updated_at, state (starting,
-serving, restarting, stopping, stopped, failed, reloading), phase, progress
-({shards_done, shards_total} or null), model, served_names, url, attempt,
-max_attempts, gpu_memory_utilization, load_strategy, memory ({total_bytes,
-available_bytes, free_bytes, cached_bytes} or null), vllm_pid, ready_at,
-last_failure ({cause, message, action, at} or null), status_text,
-metrics_url. Times are Unix seconds.
+`StateRecord` is its one schema, shared by the writer (the supervisor's
+reporter) and the reader (`gb10d status`). Reading is tolerant: a field
+that is missing or of another type (a file from another gb10d version) is
+left out, never a reason to fail. Times are Unix seconds.
 """
 
 from __future__ import annotations
@@ -21,11 +18,20 @@ import json
 import os
 import tempfile
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 # Readable by operators who are not in the gb10d group: nothing in it is secret.
 STATE_FILE_MODE = 0o644
+# Progress within a phase (shard steps) is written at most this often: each write fsyncs.
+WRITE_EVERY_S = 1.0
+
+
+def write_delay(phase_changed: bool, since_last_write_s: float) -> float:
+    """How long to wait before writing the state file: 0 for a new phase, else what is left of WRITE_EVERY_S."""
+    return 0.0 if phase_changed else max(0.0, WRITE_EVERY_S - since_last_write_s)
 
 
 def write_atomically(path: Path, data: bytes, mode: int, sync_directory: bool = False) -> None:
@@ -60,18 +66,192 @@ def write_atomically(path: Path, data: bytes, mode: int, sync_directory: bool = 
             os.close(directory)
 
 
-def write_state(path: Path, state: Mapping[str, Any]) -> None:
+class DaemonState(str, Enum):
+    """What the daemon as a whole is doing; the value is what `gb10d status` shows."""
+
+    STARTING = "starting"
+    RESTARTING = "restarting"
+    SERVING = "serving"
+    WAITING_FOR_LINK = "waiting for the link"
+    WAITING = "waiting"  # the head of a pair, for the other machine
+    JOINING = "joining"  # the worker of a pair, until the head lists it
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+    @property
+    def final(self) -> bool:
+        """The daemon has finished, even if its pid lingers a moment."""
+        return self in (DaemonState.STOPPED, DaemonState.FAILED)
+
+
+@dataclass(frozen=True)
+class Progress:
+    shards_done: int
+    shards_total: int
+
+
+@dataclass(frozen=True)
+class Memory:
+    """/proc/meminfo as it was when the attempt started, in bytes."""
+
+    total_bytes: int
+    available_bytes: int
+    free_bytes: int
+    cached_bytes: int
+
+
+@dataclass(frozen=True)
+class LastFailure:
+    cause: str
+    message: str
+    action: str
+    at: float
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A machine of the pair's Ray cluster that is up with a GPU."""
+
+    ip: str
+    head: bool
+    gpus: float
+
+
+@dataclass(frozen=True)
+class ClusterRecord:
+    """This machine's part in a pair, and what the head's node table lists."""
+
+    role: str
+    head_address: str
+    node_ip: str = ""
+    interface: str = ""
+    nodes_wanted: int | None = None
+    error: str | None = None
+    nodes: tuple[NodeRecord, ...] = ()
+
+
+@dataclass(frozen=True)
+class StateRecord:
+    """Everything `gb10d status` shows; None where it does not apply or is not known."""
+
+    pid: int | None = None
+    started_at: float | None = None
+    updated_at: float | None = None
+    state: DaemonState | None = None
+    phase: str | None = None
+    progress: Progress | None = None
+    model: str | None = None
+    served_names: tuple[str, ...] = ()
+    url: str | None = None
+    attempt: int | None = None
+    max_attempts: int | None = None
+    gpu_memory_utilization: float | None = None
+    load_strategy: str | None = None
+    memory: Memory | None = None
+    vllm_pid: int | None = None
+    ready_at: float | None = None
+    last_failure: LastFailure | None = None
+    status_text: str | None = None
+    metrics_url: str | None = None
+    cluster: ClusterRecord | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)  # fields of another gb10d version, passed through
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object, with every field (None as null)."""
+        data = asdict(self)
+        extra = data.pop("extra")
+        data["state"] = self.state.value if self.state is not None else None
+        data["served_names"] = list(self.served_names)
+        if self.cluster is not None:
+            data["cluster"]["nodes"] = [asdict(node) for node in self.cluster.nodes]
+        return {**extra, **data}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StateRecord:
+        """Read an object as written by any gb10d version: odd or missing fields become None."""
+        state = _text(data, "state")
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        return cls(
+            pid=_int(data, "pid"),
+            started_at=_num(data, "started_at"),
+            updated_at=_num(data, "updated_at"),
+            state=DaemonState(state) if state in DaemonState._value2member_map_ else None,
+            phase=_text(data, "phase"),
+            progress=_record(Progress, data.get("progress"), shards_done=_int, shards_total=_int),
+            model=_text(data, "model"),
+            served_names=tuple(n for n in data.get("served_names") or () if isinstance(n, str)) if isinstance(data.get("served_names"), list) else (),
+            url=_text(data, "url"),
+            attempt=_int(data, "attempt"),
+            max_attempts=_int(data, "max_attempts"),
+            gpu_memory_utilization=_num(data, "gpu_memory_utilization"),
+            load_strategy=_text(data, "load_strategy"),
+            memory=_record(Memory, data.get("memory"), total_bytes=_int, available_bytes=_int, free_bytes=_int, cached_bytes=_int),
+            vllm_pid=_int(data, "vllm_pid"),
+            ready_at=_num(data, "ready_at"),
+            last_failure=_record(LastFailure, data.get("last_failure"), cause=_text, message=_text, action=_text, at=_num),
+            status_text=_text(data, "status_text"),
+            metrics_url=_text(data, "metrics_url"),
+            cluster=_cluster(data.get("cluster")),
+            extra={k: v for k, v in data.items() if k not in known},
+        )
+
+
+def _num(data: Mapping[str, Any], key: str) -> float | None:
+    value = data.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _int(data: Mapping[str, Any], key: str) -> int | None:
+    value = data.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text(data: Mapping[str, Any], key: str) -> str | None:
+    value = data.get(key)
+    return value if isinstance(value, str) and value else None
+
+
+def _record(kind: Any, value: Any, **readers: Any) -> Any:
+    """`kind(**fields)` when `value` is an object whose every field reads; else None."""
+    if not isinstance(value, Mapping):
+        return None
+    fields = {name: read(value, name) for name, read in readers.items()}
+    return None if any(v is None for v in fields.values()) else kind(**fields)
+
+
+def _cluster(value: Any) -> ClusterRecord | None:
+    if not isinstance(value, Mapping) or _text(value, "role") is None:
+        return None
+    listed = value.get("nodes")
+    nodes = tuple(
+        NodeRecord(ip, n.get("head") is True, _num(n, "gpus") or 0.0)
+        for n in (listed if isinstance(listed, list) else [])
+        if isinstance(n, Mapping) and (ip := _text(n, "ip")) is not None
+    )
+    return ClusterRecord(
+        role=str(_text(value, "role")),
+        head_address=_text(value, "head_address") or "",
+        node_ip=_text(value, "node_ip") or "",
+        interface=_text(value, "interface") or "",
+        nodes_wanted=_int(value, "nodes_wanted"),
+        error=_text(value, "error"),
+        nodes=nodes,
+    )
+
+
+def write_state(path: Path, state: StateRecord) -> None:
     """Replace the state file atomically with `state` as JSON, creating its directory if missing.
 
-    Raises OSError (or TypeError for values JSON cannot hold) and leaves the
+    Raises OSError (or ValueError for values JSON cannot hold) and leaves the
     previous file in place; logging that is the caller's job.
     """
-    data = json.dumps(state, indent=1, sort_keys=True, allow_nan=False).encode("utf-8") + b"\n"
+    data = json.dumps(state.to_json(), indent=1, sort_keys=True, allow_nan=False).encode("utf-8") + b"\n"
     write_atomically(path, data, STATE_FILE_MODE)
 
 
-def read_state(path: Path) -> dict[str, Any] | None:
-    """The state object in `path`, or None when there is none (missing, empty or not a JSON object).
+def read_state(path: Path) -> StateRecord | None:
+    """The state in `path`, or None when there is none (missing, empty or not a JSON object).
 
     Other OSErrors (permission denied, a directory in its place) propagate,
     because "cannot read" is not the same answer as "not running".
@@ -84,4 +264,4 @@ def read_state(path: Path) -> dict[str, Any] | None:
         state = json.loads(data)
     except ValueError:  # includes bytes that are not UTF-8
         return None
-    return state if isinstance(state, dict) else None
+    return StateRecord.from_json(state) if isinstance(state, dict) else None

@@ -13,22 +13,18 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
 from .config import load_config
 from .errors import Gb10dError
-from .statefile import read_state
+from .statefile import StateRecord, read_state
 
 EXIT_RUNNING = 0
 EXIT_NOT_RUNNING = 3
 EXIT_UNKNOWN = 4
 
 DEFAULT_STATE_FILE = Path("/run/gb10d/state.json")
-
-# A daemon in these states has finished, even if its pid lingers a moment.
-_FINAL_STATES = frozenset({"stopped", "failed"})
 
 _GIB = 1 << 30
 
@@ -60,40 +56,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def not_running_reason(state: Mapping[str, Any] | None, alive: bool) -> str | None:
+def not_running_reason(state: StateRecord | None, alive: bool) -> str | None:
     """Why the daemon counts as not running, or None when it runs (its pid lives, no final state)."""
     if state is None:
         return "no state file"
     if not alive:
-        return f"pid {_int(state, 'pid')} has exited" if _int(state, "pid") is not None else "state file names no pid"
-    if state.get("state") in _FINAL_STATES:
-        return f"state is {state['state']}"
+        return f"pid {state.pid} has exited" if state.pid is not None else "state file names no pid"
+    if state.state is not None and state.state.final:
+        return f"state is {state.state.value}"
     return None
 
 
 # --- rendering ---------------------------------------------------------------
-
-
-def _num(state: Mapping[str, Any], key: str) -> float | None:
-    value = state.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
-def _int(state: Mapping[str, Any], key: str) -> int | None:
-    value = state.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _text(state: Mapping[str, Any], key: str) -> str | None:
-    value = state.get(key)
-    return value if isinstance(value, str) and value else None
-
-
-def _table(state: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    value = state.get(key)
-    return value if isinstance(value, Mapping) else {}
 
 
 def duration(seconds: float) -> str:
@@ -116,126 +90,101 @@ def _when(at: float, now: float) -> str:
     return f"{stamp}; {duration(now - at)} ago"
 
 
-def _gib(value: object) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
+def _gib(value: int) -> str:
     return f"{value / _GIB:.1f} GiB"
 
 
-def _phase_line(state: Mapping[str, Any]) -> str | None:
-    phase = _text(state, "phase")
-    if phase is None:
-        return None
-    progress = _table(state, "progress")
-    done, total = _int(progress, "shards_done"), _int(progress, "shards_total")
+def _phase_line(state: StateRecord) -> str | None:
+    progress = state.progress
     # The count matters while loading; afterwards "66/66" only repeats the phase.
-    if phase == "loading_weights" and done is not None and total:
-        return f"{phase}, {done}/{total} shards ({100 * done // total}%)"
-    return phase
+    if state.phase == "loading_weights" and progress is not None and progress.shards_total:
+        done, total = progress.shards_done, progress.shards_total
+        return f"{state.phase}, {done}/{total} shards ({100 * done // total}%)"
+    return state.phase
 
 
-def _memory_line(state: Mapping[str, Any]) -> str | None:
-    memory = _table(state, "memory")
-    parts = [
-        f"{figure} {label}"
-        for key, label in (
-            ("total_bytes", "total"),
-            ("available_bytes", "available"),
-            ("free_bytes", "free"),
-            ("cached_bytes", "page cache"),
-        )
-        if (figure := _gib(memory.get(key))) is not None
-    ]
-    return ", ".join(parts) or None
+def _memory_line(state: StateRecord) -> str | None:
+    m = state.memory
+    if m is None:
+        return None
+    return (
+        f"{_gib(m.total_bytes)} total, {_gib(m.available_bytes)} available, {_gib(m.free_bytes)} free, "
+        f"{_gib(m.cached_bytes)} page cache"
+    )
 
 
-def _cluster_rows(state: Mapping[str, Any]) -> list[tuple[str, str | None]]:
+def _cluster_rows(state: StateRecord) -> list[tuple[str, str | None]]:
     """One machine of a pair: its role and link, and the machines the head's Ray cluster lists."""
-    cluster = _table(state, "cluster")
-    role = _text(cluster, "role")
-    if role is None:
+    cluster = state.cluster
+    if cluster is None:
         return []
-    wanted, head = _int(cluster, "nodes_wanted"), _text(cluster, "head_address")
-    me, interface = _text(cluster, "node_ip"), _text(cluster, "interface")
-    line = f"{role} of a {wanted}-machine Ray cluster" if wanted else role
-    if role != "head" and head:
+    wanted, head = cluster.nodes_wanted, cluster.head_address
+    line = f"{cluster.role} of a {wanted}-machine Ray cluster" if wanted else cluster.role
+    if cluster.role != "head" and head:
         line += f" headed by {head}"
-    if me:
-        line += f"; this machine is {me}" + (f" on {interface}" if interface else "")
-    listed = cluster.get("nodes")
-    nodes = [n for n in listed if isinstance(n, Mapping)] if isinstance(listed, list) else []
-    up = ", ".join(f"{_text(n, 'ip')} (head)" if n.get("head") is True else str(_text(n, "ip")) for n in nodes)
-    machines = _text(cluster, "error") or f"{len(nodes)}{f' of {wanted}' if wanted else ''} with a GPU up" + (f": {up}" if up else "")
+    if cluster.node_ip:
+        line += f"; this machine is {cluster.node_ip}" + (f" on {cluster.interface}" if cluster.interface else "")
+    up = ", ".join(f"{n.ip} (head)" if n.head else n.ip for n in cluster.nodes)
+    machines = cluster.error or f"{len(cluster.nodes)}{f' of {wanted}' if wanted else ''} with a GPU up" + (f": {up}" if up else "")
     return [("Cluster", line), ("Machines", machines)]
 
 
-def _header(state: Mapping[str, Any] | None, alive: bool, now: float) -> str:
+def _header(state: StateRecord | None, alive: bool, now: float) -> str:
     reason = not_running_reason(state, alive)
     if state is None:
         return "gb10d is not running (no state file)"
-    name = _text(state, "state") or "unknown"
+    name = state.state.value if state.state is not None else "unknown"
     if reason is None:
         return f"gb10d is running: {name}"
-    updated = _num(state, "updated_at")
-    when = f", last update {duration(now - updated)} ago" if updated is not None else ""
+    when = f", last update {duration(now - state.updated_at)} ago" if state.updated_at is not None else ""
     return f"gb10d is not running ({reason}; last state: {name}{when})"
 
 
-def render(state: Mapping[str, Any] | None, now: float, alive: bool) -> str:
+def render(state: StateRecord | None, now: float, alive: bool) -> str:
     """The human summary, like `systemctl status`: one aligned `Label: value` line per known fact.
 
-    Missing or odd fields are skipped rather than failing, so a state file
-    from another gb10d version still gives whatever it can.
+    Odd fields were left out when the file was read, so a state file from
+    another gb10d version still gives whatever it can.
     """
     lines = [_header(state, alive, now)]
     if state is None:
         return lines[0] + "\n"
     rows: list[tuple[str, str | None]] = []
-    started, ready = _num(state, "started_at"), _num(state, "ready_at")
-    if started is not None:
-        rows.append(("Started", _when(started, now)))
-    if ready is not None:
-        rows.append(("Ready", f"since {_when(ready, now)}"))
+    if state.started_at is not None:
+        rows.append(("Started", _when(state.started_at, now)))
+    if state.ready_at is not None:
+        rows.append(("Ready", f"since {_when(state.ready_at, now)}"))
     rows.append(("Phase", _phase_line(state)))
-    model = _text(state, "model")
-    served = state.get("served_names")
-    names = [n for n in served if isinstance(n, str)] if isinstance(served, list) else []
-    if model is not None:
-        rows.append(("Model", f"{model} (served as {', '.join(names)})" if names else model))
-    rows.append(("URL", _text(state, "url")))
+    names = state.served_names
+    if state.model is not None:
+        rows.append(("Model", f"{state.model} (served as {', '.join(names)})" if names else state.model))
+    rows.append(("URL", state.url))
     rows.extend(_cluster_rows(state))
-    attempt, max_attempts = _int(state, "attempt"), _int(state, "max_attempts")
-    if attempt is not None:
-        rows.append(("Attempt", f"{attempt} of {max_attempts}" if max_attempts else str(attempt)))
-    utilization = _num(state, "gpu_memory_utilization")
-    if utilization is not None:
-        strategy = _text(state, "load_strategy")
-        rows.append(
-            ("GPU memory", f"gpu_memory_utilization {utilization:g}" + (f", load strategy {strategy}" if strategy else ""))
-        )
+    if state.attempt is not None:
+        rows.append(("Attempt", f"{state.attempt} of {state.max_attempts}" if state.max_attempts else str(state.attempt)))
+    if state.gpu_memory_utilization is not None:
+        strategy = f", load strategy {state.load_strategy}" if state.load_strategy else ""
+        rows.append(("GPU memory", f"gpu_memory_utilization {state.gpu_memory_utilization:g}{strategy}"))
     rows.append(("Memory", _memory_line(state)))
-    pid, vllm_pid = _int(state, "pid"), _int(state, "vllm_pid")
-    if pid is not None:
-        rows.append(("PID", f"{pid} (gb10d)" + (f", {vllm_pid} (vLLM)" if vllm_pid is not None else "")))
-    failure = _table(state, "last_failure")
-    if failure:
-        cause = _text(failure, "cause") or "unknown"
-        at = _num(failure, "at")
-        rows.append(("Last failure", cause + (f", {duration(now - at)} ago" if at is not None else "")))
-        rows.append(("", _text(failure, "message")))
-        rows.append(("Action", _text(failure, "action")))
-    rows.append(("Status", _text(state, "status_text")))
-    rows.append(("Metrics", _text(state, "metrics_url")))
+    if state.pid is not None:
+        rows.append(("PID", f"{state.pid} (gb10d)" + (f", {state.vllm_pid} (vLLM)" if state.vllm_pid is not None else "")))
+    failure = state.last_failure
+    if failure is not None:
+        rows.append(("Last failure", f"{failure.cause}, {duration(now - failure.at)} ago"))
+        rows.append(("", failure.message))
+        rows.append(("Action", failure.action))
+    rows.append(("Status", state.status_text))
+    rows.append(("Metrics", state.metrics_url))
     shown = [(label, value) for label, value in rows if value is not None]
     width = max((len(label) for label, _ in shown), default=0)
     lines.extend(f"{label.rjust(width)}{':' if label else ' '} {value}" for label, value in shown)
     return "\n".join(lines) + "\n"
 
 
-def as_json(state: Mapping[str, Any] | None, path: Path, alive: bool) -> dict[str, Any]:
+def as_json(state: StateRecord | None, path: Path, alive: bool) -> dict[str, Any]:
     """One JSON object for scripts: the state as written, plus `running`, `state_file` and, when not running, `reason`."""
     reason = not_running_reason(state, alive)
-    result: dict[str, Any] = dict(state or {})
+    result: dict[str, Any] = state.to_json() if state is not None else {}
     result["running"] = reason is None
     result["state_file"] = str(path)
     if reason is not None:
@@ -257,8 +206,7 @@ def show_status(path: Path, json_output: bool = False, out: TextIO = sys.stdout,
         else:
             err.write(f"gb10d: {message}\n")
         return EXIT_UNKNOWN
-    pid = _int(state, "pid") if state is not None else None
-    alive = pid is not None and pid_alive(pid)
+    alive = state is not None and state.pid is not None and pid_alive(state.pid)
     if json_output:
         out.write(json.dumps(as_json(state, path, alive), indent=2, sort_keys=True) + "\n")
     else:

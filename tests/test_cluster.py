@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gb10d.statefile import StateRecord
 from gb10d.cluster import (
     INTERFACE_VARIABLES,
     Node,
@@ -256,7 +257,8 @@ def test_status_texts_say_what_each_machine_waits_for() -> None:
 def test_the_state_file_lists_the_machines_serving_for_gb10d_status() -> None:
     cluster = config("worker").cluster
     assert cluster is not None
-    assert view_state(View((HEAD, Node("b2", "10.0.0.2", False, False, 1.0))), cluster, "10.0.0.2", "enp1s0f0np0") == {
+    record = StateRecord(cluster=view_state(View((HEAD, Node("b2", "10.0.0.2", False, False, 1.0))), cluster, "10.0.0.2", "enp1s0f0np0"))
+    assert record.to_json()["cluster"] == {
         "role": "worker",
         "head_address": "10.0.0.1:6379",
         "node_ip": "10.0.0.2",

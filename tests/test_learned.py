@@ -21,18 +21,8 @@ import tomli_w
 
 from gb10d.command import Tunables
 from gb10d.config import Config, parse_config
-from gb10d.learned import (
-    LearnedEntry,
-    LearnedFileError,
-    LearnedState,
-    applicable,
-    fingerprint,
-    forget,
-    load,
-    merge,
-    remember,
-    save,
-)
+from gb10d.learned import LearnedEntry, LearnedState, applicable, fingerprint, merge, remember
+from gb10d.learnedfile import LearnedFileError, forget, load, save
 
 AT = datetime(2026, 12, 2, 3, 14, 15, tzinfo=timezone.utc)
 WHY = "free memory 103.45 of 121.69 GiB below 0.92 requested"

@@ -1,6 +1,6 @@
 """Liveness against gb10d.sim: a hung engine is found, a busy one is left alone, a dead one at once.
 
-`watch()` runs in an asyncio loop of the test against the real stand-in on
+`watch_liveness()` runs in an asyncio loop of the test against the real stand-in on
 a real loopback port; the sim's clock and the liveness limits are scaled by
 the same factor, so seconds of test model minutes of a 27B model on GB10.
 The last test blocks the real `gb10d run` on purpose (SIGSTOP) and listens
@@ -23,7 +23,9 @@ import httpx
 import pytest
 
 from gb10d.config import LivenessSection
-from gb10d.liveness import Dead, Hung, watch
+from gb10d.facts import ProbeKind
+from gb10d.liveness import Dead, Hung
+from gb10d.probing import watch_liveness
 from gb10d.probe import Prober
 
 from harness import Daemon, NotifySocket, Setup, free_port, wait_until
@@ -133,7 +135,7 @@ class Load:
 
 @dataclass
 class Watched:
-    """What one run of `watch()` gave: its verdicts, when the first came, whether it was still watching at the end."""
+    """What one run of `watch_liveness()` gave: its verdicts, when the first came, whether it was still watching at the end."""
 
     verdicts: list[Hung | Dead] = field(default_factory=list)
     found_at: float | None = None
@@ -141,16 +143,17 @@ class Watched:
 
 
 def run_watch(sim: Sim, limit_s: float, load: Load | None = None, load_s: float | None = None) -> Watched:
-    """Run `watch()` until its verdict or `limit_s`; a load runs alongside for `load_s` (None: throughout)."""
+    """Run `watch_liveness()` until its verdict or `limit_s`; a load runs alongside for `load_s` (None: throughout)."""
     watched = Watched()
 
-    def on_verdict(found: Hung | Dead) -> None:
-        watched.verdicts.append(found)
+    def post(kind: ProbeKind, detail: str = "", label: str = "") -> None:
+        # The verdict as the liveness core gave it: its evidence and its metrics label.
+        watched.verdicts.append(Hung(detail, label) if kind is ProbeKind.HUNG else Dead(detail, label))
         watched.found_at = watched.found_at or time.monotonic()
 
     async def main() -> None:
         prober = Prober(sim.url, timeout_s=LIMITS.probe_timeout_s)
-        watcher = asyncio.create_task(watch(prober, LIMITS, on_verdict, model=MODEL))
+        watcher = asyncio.create_task(watch_liveness(prober, LIMITS, post, model=MODEL))
         clients = None
         if load is not None:
             clients = asyncio.create_task(load.run(time.monotonic() + (limit_s if load_s is None else load_s)))

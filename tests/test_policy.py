@@ -20,7 +20,8 @@ from gb10d.events import (
     PortInUse,
     RayWorkerLost,
 )
-from gb10d.policy import Cause, GiveUp, History, Outcome, Retry, backoff_delay, classify, describe, next_attempt, starts_new_count
+from gb10d.outcome import Cause, Failed
+from gb10d.policy import GiveUp, History, Retry, backoff_delay, classify, describe, next_attempt, starts_new_count
 
 
 def config(**tables: dict[str, object]) -> Config:
@@ -53,7 +54,7 @@ def test_classify_names_the_most_specific_cause(failures: list, status: int, was
 
 
 def test_free_memory_retry_computes_the_fitting_utilization_from_the_error() -> None:
-    decision = next_attempt(Outcome(Cause.FREE_MEMORY, FREE), Tunables(0.92), History(1), config())
+    decision = next_attempt(Failed(cause=Cause.FREE_MEMORY, failure=FREE), Tunables(0.92), History(1), config())
     assert isinstance(decision, Retry)
     assert decision.tunables.gpu_memory_utilization == 0.82  # floor((103.45 - 1.0) / 123.73, 2)
     assert decision.delay_s == 0
@@ -62,14 +63,14 @@ def test_free_memory_retry_computes_the_fitting_utilization_from_the_error() -> 
 def test_free_memory_retry_never_repeats_the_same_value() -> None:
     # The error's numbers would allow the value just tried: lower it anyway.
     generous = FreeMemoryShort(free_gib=120.0, total_gib=121.69, requested_utilization=0.8, requested_gib=97.35)
-    decision = next_attempt(Outcome(Cause.FREE_MEMORY, generous), Tunables(0.8), History(1), config())
+    decision = next_attempt(Failed(cause=Cause.FREE_MEMORY, failure=generous), Tunables(0.8), History(1), config())
     assert isinstance(decision, Retry)
     assert decision.tunables.gpu_memory_utilization == 0.79
 
 
 def test_free_memory_below_the_minimum_gives_up_with_advice() -> None:
     short = FreeMemoryShort(free_gib=20.0, total_gib=121.69, requested_utilization=0.9, requested_gib=109.52)
-    decision = next_attempt(Outcome(Cause.FREE_MEMORY, short), Tunables(0.9), History(1), config())
+    decision = next_attempt(Failed(cause=Cause.FREE_MEMORY, failure=short), Tunables(0.9), History(1), config())
     assert isinstance(decision, GiveUp)
     assert decision.exit_status == EXIT_GAVE_UP
     assert "memory.min_gpu_memory_utilization 0.3" in decision.message
@@ -78,7 +79,7 @@ def test_free_memory_below_the_minimum_gives_up_with_advice() -> None:
 
 def test_free_memory_short_on_the_other_machine_of_a_pair_gives_up_naming_it() -> None:
     short = FreeMemoryShort(free_gib=20.0, total_gib=121.69, requested_utilization=0.9, requested_gib=109.52, node="10.0.0.2")
-    decision = next_attempt(Outcome(Cause.FREE_MEMORY, short), Tunables(0.9), History(1), config())
+    decision = next_attempt(Failed(cause=Cause.FREE_MEMORY, failure=short), Tunables(0.9), History(1), config())
     assert isinstance(decision, GiveUp)
     assert decision.message.startswith("free memory 20 of 121.69 GiB on the machine 10.0.0.2 is below gpu_memory_utilization 0.9")
     assert "Free memory on the machine 10.0.0.2 (stop what uses it" in decision.message
@@ -86,50 +87,50 @@ def test_free_memory_short_on_the_other_machine_of_a_pair_gives_up_naming_it() -
 
 def test_stall_moves_down_the_load_strategy_ladder() -> None:
     cfg = config(startup={"load_strategy_ladder": ["eager", "prefetch"]})
-    first = next_attempt(Outcome(Cause.STALL), Tunables(0.8), History(1), cfg)
+    first = next_attempt(Failed(cause=Cause.STALL), Tunables(0.8), History(1), cfg)
     assert isinstance(first, Retry) and first.tunables.load_strategy == "eager"
-    second = next_attempt(Outcome(Cause.STALL), first.tunables, History(2), cfg)
+    second = next_attempt(Failed(cause=Cause.STALL), first.tunables, History(2), cfg)
     assert isinstance(second, Retry) and second.tunables.load_strategy == "prefetch"
-    third = next_attempt(Outcome(Cause.STALL), second.tunables, History(3), cfg)
+    third = next_attempt(Failed(cause=Cause.STALL), second.tunables, History(3), cfg)
     assert isinstance(third, Retry) and third.tunables.load_strategy == "prefetch" and third.delay_s > 0
 
 
 @pytest.mark.parametrize("cause", [Cause.PORT_IN_USE, Cause.MODEL_NOT_FOUND, Cause.MODEL_GATED, Cause.BAD_ARGUMENT])
 def test_config_causes_give_up_at_once_with_exit_78(cause: Cause) -> None:
-    decision = next_attempt(Outcome(cause, BadArgument("x") if cause is Cause.BAD_ARGUMENT else None), Tunables(0.8), History(1), config())
+    decision = next_attempt(Failed(cause=cause, failure=BadArgument("x") if cause is Cause.BAD_ARGUMENT else None), Tunables(0.8), History(1), config())
     assert isinstance(decision, GiveUp) and decision.exit_status == EXIT_CONFIG
 
 
 def test_port_in_use_advice_names_the_port_and_the_key() -> None:
-    decision = next_attempt(Outcome(Cause.PORT_IN_USE, PortInUse(8000)), Tunables(0.8), History(1), config())
+    decision = next_attempt(Failed(cause=Cause.PORT_IN_USE, failure=PortInUse(8000)), Tunables(0.8), History(1), config())
     assert isinstance(decision, GiveUp)
     assert "port 8000 is already in use" in decision.message and "vllm.port" in decision.message
 
 
 def test_kv_cache_too_small_uses_vllms_estimate_only_when_allowed() -> None:
     kv = KvCacheInsufficient(max_model_len=131072, needed_gib=16.0, available_gib=5.0, estimated_max_model_len=40960)
-    refused = next_attempt(Outcome(Cause.KV_CACHE, kv), Tunables(0.8, None, 131072), History(1), config())
+    refused = next_attempt(Failed(cause=Cause.KV_CACHE, failure=kv), Tunables(0.8, None, 131072), History(1), config())
     assert isinstance(refused, GiveUp) and "vllm.args.max_model_len = 40960" in refused.message
     allowed = next_attempt(
-        Outcome(Cause.KV_CACHE, kv), Tunables(0.8, None, 131072), History(1), config(startup={"allow_max_model_len_reduction": True})
+        Failed(cause=Cause.KV_CACHE, failure=kv), Tunables(0.8, None, 131072), History(1), config(startup={"allow_max_model_len_reduction": True})
     )
     assert isinstance(allowed, Retry) and allowed.tunables.max_model_len == 40960
 
 
 def test_cuda_oom_lowers_utilization_by_five_points() -> None:
-    decision = next_attempt(Outcome(Cause.CUDA_OOM, CudaOutOfMemory(1.71)), Tunables(0.8), History(1), config())
+    decision = next_attempt(Failed(cause=Cause.CUDA_OOM, failure=CudaOutOfMemory(1.71)), Tunables(0.8), History(1), config())
     assert isinstance(decision, Retry) and decision.tunables.gpu_memory_utilization == 0.75
 
 
 def test_unknown_crashes_back_off_exponentially_up_to_the_cap() -> None:
     cfg = config(restart={"backoff_initial_s": 5, "backoff_max_s": 30, "max_attempts": 10})
-    delays = [next_attempt(Outcome(Cause.CRASH), Tunables(0.8), History(n, n - 1), cfg) for n in range(1, 6)]
+    delays = [next_attempt(Failed(cause=Cause.CRASH), Tunables(0.8), History(n, n - 1), cfg) for n in range(1, 6)]
     assert [d.delay_s for d in delays if isinstance(d, Retry)] == [5, 10, 20, 30, 30]
     assert backoff_delay(cfg, 0) == 5
 
 
 def test_budget_is_exhausted_after_max_attempts() -> None:
-    decision = next_attempt(Outcome(Cause.CRASH, detail="exit 1"), Tunables(0.8), History(5, 4), config())
+    decision = next_attempt(Failed(cause=Cause.CRASH, detail="exit 1"), Tunables(0.8), History(5, 4), config())
     assert isinstance(decision, GiveUp)
     assert decision.exit_status == EXIT_GAVE_UP
     assert "giving up after 5 failed starts" in decision.message
@@ -137,14 +138,14 @@ def test_budget_is_exhausted_after_max_attempts() -> None:
 
 def test_a_failure_on_the_other_machine_of_a_pair_names_that_machine() -> None:
     remote = FreeMemoryShort(40.0, 121.69, 0.8, 97.35, "cuda:0", node="10.213.0.2")
-    assert describe(Outcome(Cause.FREE_MEMORY, remote)) == (
+    assert describe(Failed(cause=Cause.FREE_MEMORY, failure=remote)) == (
         "free memory 40 of 121.69 GiB on the machine 10.213.0.2 is below gpu_memory_utilization 0.8 (97.35 GiB)"
     )
-    assert describe(Outcome(Cause.CUDA_OOM, CudaOutOfMemory(1.71, node="10.213.0.2"))) == "CUDA out of memory on the machine 10.213.0.2 allocating 1.71 GiB"
+    assert describe(Failed(cause=Cause.CUDA_OOM, failure=CudaOutOfMemory(1.71, node="10.213.0.2"))) == "CUDA out of memory on the machine 10.213.0.2 allocating 1.71 GiB"
 
 
 def test_a_lost_ray_worker_that_served_restarts_with_the_same_settings_and_counts() -> None:
-    outcome = Outcome(Cause.WORKER_LOST, RayWorkerLost("ray.exceptions.ActorDiedError: The actor died"), None, True, "ActorDiedError", served_s=900)
+    outcome = Failed(cause=Cause.WORKER_LOST, failure=RayWorkerLost("ray.exceptions.ActorDiedError: The actor died"), was_ready=True, detail="ActorDiedError", served_s=900)
     decision = next_attempt(outcome, Tunables(0.92, None, None), History(1, 0), config())
     assert isinstance(decision, Retry) and decision.delay_s == 0 and decision.message == "restarting with the same settings"
     assert isinstance(next_attempt(outcome, Tunables(0.92, None, None), History(3, 0), config(restart={"max_attempts": 3})), GiveUp)
@@ -152,20 +153,20 @@ def test_a_lost_ray_worker_that_served_restarts_with_the_same_settings_and_count
 
 def test_a_failure_after_serving_reset_after_s_or_longer_starts_a_new_count() -> None:
     cfg = config(restart={"reset_after_s": 600})
-    assert starts_new_count(Outcome(Cause.ENGINE_DEAD, was_ready=True, served_s=600), cfg)
-    assert not starts_new_count(Outcome(Cause.ENGINE_DEAD, was_ready=True, served_s=599), cfg)
-    assert not starts_new_count(Outcome(Cause.CRASH), cfg)
+    assert starts_new_count(Failed(cause=Cause.ENGINE_DEAD, was_ready=True, served_s=600), cfg)
+    assert not starts_new_count(Failed(cause=Cause.ENGINE_DEAD, was_ready=True, served_s=599), cfg)
+    assert not starts_new_count(Failed(cause=Cause.CRASH), cfg)
 
 
 def test_a_failure_after_serving_a_good_while_restarts_at_once() -> None:
-    outcome = Outcome(Cause.ENGINE_DEAD, was_ready=True, served_s=3600)
+    outcome = Failed(cause=Cause.ENGINE_DEAD, was_ready=True, served_s=3600)
     decision = next_attempt(outcome, Tunables(0.8), History(1, 0), config())
     assert isinstance(decision, Retry) and decision.delay_s == 0 and decision.message == "restarting with the same settings"
 
 
 def test_a_failure_soon_after_ready_backs_off_and_says_why_it_counts() -> None:
     cfg = config(restart={"backoff_initial_s": 5, "reset_after_s": 600})
-    decision = next_attempt(Outcome(Cause.ENGINE_DEAD, was_ready=True, served_s=42.4), Tunables(0.8), History(2, 1), cfg)
+    decision = next_attempt(Failed(cause=Cause.ENGINE_DEAD, was_ready=True, served_s=42.4), Tunables(0.8), History(2, 1), cfg)
     assert isinstance(decision, Retry) and decision.delay_s == 10
     assert decision.message == (
         "it served only 42 s (less than restart.reset_after_s 600), so this counts as a failed start; "
@@ -174,18 +175,18 @@ def test_a_failure_soon_after_ready_backs_off_and_says_why_it_counts() -> None:
 
 
 def test_an_engine_that_dies_soon_after_every_ready_is_given_up_on() -> None:
-    outcome = Outcome(Cause.ENGINE_DEAD, was_ready=True, served_s=30)
+    outcome = Failed(cause=Cause.ENGINE_DEAD, was_ready=True, served_s=30)
     decision = next_attempt(outcome, Tunables(0.8), History(5, 3), config())
     assert isinstance(decision, GiveUp) and decision.exit_status == EXIT_GAVE_UP
     assert "giving up after 5 failed starts" in decision.message
 
 
 def test_a_hang_never_starts_a_new_count_however_long_it_served() -> None:
-    hang = Outcome(Cause.ENGINE_HUNG, was_ready=True, served_s=86400)
+    hang = Failed(cause=Cause.ENGINE_HUNG, was_ready=True, served_s=86400)
     assert not starts_new_count(hang, config())
     decision = next_attempt(hang, Tunables(0.8), History(2, 0), config())
     assert isinstance(decision, Retry) and decision.delay_s == 0
 
 
 def test_reset_after_s_zero_makes_every_ready_start_a_new_count() -> None:
-    assert starts_new_count(Outcome(Cause.ENGINE_DEAD, was_ready=True, served_s=0.0), config(restart={"reset_after_s": 0}))
+    assert starts_new_count(Failed(cause=Cause.ENGINE_DEAD, was_ready=True, served_s=0.0), config(restart={"reset_after_s": 0}))

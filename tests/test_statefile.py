@@ -6,15 +6,16 @@ import json
 import math
 import stat
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gb10d.statefile import read_state, write_state
+from gb10d.statefile import StateRecord, read_state, write_state
 
 
-def serving_state(**changes: Any) -> dict[str, Any]:
+def serving_state(**changes: Any) -> StateRecord:
     state: dict[str, Any] = {
         "pid": 4242,
         "started_at": 1_764_680_000.0,
@@ -38,7 +39,7 @@ def serving_state(**changes: Any) -> dict[str, Any]:
         "metrics_url": "http://127.0.0.1:9400/metrics",
     }
     state.update(changes)
-    return state
+    return StateRecord.from_json(state)
 
 
 def leftovers(directory: Path) -> list[str]:
@@ -76,7 +77,7 @@ def test_unserialisable_state_keeps_the_previous_file(tmp_path: Path, bad: objec
     path = tmp_path / "state.json"
     write_state(path, serving_state())
     with pytest.raises((TypeError, ValueError)):
-        write_state(path, serving_state(gpu_memory_utilization=bad))
+        write_state(path, replace(serving_state(), gpu_memory_utilization=bad))  # type: ignore[arg-type]
     assert read_state(path) == serving_state()
     assert leftovers(tmp_path) == []
 

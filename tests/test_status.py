@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gb10d.statefile import read_state, write_state
+from gb10d.statefile import StateRecord, read_state, write_state
 from gb10d.status import DEFAULT_STATE_FILE, duration, render
 
 from harness import Daemon, NotifySocket, Setup, wait_until
@@ -24,7 +24,7 @@ from harness import Daemon, NotifySocket, Setup, wait_until
 NOW = 1_764_690_000.0
 
 
-def state(**changes: Any) -> dict[str, Any]:
+def state(**changes: Any) -> StateRecord:
     result: dict[str, Any] = {
         "pid": 4242,
         "started_at": NOW - 7000,
@@ -54,7 +54,7 @@ def state(**changes: Any) -> dict[str, Any]:
         "metrics_url": "http://127.0.0.1:9400/metrics",
     }
     result.update(changes)
-    return result
+    return StateRecord.from_json(result)
 
 
 def rows(text: str) -> dict[str, str]:
@@ -127,8 +127,10 @@ def test_summary_without_state_file() -> None:
 
 def test_odd_field_types_are_skipped_not_fatal() -> None:
     text = render(
-        {"pid": "4242", "state": 7, "memory": "lots", "progress": [1], "served_names": "qwen3", "attempt": True,
-         "last_failure": "yes", "model": "m"},
+        StateRecord.from_json(
+            {"pid": "4242", "state": 7, "memory": "lots", "progress": [1], "served_names": "qwen3", "attempt": True,
+             "last_failure": "yes", "model": "m"}
+        ),
         NOW,
         alive=True,
     )
@@ -295,7 +297,7 @@ def test_status_while_weights_load_shows_the_shard_count(tmp_path: Path, notify:
         notify.wait_for(lambda m: "loading weights 3/6" in m.get("STATUS", ""), 120)
         # The state file follows the same change the STATUS= line reported.
         wait_until(
-            lambda: ((read_state(setup.state_file) or {}).get("progress") or {}).get("shards_done") == 3,
+            lambda: (record := read_state(setup.state_file)) is not None and record.progress is not None and record.progress.shards_done == 3,
             60,
             "state file at shard 3",
         )

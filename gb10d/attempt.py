@@ -1,0 +1,260 @@
+"""One start of vLLM, from spawn to its end: the runtime, the tasks that read and probe it, and its core state.
+
+The attempt forwards every line vLLM prints to the journal on the spot (the
+hot path: lines are never queued, only the events parsed from them), posts
+what it learns to the supervisor's queue as facts tagged with its serial,
+and, when the supervisor hands a fact back, asks the lifecycle core what it
+means and carries out the answer. It decides nothing itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+from typing import Callable, Mapping, Sequence
+
+from . import lifecycle
+from .cluster import View
+from .command import Tunables, shell_line
+from .config import Config
+from .errors import GiveUp, SpawnError
+from .events import Event, Failure
+from .facts import AttemptFact, Exited, ExitSeen, Fact, Parsed, ProbeKind, Probed, Tick
+from .journal import Journal
+from .levels import PRIORITY_ERR, PRIORITY_INFO
+from .lifecycle import Action, AttemptState
+from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
+from .memory import MemInfo
+from .outcome import Failed
+from .probe import Prober, base_url
+from .probing import check_ready, poll_until_healthy, watch_liveness
+from .reporter import Reporter
+from .runtime import Launcher, Runtime
+
+# How long the pipes may stay open after the API server exited before gb10d acts on the exit anyway.
+PIPE_DRAIN_S = 2.0
+
+
+class OutputStream:
+    """One of vLLM's pipes: frames its bytes, forwards each line to the journal, posts what it means.
+
+    This is the hot path (every byte vLLM prints), so lines are not queued:
+    only parsed events go to the loop.
+    """
+
+    def __init__(self, journal: Journal, collapser: BarCollapser, post: Callable[[Event], None]) -> None:
+        self._journal = journal
+        self._collapser = collapser
+        self._post = post
+        self._framer = LineFramer()
+        self._classifier = Classifier()
+        self._scanner = EventScanner()
+
+    def feed(self, chunk: bytes) -> None:
+        self._lines(self._framer.feed(chunk))
+
+    def finish(self) -> None:
+        """At EOF: the last unterminated line, and a failure message still waiting for its end."""
+        self._lines(self._framer.flush())
+        for event in self._scanner.flush():
+            self._post(event)
+
+    def _lines(self, lines: list[Line]) -> None:
+        for line in lines:
+            text = line.text
+            # One classification serves both the journal's priority and the event scan.
+            record = self._classifier.classify(text)
+            if self._collapser.forward(text):
+                self._journal.vllm_line(text, record.priority)
+            for event in self._scanner.feed_message(record.message):
+                # A remote Ray worker's failure says which machine it happened on.
+                self._post(replace(event, node=record.node) if record.node and isinstance(event, Failure) else event)
+        self._journal.flush()
+
+
+class Attempt:
+    """One start of vLLM; `handle` and `tick` return its `Failed` outcome once it is over."""
+
+    def __init__(
+        self,
+        serial: int,
+        state: AttemptState,
+        runtime: Runtime,
+        config: Config,
+        reporter: Reporter,
+        post: Callable[[Fact], None],
+        on_ready: Callable[[Tunables], None],
+        baseline: MemInfo | None,
+        start_view: View | None,
+    ) -> None:
+        self.serial = serial
+        self.state = state
+        self.runtime = runtime
+        self.config = config
+        self.reporter = reporter
+        self.baseline = baseline
+        self.start_view = start_view  # on a pair: the machines vLLM was placed on
+        self._post = post
+        self._on_ready = on_ready
+        v = config.vllm
+        # One client per attempt, made now: building it (TLS context included) must not delay READY=1 later.
+        self.prober = Prober(base_url(v.host, v.port), v.api_key, timeout_s=config.liveness.probe_timeout_s)
+        self._readiness: asyncio.Task[None] | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @classmethod
+    async def launch(
+        cls,
+        serial: int,
+        number: int,
+        tunables: Tunables,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        launcher: Launcher,
+        config: Config,
+        reporter: Reporter,
+        post: Callable[[Fact], None],
+        on_ready: Callable[[Tunables], None],
+        baseline: MemInfo | None,
+        start_view: View | None,
+        reason: str,
+    ) -> Attempt:
+        """Start vLLM and the tasks that follow it; a program that cannot start at all is a GiveUp."""
+        try:
+            runtime = await launcher.launch(argv, env)
+        except SpawnError as exc:
+            raise GiveUp(str(exc), exc.exit_status) from None
+        reporter.say(
+            "starting",
+            f"started vLLM as {runtime.label} (attempt {number}/{config.restart.max_attempts}, gpu_memory_utilization "
+            f"{tunables.gpu_memory_utilization:g}): {shell_line(launcher.command_line(argv, env))}",
+            PRIORITY_INFO,
+            attempt=number,
+            vllm_pid=runtime.pid,
+            gpu_memory_utilization=tunables.gpu_memory_utilization,
+            load_strategy=tunables.load_strategy,
+            mem_available_bytes=baseline.available if baseline else None,
+        )
+        reporter.attempt_started(number, tunables, runtime.pid, baseline, reason)
+        if config.metrics.proxy_vllm:
+            reporter.metrics.set_vllm_target(base_url(config.vllm.host, config.vllm.port) + "/metrics")
+        state, actions = lifecycle.begin(number, tunables, time.monotonic(), config)
+        attempt = cls(serial, state, runtime, config, reporter, post, on_ready, baseline, start_view)
+        attempt._tasks.append(asyncio.create_task(attempt._follow_output()))
+        attempt._poller = asyncio.create_task(
+            poll_until_healthy(attempt.prober, config.startup.health_poll_interval_s, attempt._awaiting_health, attempt._post_probe)
+        )
+        attempt._tasks.append(attempt._poller)
+        await attempt._carry_out(actions)
+        return attempt
+
+    @property
+    def number(self) -> int:
+        return self.state.number
+
+    @property
+    def ready(self) -> bool:
+        return self.state.ready
+
+    def deadline(self) -> float | None:
+        """When to `tick` without news (monotonic), or None."""
+        return lifecycle.deadline(self.state, self.config)
+
+    async def tick(self) -> Failed | None:
+        """A deadline passed: sample vLLM's I/O and let the core judge stall, timeout or grace."""
+        return await self.handle(Tick(self.runtime.io_bytes()))
+
+    async def handle(self, fact: AttemptFact) -> Failed | None:
+        """Fold a fact about this attempt into its state and carry out what the core decides."""
+        self.state, actions = lifecycle.step(self.state, fact, time.monotonic(), self.config)
+        return await self._carry_out(actions)
+
+    async def _carry_out(self, actions: list[Action]) -> Failed | None:
+        for action in actions:
+            if isinstance(action, lifecycle.Extend):
+                self.reporter.notifier.extend_timeout(action.seconds)
+            elif isinstance(action, lifecycle.ShowPhase):
+                self.reporter.phase(self.state.startup, action.text)
+            elif isinstance(action, lifecycle.Say):
+                self.reporter.say(action.kind, action.message, action.priority, **dict(action.fields))
+            elif isinstance(action, lifecycle.Observe):
+                self.reporter.observe(action.event)
+            elif isinstance(action, lifecycle.StartReadiness):
+                self._start_readiness()
+            elif isinstance(action, lifecycle.BecomeReady):
+                self._became_ready(action)
+            elif isinstance(action, lifecycle.ProcessExited):
+                self.reporter.metrics.set_vllm_up(False)
+            elif isinstance(action, lifecycle.LivenessFailed):
+                self.reporter.metrics.liveness_failure(action.label)
+            elif isinstance(action, lifecycle.Finish):
+                await self.kill()
+                outcome = action.outcome
+                if self.state.ready_since is not None:
+                    outcome = replace(outcome, served_s=time.monotonic() - self.state.ready_since)
+                return outcome
+        return None
+
+    def _became_ready(self, action: lifecycle.BecomeReady) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        self.reporter.ready(self.state.startup, action.message, action.startup_s, self.number)
+        self._on_ready(self.state.tunables)
+        if self.config.liveness.enabled:
+            self._tasks.append(
+                asyncio.create_task(
+                    watch_liveness(self.prober, self.config.liveness, self._post_probe, model=self.config.vllm.served_names[0])
+                )
+            )
+
+    def _start_readiness(self) -> None:
+        """Run the readiness checks, unless they are running; a check that gave up may run again."""
+        if self._readiness is None or self._readiness.done():
+            self._readiness = asyncio.create_task(check_ready(self.prober, self.config, self._post_probe))
+            self._tasks.append(self._readiness)
+
+    def _awaiting_health(self) -> bool:
+        """The health poller's question: not ready, and no readiness check running."""
+        return not self.state.ready and (self._readiness is None or self._readiness.done())
+
+    def _post_probe(self, kind: ProbeKind, detail: str = "", label: str = "") -> None:
+        self._post(Probed(self.serial, kind, detail, label))
+
+    async def _follow_output(self) -> None:
+        """Forward every vLLM line to the journal and parse it; report the exit at once, and again once
+        the pipes are read to the end."""
+        n = self.serial
+        collapser = BarCollapser()
+        streams = [OutputStream(self.reporter.journal, collapser, lambda event: self._post(Parsed(n, event))) for _ in range(2)]
+        readers = asyncio.gather(*self.runtime.readers(streams[0].feed, streams[1].feed))
+        status = await self.runtime.wait()
+        self._post(ExitSeen(n, status))
+        try:
+            # The exit's last words are still in the pipes; an orphaned EngineCore may hold them open forever.
+            await asyncio.wait_for(asyncio.shield(readers), PIPE_DRAIN_S)
+            for stream in streams:
+                stream.finish()
+        except asyncio.TimeoutError:
+            pass
+        self._post(Exited(n, status))
+        await readers
+
+    async def kill(self) -> None:
+        """SIGKILL whatever is left of vLLM at once (a failed or stalled start has nothing to drain)."""
+        if self.runtime.alive() and not await self.runtime.kill():
+            self.reporter.say(
+                "crashed", f"processes of vLLM ({self.runtime.label}) survived SIGKILL: {self.runtime.members()}", PRIORITY_ERR
+            )
+        self.reporter.metrics.set_vllm_up(False)
+
+    async def close(self) -> None:
+        """Make sure vLLM's processes and this attempt's tasks are gone before anything else starts."""
+        for task in self._tasks:
+            task.cancel()
+        if self.runtime.alive():
+            await self.runtime.kill()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.prober.close()
+        self.reporter.attempt_over()

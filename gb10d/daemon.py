@@ -1,0 +1,76 @@
+"""`gb10d run`: the daemon assembled from its parts, and what every run does before and after them.
+
+The parts are small objects with one job each: the fact loop (`loop`),
+the reporter (`reporter`), the config keeper (`keeper`), the checks around
+a start (`preflight`), how vLLM runs (`runtime`), this machine's part in a
+pair (`pair`), and the two kinds of daemon: the `Supervisor`, which runs
+vLLM, and the `WorkerDaemon` of a pair's second machine, which runs only
+Ray. This module wires them together, and gives every run the same frame:
+signals and the watchdog, the metrics listener, the config watcher, the
+GPU device check, a give-up reported the same way everywhere, and nothing
+left running afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from .config import load_config
+from .errors import GiveUp
+from .facts import Edited
+from .journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal
+from .keeper import ConfigKeeper
+from .levels import PRIORITY_ERR
+from .loop import FactLoop
+from .metrics import Metrics
+from .notify import Notifier
+from .pair import Pair
+from .preflight import Preflight
+from .process import become_subreaper
+from .reload import ConfigSnapshot
+from .reporter import Reporter
+from .runtime import LocalLauncher
+from .supervisor import Supervisor
+from .worker import WorkerDaemon
+
+
+async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier: Notifier, metrics: Metrics) -> int:
+    """Run the daemon the config asks for until it stops (0) or gives up (its exit status)."""
+    config = snapshot.config
+    reporter = Reporter(config, journal, notifier, metrics)
+    keeper = ConfigKeeper(path, snapshot, reporter)
+    loop = FactLoop(notifier)
+    pair = Pair(config, reporter, loop) if config.cluster is not None else None
+    preflight = Preflight(lambda: keeper.config, keeper.env, reporter)
+    supervisor: Supervisor | None = None
+    loop.install()
+    reporter.serve_metrics()
+    keeper.watch(asyncio.get_running_loop(), lambda: loop.post(Edited()))
+    try:
+        preflight.gpu()
+        if pair is not None and pair.cluster.role == "worker":
+            return await WorkerDaemon(keeper, reporter, loop, pair).serve()
+        supervisor = Supervisor(keeper, reporter, loop, preflight, LocalLauncher(), pair)
+        return await supervisor.supervise()
+    except GiveUp as exc:
+        reporter.gave_up(exc.reason, exc.exit_status)
+        return exc.exit_status
+    finally:
+        keeper.close()
+        if supervisor is not None:
+            await supervisor.close()
+        if pair is not None:
+            await pair.close()
+        await loop.remove()
+        reporter.close()
+
+
+def run_daemon(config_path: Path) -> int:
+    """Load the config and supervise; the body of `gb10d run`."""
+    snapshot = ConfigSnapshot.take(load_config(config_path))
+    journal = Journal(sys.stdout, socket_path=DEFAULT_SOCKET_PATH if connected_to_journal(sys.stdout) else None)
+    notifier = Notifier(on_error=lambda message: journal.event("watchdog", message, PRIORITY_ERR))
+    become_subreaper()
+    return asyncio.run(serve(config_path, snapshot, journal, notifier, Metrics()))

@@ -1,0 +1,138 @@
+"""The configuration in force, and everything that changes it: reloads, edits on disk, learned settings.
+
+A start uses the snapshot taken when gb10d started or last reloaded (the
+config and the env_file's contents as read then), never a file read again
+behind the operator's back; only a reload reads the files anew. The keeper
+also decides which settings a start begins from: the config's own, or what
+a corrected start learned for this very config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from . import learned
+from .command import Tunables
+from .config import Config, load_config
+from .errors import ConfigError
+from .learnedfile import LearnedFileError, load, save
+from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
+from .reload import ConfigDiff, ConfigSnapshot, diff_configs
+from .reporter import Reporter
+from .watcher import ConfigWatcher, WatchUnavailable
+
+
+class ConfigKeeper:
+    """Holds the snapshot vLLM starts from; reloads it, watches its files and keeps what was learned."""
+
+    def __init__(self, path: Path, snapshot: ConfigSnapshot, reporter: Reporter) -> None:
+        self.path = path
+        self.snapshot = snapshot
+        self.reporter = reporter
+        # Why the settings now in use differ from the config's, for the learned-settings file.
+        self.correction = ""
+        self._watcher: ConfigWatcher | None = None
+
+    @property
+    def config(self) -> Config:
+        return self.snapshot.config
+
+    def env(self) -> dict[str, str]:
+        """vLLM's environment from the snapshot (the env_file as last read)."""
+        return self.snapshot.env()
+
+    # --- watching and reloading ----------------------------------------------
+
+    def watch(self, loop: asyncio.AbstractEventLoop, on_edit: Callable[[], None]) -> None:
+        """Report edits of the config and its drop-ins through `on_edit`, if `daemon.watch_config`."""
+        if not self.config.daemon.watch_config:
+            return
+        watcher = ConfigWatcher(self.path, loop, on_edit)
+        try:
+            watcher.start()
+        except WatchUnavailable as exc:
+            self.reporter.say("config_changed_on_disk", f"not watching the config for changes: {exc}", PRIORITY_WARNING)
+            return
+        self._watcher = watcher
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+
+    def take(self, requested: bool) -> ConfigDiff | None:
+        """Re-read and validate the config; apply it if asked to; the changes applied, or None.
+
+        An invalid file is logged problem by problem and changes nothing. An
+        edit seen on disk is only reported unless `daemon.apply_on_change`.
+        """
+        say = self.reporter.say
+        if requested:
+            say("reload_requested", f"reload requested: re-reading {self.path}", PRIORITY_INFO)
+        try:
+            new = ConfigSnapshot.take(load_config(self.path))
+        except ConfigError as exc:
+            for problem in exc.problems:
+                say("reload_invalid", f"config not applied: {problem}", PRIORITY_ERR)
+            say(
+                "reload_invalid",
+                "keeping the running configuration; fix the file, check it with gb10d check-config, then: systemctl reload gb10d",
+                PRIORITY_ERR,
+            )
+            return None
+        if new.config.cluster != self.config.cluster:
+            say(
+                "reload_invalid",
+                "config not applied: [cluster] changed, and this machine's part in a Ray cluster changes only at a start; "
+                "keeping the running configuration; apply it with: systemctl restart gb10d",
+                PRIORITY_ERR,
+            )
+            return None
+        diff = diff_configs(self.snapshot, new)
+        if not requested and not self.config.daemon.apply_on_change:
+            if diff:
+                say(
+                    "config_changed_on_disk",
+                    f"config changed ({len(diff.changes)} keys); run systemctl reload gb10d to apply: {diff.describe()}",
+                    PRIORITY_INFO,
+                )
+            else:
+                say("config_changed_on_disk", f"{self.path} changed on disk; it is valid and nothing gb10d uses differs", PRIORITY_INFO)
+            return None
+        if not diff:
+            say("reload_applied", "config re-read: nothing changed", PRIORITY_INFO)
+            return diff
+        self.snapshot = new
+        self.reporter.reconfigured(new.config)
+        return diff
+
+    # --- learned settings -------------------------------------------------------
+
+    def starting_tunables(self) -> Tunables:
+        """The config's settings, or what a corrected start learned for this very config."""
+        base = Tunables.from_config(self.config.vllm)
+        self.correction = ""
+        state = load(self.config.daemon.learned_file)
+        if state.problem:
+            self.reporter.say("learned_discarded", f"{state.problem}; starting from the config's values", PRIORITY_WARNING)
+        verdict = learned.applicable(state, self.config)
+        if verdict.entry is not None:
+            self.reporter.say("learned_applied", verdict.reason, PRIORITY_INFO, gpu_memory_utilization=verdict.entry.gpu_memory_utilization)
+            self.correction = verdict.entry.reason
+            return learned.merge(base, verdict.entry)
+        if verdict.reason:
+            self.reporter.say("learned_discarded", verdict.reason, PRIORITY_INFO)
+        return base
+
+    def remember(self, tunables: Tunables) -> None:
+        """After a corrected start reached ready, keep what worked for the next boot."""
+        entry = learned.remember(self.config, tunables, self.correction or "a corrected start", datetime.now(timezone.utc))
+        if entry is None:
+            return
+        try:
+            save(self.config.daemon.learned_file, learned.LearnedState(entry))
+        except LearnedFileError as exc:
+            self.reporter.say("learned_discarded", f"cannot keep the learned settings: {exc}", PRIORITY_WARNING)

@@ -1,0 +1,87 @@
+"""How an attempt ended: failed with a cause, reloaded, a machine of the pair lost, or stopped.
+
+Only a failure is vLLM's fault and spends the restart budget; the other
+endings are the operator's doing (a reload, a stop) or the cluster's (a
+machine left), and each leads the supervisor somewhere else. They are
+different types so that no code can mistake one for a failure.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass
+from typing import Union
+
+from .events import Failure
+
+
+class Cause(enum.Enum):
+    """Why an attempt failed; the value is the metrics label and the journal word."""
+
+    FREE_MEMORY = "free_memory"
+    STALL = "stall"
+    CUDA_OOM = "cuda_oom"
+    KV_CACHE = "kv_cache"
+    NO_KV_MEMORY = "no_kv_memory"
+    PORT_IN_USE = "port_in_use"
+    MODEL_NOT_FOUND = "model_not_found"
+    MODEL_GATED = "model_gated"
+    BAD_ARGUMENT = "bad_argument"
+    SERVED_NAME = "served_name_mismatch"
+    ENGINE_DEAD = "engine_dead"
+    ENGINE_HUNG = "engine_hung"
+    START_TIMEOUT = "start_timeout"
+    CRASH = "crash"
+    WORKER_LOST = "ray_worker_lost"  # one of vLLM's Ray workers died; on a pair, its machine may have left
+
+
+@dataclass(frozen=True)
+class Failed:
+    """vLLM failed: it exited, stalled, timed out, or its engine died or hung."""
+
+    cause: Cause
+    failure: Failure | None = None
+    exit_status: int | None = None
+    was_ready: bool = False
+    detail: str = ""
+    served_s: float = 0.0  # how long it served before it failed (0 if it never became ready)
+
+
+@dataclass(frozen=True)
+class Reloaded:
+    """The operator changed what vLLM runs with; vLLM was stopped to start with the new settings."""
+
+    changes: str
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    """A machine of the Ray pair left; not vLLM's failure, so it starts again uncounted once the cluster is whole."""
+
+    why: str
+    was_ready: bool = False
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """A stop signal came; the supervisor runs its stop ladder and exits."""
+
+    signame: str
+
+
+Ended = Union[Failed, Reloaded, NodeLost, Stopped]
+
+
+def describe_exit(status: int | None) -> str:
+    """`exited with status 1` / `was killed by SIGKILL (out of memory? ...)`, for the journal."""
+    if status is None:
+        return "is still running"
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        hint = " (out of memory? see journalctl -k)" if -status == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with status {status}"

@@ -1,0 +1,255 @@
+"""What gb10d tells the world, from one place: journal decision lines, STATUS=, metrics and the state file.
+
+Everything observable about the daemon goes through a `Reporter`, so the
+four views can never disagree for long, and their order is decided here
+once: when vLLM becomes ready, the state file, the metrics and the journal
+say so before READY=1 goes out, so `systemctl start gb10d && gb10d status`
+and a scrape right after READY both see "ready". The state file is
+rewritten on every change, shard steps at most once a second (each write
+fsyncs), the latest one always last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import replace
+
+from .command import Tunables
+from .config import Config
+from .events import Event
+from .journal import Journal
+from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
+from .memory import MemInfo
+from .metrics import Metrics
+from .notify import Notifier
+from .phases import Phase, StartupState
+from .statefile import ClusterRecord, DaemonState, LastFailure, Memory, Progress, StateRecord, write_delay, write_state
+
+# sd_notify's STATUS= is one line that `systemctl status` shows; longer texts only clutter it.
+STATUS_MAX = 200
+
+
+class Reporter:
+    """The single writer of gb10d's journal decisions, STATUS=, metrics and state file."""
+
+    def __init__(self, config: Config, journal: Journal, notifier: Notifier, metrics: Metrics) -> None:
+        self.config = config
+        self.journal = journal
+        self.notifier = notifier
+        self.metrics = metrics
+        self.state = DaemonState.STARTING
+        self.started_at = time.time()
+        self.ready_at: float | None = None
+        self.last_failure: LastFailure | None = None
+        self.cluster: ClusterRecord | None = None
+        self.status_text = ""
+        # What the state file shows of the attempt in progress (None between attempts).
+        self._number = 0
+        self._startup: StartupState | None = None
+        self._tunables: Tunables | None = None
+        self._pid: int | None = None
+        self._baseline: MemInfo | None = None
+        self._written_phase: Phase | None = None
+        self._written_at = 0.0
+        self._deferred: asyncio.TimerHandle | None = None
+        self._state_warned = False
+
+    # --- the journal -----------------------------------------------------
+
+    def say(self, kind: str, message: str, priority: int = PRIORITY_INFO, **fields: object) -> None:
+        """One decision line in the journal, with its event kind and `GB10D_*` fields."""
+        self.journal.event(kind, message, priority, **fields)
+
+    # --- STATUS= and the state file ------------------------------------------
+
+    def status(self, text: str, state: DaemonState | None = None) -> None:
+        """STATUS= and the state file say `text` (and the daemon is now in `state`, if given)."""
+        if state is not None:
+            self.state = state
+        self.status_text = text
+        self.notifier.status(text[:STATUS_MAX])
+        self.write()
+
+    def attempt_started(self, number: int, tunables: Tunables, pid: int, baseline: MemInfo | None, reason: str) -> None:
+        """A new attempt runs: the state file and the metrics describe it from now on."""
+        self._number, self._tunables, self._pid, self._baseline = number, tunables, pid, baseline
+        self.state = DaemonState.STARTING if number == 1 else DaemonState.RESTARTING
+        self.metrics.start_attempt(reason)
+        self.metrics.set_utilization(tunables.gpu_memory_utilization)
+        self.metrics.set_vllm_up(True)
+
+    def phase(self, startup: StartupState, text: str) -> None:
+        """The start moved: STATUS=, the phase and progress metrics, and (throttled) the state file."""
+        self._startup = startup
+        self.status_text = text
+        self.notifier.status(text[:STATUS_MAX])
+        self.metrics.set_phase(startup.phase.value)
+        if startup.shards_total:
+            self.metrics.set_load_progress(startup.shards_done / startup.shards_total)
+        self._cancel_deferred()
+        now = time.monotonic()
+        wait = write_delay(startup.phase is not self._written_phase, now - self._written_at)
+        if wait <= 0:
+            self._written_phase, self._written_at = startup.phase, now
+            self.write()
+        else:
+            self._deferred = asyncio.get_running_loop().call_later(wait, self.phase, startup, text)
+
+    def ready(self, startup: StartupState, message: str, startup_s: float, number: int) -> None:
+        """vLLM serves: the state file, the metrics and the journal say so first; READY=1 goes out last."""
+        self._startup = startup
+        self.state, self.ready_at = DaemonState.SERVING, time.time()
+        self.status_text = self.serving_text()
+        self.metrics.set_ready(True)
+        self.metrics.set_phase(Phase.READY.value)
+        self.metrics.set_startup_seconds(startup_s)
+        self._cancel_deferred()
+        self.write()
+        tunables = self._tunables
+        self.say(
+            "ready",
+            message,
+            PRIORITY_INFO,
+            attempt=number,
+            startup_seconds=round(startup_s, 3),
+            gpu_memory_utilization=tunables.gpu_memory_utilization if tunables else None,
+        )
+        self.notifier.ready(self.status_text[:STATUS_MAX])
+
+    def joined(self, text: str) -> None:
+        """The worker of a pair is part of the cluster: the state file and the journal first, then READY=1."""
+        self.state, self.ready_at, self.status_text = DaemonState.SERVING, time.time(), text
+        self.write()
+        self.say("cluster_joined", text, PRIORITY_INFO)
+        self.notifier.ready(text[:STATUS_MAX])
+
+    def doing(self) -> str:
+        """What the daemon is doing between attempts, for `received SIGTERM while ...; stopping`."""
+        return {
+            DaemonState.WAITING: "waiting for the Ray cluster",
+            DaemonState.JOINING: "waiting to join the Ray cluster",
+            DaemonState.SERVING: "serving",
+        }.get(self.state, "waiting to restart")
+
+    def serving_text(self) -> str:
+        """The STATUS= line while vLLM serves."""
+        v = self.config.vllm
+        utilization = self._tunables.gpu_memory_utilization if self._tunables else v.gpu_memory_utilization
+        return f"serving {v.served_names[0]} on {v.host}:{v.port} (attempt {self._number}, gpu_memory_utilization={utilization:g})"
+
+    def failure(self, cause: str, message: str, action: str) -> None:
+        """Remember the latest failure for `gb10d status` (shown until the next one)."""
+        self.last_failure = LastFailure(cause, message, action, time.time())
+
+    def attempt_over(self) -> None:
+        """The attempt is gone: nothing of it is ready or up any more."""
+        self._cancel_deferred()
+        self._number, self._startup, self._tunables, self._pid, self._baseline = 0, None, None, None, None
+        self.ready_at = None
+        self.metrics.set_ready(False)
+        self.metrics.set_vllm_up(False)
+
+    def stopping(self, what: str) -> None:
+        """Shutdown begins: STOPPING=1 with what is being stopped; the state file says stopping."""
+        self.notifier.stopping(what)
+        self.state, self.status_text = DaemonState.STOPPING, "stopping"
+        self.write()
+
+    def stopped(self) -> None:
+        """Everything is stopped: the state file says so (the process exits next)."""
+        self.state, self.status_text = DaemonState.STOPPED, "stopped"
+        self.write()
+
+    def gave_up(self, reason: str, exit_status: int) -> None:
+        """gb10d stops trying: the journal says why, STATUS= and the state file say failed."""
+        self.say("gave_up", reason, PRIORITY_ERR, exit_status=exit_status)
+        self.status(f"failed: {reason}", DaemonState.FAILED)
+
+    def write(self) -> None:
+        """Rewrite the state file now; a failure to write is reported once, never raised."""
+        path = self.config.daemon.state_file
+        try:
+            write_state(path, self.record())
+        except OSError as exc:
+            if not self._state_warned:
+                self._state_warned = True
+                self.say(
+                    "state_file_unwritable",
+                    f"cannot write the state file {path}: {exc.strerror or exc}; gb10d status will not work (set daemon.state_file)",
+                    PRIORITY_WARNING,
+                )
+
+    def record(self) -> StateRecord:
+        """Everything `gb10d status` shows, as of now."""
+        v = self.config.vllm
+        startup, tunables, mem = self._startup, self._tunables, self._baseline
+        running = self._number > 0
+        record = StateRecord(
+            pid=os.getpid(),
+            started_at=self.started_at,
+            updated_at=time.time(),
+            state=self.state,
+            phase=startup.phase.value if startup else Phase.EXITED.value,
+            progress=Progress(startup.shards_done, startup.shards_total) if startup and startup.shards_total else None,
+            model=v.model,
+            served_names=tuple(v.served_names),
+            url=f"http://{v.host}:{v.port}",
+            attempt=self._number,
+            max_attempts=self.config.restart.max_attempts,
+            gpu_memory_utilization=tunables.gpu_memory_utilization if tunables else v.gpu_memory_utilization,
+            load_strategy=tunables.load_strategy if tunables else None,
+            memory=Memory(mem.total, mem.available, mem.free, mem.cached) if mem else None,
+            vllm_pid=self._pid,
+            ready_at=self.ready_at if running else None,
+            last_failure=self.last_failure,
+            status_text=self.status_text,
+            metrics_url=f"http://{self.config.metrics.listen}/metrics" if self.config.metrics.listen else None,
+            cluster=self.cluster,
+        )
+        if self.cluster is not None and self.cluster.role == "worker":
+            # vLLM and its API run on the head: here there is only Ray, ready once joined.
+            record = replace(record, ready_at=self.ready_at, url=None, phase=None, attempt=None, gpu_memory_utilization=None)
+        return record
+
+    # --- metrics ------------------------------------------------------------
+
+    def observe(self, event: Event) -> None:
+        """A periodic stats line of vLLM's."""
+        self.metrics.observe(event)
+
+    def memory(self, mem: MemInfo) -> None:
+        self.metrics.set_memory(mem.total, mem.available, mem.free, mem.cached)
+
+    def serve_metrics(self) -> None:
+        """Listen for scrapes where the config says; a failure to listen is a warning, not a reason to stop."""
+        self.metrics.close()
+        address = self.config.metrics.address
+        if address is None:
+            return
+        try:
+            self.metrics.serve(*address)
+        except OSError as exc:
+            self.say(
+                "metrics_unavailable",
+                f"cannot listen for metrics on {self.config.metrics.listen}: {exc.strerror or exc}; metrics disabled (set metrics.listen)",
+                PRIORITY_WARNING,
+            )
+
+    def reconfigured(self, config: Config) -> None:
+        """A reload applied: later reports use the new config; the metrics listener moves if it changed."""
+        moved = config.metrics.listen != self.config.metrics.listen
+        self.config = config
+        if moved:
+            self.serve_metrics()
+
+    def close(self) -> None:
+        self._cancel_deferred()
+        self.metrics.close()
+        self.journal.flush()
+
+    def _cancel_deferred(self) -> None:
+        if self._deferred is not None:
+            self._deferred.cancel()
+            self._deferred = None
