@@ -106,7 +106,8 @@ def test_reader_never_sees_a_partial_file_while_the_writer_rewrites(tmp_path: Pa
     while not done.is_set():
         state = read_state(path)
         assert state is not None
-        seen.append(state["attempt"])
+        assert state.attempt is not None
+        seen.append(state.attempt)
     thread.join()
     assert read_state(path) == serving_state(attempt=299, status_text="y" * (299 * 37 % 5000))
     assert seen == sorted(seen), "a later read never shows an older state"

@@ -211,7 +211,7 @@ def test_json_output_is_one_object_with_running_flag(tmp_path: Path, daemon_pid:
     result = gb10d("status", "--json", "--state-file", str(path))
     assert result.returncode == 0
     answer = json.loads(result.stdout)
-    assert answer == {**state(pid=daemon_pid.pid), "running": True, "state_file": str(path)}
+    assert answer == {**state(pid=daemon_pid.pid).to_json(), "running": True, "state_file": str(path)}
 
 
 def test_json_output_when_not_running_gives_the_reason(tmp_path: Path) -> None:
