@@ -21,7 +21,20 @@ from gb10d.events import (
     RayWorkerLost,
 )
 from gb10d.outcome import Cause, Failed
-from gb10d.policy import GiveUp, History, Retry, backoff_delay, classify, describe, next_attempt, starts_new_count
+from gb10d.policy import (
+    GiveUp,
+    History,
+    Retry,
+    after_failure,
+    backoff_delay,
+    classify,
+    describe,
+    event_kind,
+    failure_line,
+    next_attempt,
+    starts_new_count,
+    uncounted,
+)
 
 
 def config(**tables: dict[str, object]) -> Config:
@@ -190,3 +203,73 @@ def test_a_hang_never_starts_a_new_count_however_long_it_served() -> None:
 
 def test_reset_after_s_zero_makes_every_ready_start_a_new_count() -> None:
     assert starts_new_count(Failed(cause=Cause.ENGINE_DEAD, was_ready=True, served_s=0.0), config(restart={"reset_after_s": 0}))
+
+
+# --- the count of attempts, and how the journal tells of a failure -----------------
+
+
+def test_a_failed_start_keeps_counting_and_a_delayed_retry_counts_a_back_off() -> None:
+    history, decision = after_failure(Failed(cause=Cause.CRASH), Tunables(0.8), History(2, 1), config())
+    assert isinstance(decision, Retry) and decision.delay_s == 10
+    assert history == History(2, 2)
+
+
+def test_a_failure_after_a_long_serve_begins_a_new_count() -> None:
+    history, decision = after_failure(Failed(cause=Cause.ENGINE_DEAD, was_ready=True, served_s=3600), Tunables(0.8), History(4, 3), config())
+    assert history == History(1, 0)
+    assert isinstance(decision, Retry) and decision.delay_s == 0
+
+
+def test_a_corrected_retry_does_not_back_off() -> None:
+    history, decision = after_failure(Failed(cause=Cause.FREE_MEMORY, failure=FREE), Tunables(0.92), History(1, 0), config())
+    assert isinstance(decision, Retry) and decision.delay_s == 0
+    assert history == History(1, 0)
+
+
+def test_a_lost_machine_gives_back_its_attempt() -> None:
+    assert uncounted(History(3, 1)) == History(2, 1)
+
+
+@pytest.mark.parametrize(
+    ("cause", "kind"),
+    [
+        (Cause.FREE_MEMORY, "free_memory_retry"),
+        (Cause.STALL, "load_strategy_changed"),
+        (Cause.CUDA_OOM, "cuda_oom"),
+        (Cause.KV_CACHE, "kv_cache_insufficient"),
+        (Cause.NO_KV_MEMORY, "kv_cache_insufficient"),
+        (Cause.ENGINE_DEAD, "engine_dead"),
+        (Cause.WORKER_LOST, "engine_dead"),
+        (Cause.ENGINE_HUNG, "engine_hung"),
+        (Cause.PORT_IN_USE, "config_error"),
+        (Cause.SERVED_NAME, "config_error"),
+        (Cause.CRASH, "crashed"),
+        (Cause.START_TIMEOUT, "crashed"),
+    ],
+)
+def test_each_cause_has_its_journal_event(cause: Cause, kind: str) -> None:
+    assert event_kind(cause) == kind
+
+
+def test_a_retry_line_names_the_cause_the_action_and_the_next_attempt() -> None:
+    outcome = Failed(cause=Cause.FREE_MEMORY, failure=FREE)
+    history, decision = after_failure(outcome, Tunables(0.92), History(1, 0), config())
+    assert failure_line(outcome, decision, history, config()) == (
+        "free memory 103.45 of 123.73 GiB is below gpu_memory_utilization 0.92 (113.83 GiB); restarting with 0.82 (attempt 2/5)"
+    )
+
+
+def test_a_waiting_retry_says_how_long() -> None:
+    outcome = Failed(cause=Cause.CRASH, detail="vLLM exited with status 1")
+    history, decision = after_failure(outcome, Tunables(0.8), History(1, 0), config())
+    assert failure_line(outcome, decision, history, config()) == "crash: vLLM exited with status 1; restarting with the same settings in 5 s (attempt 2/5)"
+
+
+def test_a_give_up_line_names_the_cause_and_a_config_cause_only_the_fix() -> None:
+    crash = Failed(cause=Cause.CRASH, detail="vLLM exited with status 1")
+    history, decision = after_failure(crash, Tunables(0.8), History(5, 4), config())
+    assert failure_line(crash, decision, history, config()).startswith("crash: vLLM exited with status 1: giving up after 5 failed starts")
+    port = Failed(cause=Cause.PORT_IN_USE, failure=PortInUse(8000))
+    history, decision = after_failure(port, Tunables(0.8), History(1, 0), config())
+    assert isinstance(decision, GiveUp)
+    assert failure_line(port, decision, history, config()) == decision.message

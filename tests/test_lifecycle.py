@@ -1,0 +1,308 @@
+"""One attempt's life as a pure step function: what each fact leads to, in milliseconds.
+
+Every rule the supervisor follows during a start is here as a table of
+facts in, actions out: what extends systemd's start timeout, when a start
+has stalled or timed out, how readiness and liveness verdicts end an
+attempt, and which of two racing reports (vLLM's exit, a failed probe)
+names the cause.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from gb10d.command import Tunables
+from gb10d.config import Config
+from gb10d.events import (
+    CompileProgressed,
+    EngineDied,
+    FreeMemoryShort,
+    RayWorkerLost,
+    ShardsProgressed,
+    StartupCompleted,
+    StatsLogged,
+)
+from gb10d.facts import AttemptFact, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Tick
+from gb10d.levels import PRIORITY_ERR
+from gb10d.lifecycle import (
+    EXIT_GRACE_S,
+    IO_PROGRESS_MIN_BYTES,
+    Action,
+    AttemptState,
+    BecomeReady,
+    Extend,
+    Finish,
+    LivenessFailed,
+    Observe,
+    ProcessExited,
+    Say,
+    ShowPhase,
+    StartReadiness,
+    begin,
+    deadline,
+    served_name_problem,
+    step,
+)
+from gb10d.outcome import Cause, Failed
+
+T0 = 1000.0
+STALL_S = 300.0
+READY_TIMEOUT_S = 3600.0
+
+
+def config(**startup: object) -> Config:
+    return Config.model_validate(
+        {
+            "vllm": {"executable": "/usr/bin/vllm", "model": "Qwen/Qwen3.6-27B-FP8", "gpu_memory_utilization": 0.8},
+            "startup": {"stall_timeout_s": STALL_S, "ready_timeout_s": READY_TIMEOUT_S, **startup},
+            "restart": {"max_attempts": 5},
+        }
+    )
+
+
+CONFIG = config()
+
+
+@dataclass
+class Run:
+    """An attempt driven fact by fact; `actions` holds what the last fact led to."""
+
+    state: AttemptState
+    actions: list[Action]
+
+    def __call__(self, fact: AttemptFact, at: float) -> list[Action]:
+        self.state, self.actions = step(self.state, fact, at, CONFIG)
+        return self.actions
+
+
+def started(number: int = 1) -> Run:
+    return Run(*begin(number, Tunables(0.8), T0, CONFIG))
+
+
+def ready_run() -> Run:
+    run = started()
+    run(Parsed(1, StartupCompleted()), T0 + 60)
+    run(Probed(1, ProbeKind.READY, "/health 200, /v1/models lists tiny"), T0 + 61)
+    assert run.state.ready
+    return run
+
+
+def finished(actions: list[Action]) -> Failed | None:
+    return next((a.outcome for a in actions if isinstance(a, Finish)), None)
+
+
+def says(actions: list[Action]) -> list[tuple[str, str]]:
+    return [(a.kind, a.message) for a in actions if isinstance(a, Say)]
+
+
+# --- the start ----------------------------------------------------------------
+
+
+def test_a_new_attempt_extends_the_start_timeout_beyond_the_stall_timer_and_shows_spawning() -> None:
+    state, actions = begin(2, Tunables(0.75), T0, CONFIG)
+    assert actions == [Extend(STALL_S + 60), ShowPhase("starting vllm, attempt 2/5, gpu_memory_utilization=0.75")]
+    assert state.spawned_at == T0 and not state.ready
+
+
+def test_progress_extends_the_start_timeout_at_most_once_a_second() -> None:
+    run = started()
+    assert Extend(STALL_S + 60) in run(Parsed(1, ShardsProgressed(1, 6)), T0 + 5)
+    assert not any(isinstance(a, Extend) for a in run(Parsed(1, ShardsProgressed(2, 6)), T0 + 5.5))
+    assert Extend(STALL_S + 60) in run(Parsed(1, ShardsProgressed(3, 6)), T0 + 6.6)
+
+
+def test_stats_lines_feed_the_metrics_and_are_not_progress() -> None:
+    run = started()
+    stats = StatsLogged(10.0, 20.0, 1, 0)
+    assert run(Parsed(1, stats), T0 + 5) == [Observe(stats)]
+
+
+def test_a_new_phase_or_shard_shows_in_status() -> None:
+    run = started()
+    assert ShowPhase("loading weights 1/6 (16%), attempt 1/5, gpu_memory_utilization=0.8") in run(Parsed(1, ShardsProgressed(1, 6)), T0 + 5)
+    assert ShowPhase("compiling (torch.compile), attempt 1/5, gpu_memory_utilization=0.8") in run(Parsed(1, CompileProgressed()), T0 + 10)
+
+
+def test_startup_complete_starts_the_readiness_checks_and_ready_is_announced_with_its_latency() -> None:
+    run = started()
+    assert StartReadiness() in run(Parsed(1, StartupCompleted()), T0 + 60)
+    actions = run(Probed(1, ProbeKind.READY, "/health 200, /v1/models lists tiny"), T0 + 60.25)
+    assert actions == [
+        BecomeReady(
+            "vLLM is ready after 60.2 s: /health 200, /v1/models lists tiny; READY=1 250 ms after 'Application startup complete.'",
+            60.25,
+        )
+    ]
+    assert run.state.ready and run.state.startup.phase.value == "ready"
+
+
+def test_a_healthy_port_without_the_startup_line_starts_the_readiness_checks() -> None:
+    assert started()(Probed(1, ProbeKind.HEALTHY), T0 + 30) == [StartReadiness()]
+
+
+def test_the_warm_up_shows_as_its_own_phase() -> None:
+    assert started()(Probed(1, ProbeKind.WARMING), T0 + 30) == [ShowPhase("warming up, attempt 1/5, gpu_memory_utilization=0.8")]
+
+
+@pytest.mark.parametrize(
+    ("kind", "event", "cause"),
+    [(ProbeKind.WRONG_NAME, "served_name_mismatch", Cause.SERVED_NAME), (ProbeKind.NOT_READY, "crashed", Cause.CRASH)],
+)
+def test_a_failed_readiness_check_ends_the_attempt_with_its_cause(kind: ProbeKind, event: str, cause: Cause) -> None:
+    actions = started()(Probed(1, kind, "vLLM serves other but the config expects tiny"), T0 + 30)
+    assert says(actions) == [(event, "vLLM serves other but the config expects tiny")]
+    assert finished(actions) == Failed(cause=cause, detail="vLLM serves other but the config expects tiny")
+
+
+# --- deadlines ----------------------------------------------------------------------
+
+
+def test_the_first_deadline_is_the_first_io_sample_then_every_two_seconds() -> None:
+    run = started()
+    assert deadline(run.state, CONFIG) == T0
+    run(Tick(io_bytes=10), T0)
+    assert deadline(run.state, CONFIG) == T0 + 2
+
+
+def test_no_progress_for_the_stall_timeout_is_a_stall_named_by_its_shard() -> None:
+    run = started()
+    run(Parsed(1, ShardsProgressed(3, 6)), T0 + 10)
+    run(Tick(io_bytes=500), T0 + 11)
+    assert finished(run(Tick(io_bytes=500), T0 + 10 + STALL_S - 1)) is None
+    actions = run(Tick(io_bytes=500), T0 + 10 + STALL_S)
+    assert says(actions) == [
+        ("stall_detected", "no loading progress for 300 s (startup.stall_timeout_s 300) at shard 3/6, and vLLM's processes did no I/O; stopping the process group")
+    ]
+    assert finished(actions) == Failed(cause=Cause.STALL, detail="stalled at shard 3/6")
+
+
+def test_reading_without_printing_is_progress_that_defers_the_stall() -> None:
+    run = started()
+    run(Tick(io_bytes=0), T0)  # the first sample is only a baseline
+    actions = run(Tick(io_bytes=IO_PROGRESS_MIN_BYTES), T0 + STALL_S - 10)
+    assert Extend(STALL_S + 60) in actions
+    assert finished(run(Tick(io_bytes=IO_PROGRESS_MIN_BYTES + 1), T0 + STALL_S + 5)) is None
+    assert finished(run(Tick(io_bytes=IO_PROGRESS_MIN_BYTES + 1), T0 + 2 * STALL_S - 10)) == Failed(cause=Cause.STALL, detail="stalled in phase spawning")
+
+
+def test_less_io_than_a_mebibyte_is_no_sign_of_life() -> None:
+    run = started()
+    run(Tick(io_bytes=0), T0)
+    assert run(Tick(io_bytes=IO_PROGRESS_MIN_BYTES - 1), T0 + 10) == []
+    assert run.state.startup.last_progress_at == T0
+
+
+def test_a_start_that_keeps_progressing_still_times_out_after_ready_timeout() -> None:
+    run = started()
+    for n in range(1, 60):
+        run(Parsed(1, ShardsProgressed(n % 6, 6)), T0 + n * 60)
+    actions = run(Tick(io_bytes=None), T0 + READY_TIMEOUT_S)
+    assert says(actions)[0][0] == "stall_detected"
+    assert "did not become ready within startup.ready_timeout_s 3600 s" in says(actions)[0][1]
+    assert finished(actions) == Failed(cause=Cause.START_TIMEOUT, detail="not ready after 3600 s")
+
+
+def test_once_ready_no_deadline_is_left() -> None:
+    assert deadline(ready_run().state, CONFIG) is None
+
+
+# --- how an attempt ends ---------------------------------------------------------------
+
+
+def test_an_exit_is_classified_from_what_vllm_printed() -> None:
+    run = started()
+    free = FreeMemoryShort(103.45, 121.69, 0.92, 111.95)
+    run(Parsed(1, free), T0 + 20)
+    assert run(Exited(1, 1), T0 + 21) == [
+        ProcessExited(),
+        Finish(Failed(cause=Cause.FREE_MEMORY, failure=free, exit_status=1, detail="vLLM exited with status 1")),
+    ]
+
+
+def test_a_killed_vllm_is_reported_by_its_signal() -> None:
+    actions = ready_run()(Exited(1, -9), T0 + 100)
+    assert finished(actions) == Failed(
+        cause=Cause.CRASH, exit_status=-9, was_ready=True, detail="vLLM was killed by SIGKILL (out of memory? see journalctl -k)"
+    )
+
+
+def test_a_probe_failure_after_the_exit_defers_to_the_exit() -> None:
+    # SIGKILL of the API server: the port closes with the process, so /health fails at once,
+    # while the exit report waits for the pipes an orphaned EngineCore keeps open.
+    run = ready_run()
+    assert run(ExitSeen(1, -9), T0 + 100) == [ProcessExited()]
+    assert run(Probed(1, ProbeKind.DEAD, "/health failed (connection refused)", "health"), T0 + 100.1) == []
+    assert run(Tick(io_bytes=None), T0 + 101.5) == []
+    assert finished(run(Exited(1, -9), T0 + 102)).cause is Cause.CRASH  # type: ignore[union-attr]
+
+
+def test_a_probe_failure_just_before_the_exit_is_seen_still_defers_to_it() -> None:
+    run = ready_run()
+    assert run(Probed(1, ProbeKind.DEAD, "/health failed (connection refused)", "health"), T0 + 100) == []
+    assert deadline(run.state, CONFIG) == T0 + 100 + EXIT_GRACE_S
+    run(ExitSeen(1, -9), T0 + 100.01)
+    assert run(Tick(io_bytes=None), T0 + 100 + EXIT_GRACE_S) == []
+    assert finished(run(Exited(1, -9), T0 + 102)).detail.startswith("vLLM was killed by SIGKILL")  # type: ignore[union-attr]
+
+
+def test_a_dead_engine_with_no_exit_within_the_grace_is_reported_as_dead() -> None:
+    run = ready_run()
+    run(Probed(1, ProbeKind.DEAD, "/health answered 503 Service Unavailable", "health"), T0 + 100)
+    assert run(Tick(io_bytes=None), T0 + 100 + EXIT_GRACE_S / 2) == []
+    actions = run(Tick(io_bytes=None), T0 + 100 + EXIT_GRACE_S)
+    assert says(actions) == [("engine_dead", "vLLM's engine is dead: /health answered 503 Service Unavailable; stopping its process group")]
+    assert LivenessFailed("health") in actions
+    assert finished(actions) == Failed(cause=Cause.ENGINE_DEAD, was_ready=True, detail="/health answered 503 Service Unavailable")
+
+
+def test_a_hung_engine_ends_the_attempt_at_once() -> None:
+    actions = ready_run()(Probed(1, ProbeKind.HUNG, "no generated token for 120 s", "hung"), T0 + 300)
+    assert [type(a) for a in actions] == [Say, LivenessFailed, Finish]
+    assert actions[0] == Say("engine_hung", "vLLM's engine is hung: no generated token for 120 s; stopping its process group", PRIORITY_ERR, (("attempt", 1),))
+    assert finished(actions) == Failed(cause=Cause.ENGINE_HUNG, was_ready=True, detail="no generated token for 120 s")
+
+
+def test_an_exit_being_read_is_not_taken_for_a_stall() -> None:
+    run = started()
+    run(Parsed(1, ShardsProgressed(3, 6)), T0 + 10)
+    run(ExitSeen(1, 1), T0 + 10 + STALL_S - 0.5)
+    assert run(Tick(io_bytes=None), T0 + 10 + STALL_S + 1) == []
+    assert deadline(run.state, CONFIG) is None
+
+
+@pytest.mark.parametrize(("event", "cause"), [(EngineDied("EngineDeadError"), Cause.ENGINE_DEAD), (RayWorkerLost("ActorDiedError"), Cause.WORKER_LOST)])
+def test_an_engine_death_printed_while_serving_ends_the_attempt(event: EngineDied, cause: Cause) -> None:
+    assert finished(ready_run()(Parsed(1, event), T0 + 500)) == Failed(cause=cause, failure=event, was_ready=True, detail=event.message)
+
+
+def test_liveness_verdicts_before_ready_are_ignored() -> None:
+    run = started()
+    assert run(Probed(1, ProbeKind.DEAD, "refused", "health"), T0 + 5) == []
+    assert run(Probed(1, ProbeKind.HUNG, "stuck", "hung"), T0 + 6) == []
+
+
+def test_readiness_verdicts_after_the_exit_say_nothing_more() -> None:
+    run = started()
+    run(ExitSeen(1, 1), T0 + 30)
+    assert run(Probed(1, ProbeKind.NOT_READY, "the warm-up completion failed (connection refused)"), T0 + 30.1) == []
+
+
+# --- the served-name verdict -------------------------------------------------------
+
+
+def test_every_served_name_listed_is_ready() -> None:
+    assert served_name_problem(["qwen", "default"], ProbeResult(200, "OK", 0.01, ("qwen", "default", "lora"))) is None
+
+
+def test_a_missing_name_would_give_clients_404() -> None:
+    assert served_name_problem(["qwen"], ProbeResult(200, "OK", 0.01, ("Qwen/Qwen3.6-27B-FP8",))) == (
+        "vLLM serves Qwen/Qwen3.6-27B-FP8 but the config expects qwen: clients asking for qwen would get 404"
+    )
+
+
+def test_models_that_do_not_answer_say_what_came_back() -> None:
+    assert served_name_problem(["qwen"], ProbeResult(401, "Unauthorized", 0.01)) == (
+        "vLLM serves nothing (HTTP 401) but the config expects qwen: clients asking for qwen would get 404"
+    )
