@@ -53,9 +53,15 @@ def meminfo_text(total_gib: float, free_gib: float, available_gib: float | None 
 
 
 class NotifySocket:
-    """A real sd_notify receiver: binds an AF_UNIX datagram socket and records every message."""
+    """A real sd_notify receiver: binds an AF_UNIX datagram socket and records every message.
 
-    def __init__(self) -> None:
+    `on_message` runs in the receiving thread the moment a datagram arrives,
+    before anything else is recorded: what it observes is what a program
+    acting on that message at once (systemctl returning, a scraper) would see.
+    """
+
+    def __init__(self, on_message: Callable[[dict[str, str]], None] | None = None) -> None:
+        self._on_message = on_message
         # Socket paths are limited to 108 bytes; pytest's tmp_path can be longer.
         self._dir = tempfile.mkdtemp(prefix="gb10d-n-")
         self.path = os.path.join(self._dir, "notify")
@@ -73,6 +79,8 @@ class NotifySocket:
             except OSError:
                 return
             fields = dict(line.split("=", 1) for line in data.decode("latin-1").splitlines() if "=" in line)
+            if self._on_message is not None:
+                self._on_message(fields)
             self.messages.append((time.monotonic(), fields))
             self._queue.put((len(self.messages) - 1, fields))
 
