@@ -14,6 +14,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import IO, Awaitable, Callable, Mapping, Sequence
 
@@ -87,10 +88,9 @@ async def wait_group_gone(pgid: int, timeout_s: float) -> bool:
     Event-driven: waits on a pidfd of each living member (readable when it
     exits) and rescans, because members may fork or be reparented meanwhile.
     """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+    deadline = time.monotonic() + timeout_s
     while group_alive(pgid):
-        remaining = deadline - loop.time()
+        remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
         members = group_members(pgid)
