@@ -324,17 +324,3 @@ async def _drain(pipe: IO[bytes], handle: ChunkHandler) -> None:
     finally:
         loop.remove_reader(fd)
         pipe.close()
-
-
-def describe_exit(status: int | None) -> str:
-    """`exited with status 1` / `killed by SIGKILL`, for the journal."""
-    if status is None:
-        return "is still running"
-    if status < 0:
-        try:
-            name = signal.Signals(-status).name
-        except ValueError:
-            name = f"signal {-status}"
-        hint = " (out of memory? see journalctl -k)" if -status == signal.SIGKILL else ""
-        return f"was killed by {name}{hint}"
-    return f"exited with status {status}"

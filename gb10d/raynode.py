@@ -22,9 +22,10 @@ from .cluster import View, parse_view
 from .errors import SpawnError
 from .journal import Journal
 from .logparse import Classifier, Line, LineFramer
-from .process import ProcessGroup, describe_exit
+from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
+from .outcome import describe_exit
+from .process import ProcessGroup
 
-PRIORITY_WARNING, PRIORITY_INFO = 4, 6
 
 # Ray that ran this long was working: its next exit starts the back-off afresh.
 STEADY_S = 60.0
@@ -66,7 +67,7 @@ class RayNode:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.process is not None and not await self.process.stop(STOP_GRACE_S):
-            self._journal.event("crashed", f"processes of Ray's group {self.process.pgid} survived SIGKILL", 3)
+            self._journal.event("crashed", f"processes of Ray's group {self.process.pgid} survived SIGKILL", PRIORITY_ERR)
 
     async def _keep_ray(self) -> None:
         exits = 0
