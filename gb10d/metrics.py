@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from contextlib import contextmanager
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -135,10 +136,19 @@ class Metrics:
         for cause in LIVENESS_CAUSES:
             self._liveness.labels(cause=cause)
         self._vllm_target: str | None = None
+        # Held by a scrape while it renders gb10d's series, and by `batch()`: a scrape never shows half
+        # of a change that spans several series (phase "ready" but gb10d_ready still 0).
+        self._lock = threading.RLock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     # --- what the supervisor reports ---------------------------------------
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Make the updates inside one change as far as a scrape can tell."""
+        with self._lock:
+            yield
 
     def set_phase(self, phase: str) -> None:
         """Make `phase` the one current phase of the state set."""
@@ -213,7 +223,8 @@ class Metrics:
 
     def exposition(self) -> bytes:
         """What one scrape returns: gb10d's series, then vLLM's when a target is set and answers."""
-        body = generate_latest(self.registry)
+        with self._lock:
+            body = generate_latest(self.registry)
         target = self._vllm_target
         if target is None:
             return body

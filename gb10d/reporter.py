@@ -76,18 +76,20 @@ class Reporter:
         """A new attempt runs: the state file and the metrics describe it from now on."""
         self._number, self._tunables, self._pid, self._baseline = number, tunables, pid, baseline
         self.state = DaemonState.STARTING if number == 1 else DaemonState.RESTARTING
-        self.metrics.start_attempt(reason)
-        self.metrics.set_utilization(tunables.gpu_memory_utilization)
-        self.metrics.set_vllm_up(True)
+        with self.metrics.batch():
+            self.metrics.start_attempt(reason)
+            self.metrics.set_utilization(tunables.gpu_memory_utilization)
+            self.metrics.set_vllm_up(True)
 
     def phase(self, startup: StartupState, text: str) -> None:
         """The start moved: STATUS=, the phase and progress metrics, and (throttled) the state file."""
         self._startup = startup
         self.status_text = text
         self.notifier.status(text[:STATUS_MAX])
-        self.metrics.set_phase(startup.phase.value)
-        if startup.shards_total:
-            self.metrics.set_load_progress(startup.shards_done / startup.shards_total)
+        with self.metrics.batch():
+            self.metrics.set_phase(startup.phase.value)
+            if startup.shards_total:
+                self.metrics.set_load_progress(startup.shards_done / startup.shards_total)
         self._cancel_deferred()
         now = time.monotonic()
         wait = write_delay(startup.phase is not self._written_phase, now - self._written_at)
@@ -102,9 +104,10 @@ class Reporter:
         self._startup = startup
         self.state, self.ready_at = DaemonState.SERVING, time.time()
         self.status_text = self.serving_text()
-        self.metrics.set_ready(True)
-        self.metrics.set_phase(Phase.READY.value)
-        self.metrics.set_startup_seconds(startup_s)
+        with self.metrics.batch():
+            self.metrics.set_phase(Phase.READY.value)
+            self.metrics.set_startup_seconds(startup_s)
+            self.metrics.set_ready(True)
         self._cancel_deferred()
         self.write()
         tunables = self._tunables
@@ -148,8 +151,9 @@ class Reporter:
         self._cancel_deferred()
         self._number, self._startup, self._tunables, self._pid, self._baseline = 0, None, None, None, None
         self.ready_at = None
-        self.metrics.set_ready(False)
-        self.metrics.set_vllm_up(False)
+        with self.metrics.batch():
+            self.metrics.set_ready(False)
+            self.metrics.set_vllm_up(False)
 
     def stopping(self, what: str) -> None:
         """Shutdown begins: STOPPING=1 with what is being stopped; the state file says stopping."""

@@ -347,7 +347,9 @@ def notify() -> Iterator[NotifySocket]:
 @pytest.mark.slow
 def test_scrapes_during_a_sim_start_follow_every_phase_to_ready(tmp_path: Path, notify: NotifySocket) -> None:
     port = free_port()
-    setup = Setup(tmp_path, speed=0.05, extra={"metrics.listen": f"127.0.0.1:{port}"})
+    # Stats lines every 5 s of wall time (100 s of the stand-in's at speed 0.05): a throughput figure
+    # stays on the gauge until the next line, long enough for any scrape to find it.
+    setup = Setup(tmp_path, speed=0.05, extra={"metrics.listen": f"127.0.0.1:{port}"}, sim_env={"VLLM_LOG_STATS_INTERVAL": "100"})
     running = threading.Event()
     running.set()
     samples, sampler = sample_while(port, running)
@@ -355,6 +357,8 @@ def test_scrapes_during_a_sim_start_follow_every_phase_to_ready(tmp_path: Path, 
     try:
         notify.wait_for(lambda m: m.get("READY") == "1", 120)
         final = Sample([], scrape_port(port))
+        # The metrics say ready before READY=1 is sent, so the sampler's next scrape sees it.
+        wait_until(lambda: any(s.phase == ["ready"] for s in samples), 60, "a scrape during the run that shows ready")
         running.clear()
         sampler.join(60)
 

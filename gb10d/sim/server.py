@@ -269,11 +269,14 @@ class ApiServer:
         self.uvicorn("Waiting for application startup.")
         self.uvicorn("Application startup complete.")
         server.server_activate()
+        # The stats lines count from before the first request can be served, as vLLM's logger does:
+        # a baseline taken later would leave out what a client asked for at once.
+        baseline = client.snapshot()
         with _signals_to_main_thread():
             threading.Thread(target=server.serve_forever, args=(0.05,), name="http", daemon=True).start()
             client.start()
             if not args.disable_log_stats and settings.speed > 0:
-                threading.Thread(target=self._stats_loop, args=(client, spec_k), name="stats", daemon=True).start()
+                threading.Thread(target=self._stats_loop, args=(client, spec_k, baseline), name="stats", daemon=True).start()
         while True:
             event = self.events.get()
             if event == "stop":
@@ -365,14 +368,14 @@ class ApiServer:
         self._close_http(server, finished=True)
         os._exit(0)
 
-    def _stats_loop(self, client: object, spec_k: int | None) -> None:
+    def _stats_loop(self, client: object, spec_k: int | None, baseline: dict[str, float]) -> None:
         """LoggingStatLogger: one line per interval, DEBUG while idle; SpecDecoding right after."""
         from .api import EngineClient
 
         assert isinstance(client, EngineClient)
         interval = self.settings.stats_interval_s
         wall = self.settings.delay(interval)
-        previous = client.snapshot()
+        previous = baseline
         idle_before = True
         while not self.stopping.wait(wall):
             now = client.snapshot()
