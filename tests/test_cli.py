@@ -167,6 +167,7 @@ def test_import_script_of_a_missing_file_is_a_clear_error(tmp_path: Path, capsys
     assert err == f"gb10d: {tmp_path / 'start.sh'}: cannot read: No such file or directory\n"
 
 
+@pytest.mark.slow
 def test_import_then_print_command_through_the_real_cli(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "GB10D_CONFIG"}
     imported = subprocess.run(

@@ -156,6 +156,7 @@ def gb10d(*args: str, netns: str | None = None) -> subprocess.CompletedProcess[s
     return subprocess.run([*prefix, sys.executable, "-m", "gb10d", *args], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_check_config_wants_the_ray_program_beside_vllm(tmp_path: Path) -> None:
     done = gb10d("check-config", "--config", str(write_config(tmp_path, "worker")))
     assert done.returncode == 78
@@ -163,6 +164,7 @@ def test_check_config_wants_the_ray_program_beside_vllm(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_print_command_shows_each_machines_ray_start_on_the_link_and_says_why(tmp_path: Path, link: tuple[str, str]) -> None:
     head_ns, worker_ns = link
     head = gb10d("print-command", "--config", str(write_config(tmp_path, "head")), netns=head_ns)
@@ -181,6 +183,7 @@ def test_print_command_shows_each_machines_ray_start_on_the_link_and_says_why(tm
     assert "because the head 10.213.60.1 is on its subnet 10.213.60.0/24" in worker.stderr
 
 
+@pytest.mark.slow
 def test_print_command_on_a_machine_without_the_head_address_says_which_interfaces_it_has(tmp_path: Path, link: tuple[str, str]) -> None:
     _, worker_ns = link
     done = gb10d("print-command", "--config", str(write_config(tmp_path, "head")), netns=worker_ns)
@@ -269,6 +272,7 @@ def test_the_state_file_lists_the_machines_serving_for_gb10d_status() -> None:
     }
 
 
+@pytest.mark.slow
 def test_the_watcher_runs_in_rays_own_python_isolated_from_gb10d() -> None:
     cluster = config().cluster
     assert cluster is not None

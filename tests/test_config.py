@@ -101,6 +101,7 @@ BROKEN = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", BROKEN, ids=[c.name for c in BROKEN])
 def test_broken_file_is_explained_with_file_line_key_and_exit_78(case: Broken, tmp_path: Path, vllm_exe: Path) -> None:
     config = tmp_path / "gb10d.toml"
@@ -119,6 +120,7 @@ def test_broken_file_is_explained_with_file_line_key_and_exit_78(case: Broken, t
     assert matching, f"expected {located} {case.key}: {case.problem} in:\n{result.stderr}"
 
 
+@pytest.mark.slow
 def test_exact_message_for_out_of_range_utilization(tmp_path: Path, vllm_exe: Path) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text(GOOD_HEAD.format(exe=vllm_exe) + "gpu_memory_utilization = 1.5\n")
@@ -126,6 +128,7 @@ def test_exact_message_for_out_of_range_utilization(tmp_path: Path, vllm_exe: Pa
     assert result.stderr.splitlines()[0] == f"gb10d: {config}:4: vllm.gpu_memory_utilization: must be > 0 and <= 1 (got 1.5)"
 
 
+@pytest.mark.slow
 def test_every_problem_gets_its_own_prefixed_line(tmp_path: Path, vllm_exe: Path) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text(GOOD_HEAD.format(exe=vllm_exe) + 'port = "x"\ngpu_memory_utilization = 2.0\n[startup]\nwarmup = 1\n')
@@ -133,6 +136,7 @@ def test_every_problem_gets_its_own_prefixed_line(tmp_path: Path, vllm_exe: Path
     assert [line.split(": ")[2] for line in lines[:-1]] == ["vllm.port", "vllm.gpu_memory_utilization", "startup.warmup"]
 
 
+@pytest.mark.slow
 def test_toml_syntax_error_gives_line_and_column(tmp_path: Path, vllm_exe: Path) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text(GOOD_HEAD.format(exe=vllm_exe) + "port = = 1\n")
@@ -140,6 +144,7 @@ def test_toml_syntax_error_gives_line_and_column(tmp_path: Path, vllm_exe: Path)
     assert first.startswith(f"gb10d: {config}:4:8: TOML syntax error")
 
 
+@pytest.mark.slow
 def test_missing_file_says_how_to_point_at_another(tmp_path: Path) -> None:
     result = check_config(tmp_path / "absent.toml")
     assert result.returncode == EXIT_CONFIG
@@ -147,12 +152,14 @@ def test_missing_file_says_how_to_point_at_another(tmp_path: Path) -> None:
     assert "--config" in result.stderr
 
 
+@pytest.mark.slow
 def test_directory_instead_of_file_is_explained(tmp_path: Path) -> None:
     result = check_config(tmp_path)
     assert result.returncode == EXIT_CONFIG
     assert f"gb10d: {tmp_path}: is a directory, not a TOML file" in result.stderr
 
 
+@pytest.mark.slow
 def test_unreadable_file_is_explained(tmp_path: Path, vllm_exe: Path) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text(GOOD_HEAD.format(exe=vllm_exe))
@@ -179,6 +186,7 @@ def test_unreadable_file_is_explained(tmp_path: Path, vllm_exe: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_executable_without_exec_bit_is_reported(tmp_path: Path) -> None:
     exe = tmp_path / "vllm"
     exe.write_text("#!/bin/sh\n")
@@ -190,6 +198,7 @@ def test_executable_without_exec_bit_is_reported(tmp_path: Path) -> None:
     assert f"gb10d: {config}:2: vllm.executable: {exe} is not executable" in result.stderr
 
 
+@pytest.mark.slow
 def test_env_file_with_a_bad_line_names_that_file_and_line(tmp_path: Path, vllm_exe: Path) -> None:
     secrets = tmp_path / "secrets.env"
     secrets.write_text("# tokens\nHF_TOKEN=hf_x\nthis is not an assignment\n")
@@ -201,6 +210,7 @@ def test_env_file_with_a_bad_line_names_that_file_and_line(tmp_path: Path, vllm_
     assert "hf_x" not in result.stderr
 
 
+@pytest.mark.slow
 def test_valid_file_prints_ok_and_a_summary(tmp_path: Path, vllm_exe: Path) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text(GOOD_HEAD.format(exe=vllm_exe) + 'served_model_name = "agent"\ngpu_memory_utilization = 0.80\n')
@@ -303,6 +313,7 @@ def test_dropin_choosing_executable_replaces_the_main_files_venv(tmp_path: Path)
     assert vllm.program == Path("/usr/local/bin/vllm")
 
 
+@pytest.mark.slow
 def test_error_in_a_dropin_names_the_dropin_file_and_line(tmp_path: Path, vllm_exe: Path) -> None:
     config = write_main_with_dropins(
         tmp_path,
@@ -325,6 +336,7 @@ def test_syntax_errors_in_several_dropins_are_reported_together(tmp_path: Path, 
     assert all(p.line == 1 for p in caught.value.problems)
 
 
+@pytest.mark.slow
 def test_dropin_path_that_is_a_file_is_an_error(tmp_path: Path, vllm_exe: Path) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text(GOOD_HEAD.format(exe=vllm_exe))
@@ -344,6 +356,7 @@ def test_unreadable_dropin_directory_entries_are_skipped_when_hidden(tmp_path: P
     assert load_config(config).vllm.port == 8000
 
 
+@pytest.mark.slow
 def test_shipped_example_is_a_valid_config_apart_from_the_venv(tmp_path: Path, vllm_exe: Path) -> None:
     shipped = Path(__file__).parent.parent / "etc" / "gb10d.toml"
     copy = tmp_path / "gb10d.toml"
@@ -355,6 +368,7 @@ def test_shipped_example_is_a_valid_config_apart_from_the_venv(tmp_path: Path, v
     assert stat.S_IMODE(vllm_exe.stat().st_mode) & 0o111
 
 
+@pytest.mark.slow
 def test_file_that_cannot_be_read_for_another_reason_is_explained(tmp_path: Path) -> None:
     # A symlink loop fails to open for root too, so this case runs on every machine.
     config = tmp_path / "gb10d.toml"

@@ -16,6 +16,7 @@ CORE = (
 SHELL_LIBRARIES = ("httpx", "watchdog", "asyncio")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", CORE)
 def test_a_core_module_imports_no_io_library(module: str) -> None:
     # A fresh interpreter: what this test process already imported must not hide an import.

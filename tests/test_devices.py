@@ -161,6 +161,7 @@ def test_the_unit_is_named_after_the_cgroup_systemd_put_the_daemon_in(tmp_path: 
 DEVICES_V1 = Path("/sys/fs/cgroup/devices")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not (DEVICES_V1 / "devices.deny").exists(), reason="needs root and the cgroup v1 devices controller")
 def test_a_node_the_kernels_device_cgroup_denies_is_reported_as_the_device_policy(tmp_path: Path) -> None:
     # The kernel's own device policy (what DevicePolicy=closed sets up) refuses a real character node

@@ -159,6 +159,7 @@ def gb10d(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.slow
 def test_json_output_is_exactly_one_object_with_three_keys(tmp_path: Path) -> None:
     log = tmp_path / "vllm.log"
     log.write_text(FREE + "\n")
@@ -170,11 +171,13 @@ def test_json_output_is_exactly_one_object_with_three_keys(tmp_path: Path) -> No
     assert done.stdout.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_stdin_and_human_output() -> None:
     done = gb10d("-", stdin=FREE.encode())
     assert done.returncode == 0 and done.stdout.startswith("verdict: free_memory")
 
 
+@pytest.mark.slow
 def test_stall_timeout_option_is_used(tmp_path: Path) -> None:
     log = tmp_path / "stall.log"
     log.write_text(shard_log(["Dec 02 14:00:00"], "Dec 02 14:02:00"))
@@ -182,6 +185,7 @@ def test_stall_timeout_option_is_used(tmp_path: Path) -> None:
     assert json.loads(gb10d(str(log), "--json", "--stall-timeout", "60").stdout)["verdict"] == "shard_stall"
 
 
+@pytest.mark.slow
 def test_a_missing_file_is_one_clear_line_and_exit_66(tmp_path: Path) -> None:
     done = gb10d(str(tmp_path / "nope.log"))
     assert done.returncode == 66
@@ -189,6 +193,7 @@ def test_a_missing_file_is_one_clear_line_and_exit_66(tmp_path: Path) -> None:
     assert done.stdout == ""
 
 
+@pytest.mark.slow
 def test_binary_garbage_is_diagnosed_not_a_traceback(tmp_path: Path) -> None:
     log = tmp_path / "junk.bin"
     log.write_bytes(bytes(range(256)) * 10)

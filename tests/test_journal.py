@@ -200,6 +200,7 @@ def test_pending_vllm_lines_are_written_before_an_event_is_sent(journald: tuple[
     assert out.getvalue() == "<3>(EngineCore pid=9) ValueError: Free memory on device cuda:0 ...\n"
 
 
+@pytest.mark.slow
 def test_event_without_journal_socket_goes_to_stdout_marked_as_gb10d(tmp_path: Path) -> None:
     out = io.StringIO()
     journal = Journal(out=out, socket_path=str(tmp_path / "absent.socket"))
@@ -309,6 +310,7 @@ def test_catalog_has_exactly_one_entry_per_message_id() -> None:
     assert set(catalog_entries()) == set(MESSAGE_IDS.values())
 
 
+@pytest.mark.slow
 def test_catalog_entries_have_subject_origin_support_and_a_body() -> None:
     for message_id, (headers, body) in catalog_entries().items():
         assert set(headers) == {"Subject", "Defined-By", "Support"}, message_id
@@ -327,6 +329,7 @@ def test_every_event_kind_used_in_gb10d_has_a_message_id() -> None:
     assert used <= set(MESSAGE_IDS), sorted(used - set(MESSAGE_IDS))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("journalctl") is None, reason="journalctl not installed")
 def test_journalctl_indexes_the_catalog(tmp_path: Path) -> None:
     catalog_dir = tmp_path / "usr" / "lib" / "systemd" / "catalog"

@@ -252,6 +252,7 @@ def write_config(tmp_path: Path, learned_file: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_gb10d_forget_clears_what_was_learned_and_says_what_it_was(tmp_path: Path) -> None:
     learned = tmp_path / "lib" / "state.toml"
     save(learned, LearnedState(lowered(config())))
@@ -266,6 +267,7 @@ def test_gb10d_forget_clears_what_was_learned_and_says_what_it_was(tmp_path: Pat
     assert again.stdout == f"nothing was learned: {learned} does not exist\n"
 
 
+@pytest.mark.slow
 def test_gb10d_forget_removes_a_damaged_file_too(tmp_path: Path) -> None:
     learned = _damaged("not toml at all [", tmp_path)
     result = gb10d("forget", "--config", str(write_config(tmp_path, learned)))
@@ -274,6 +276,7 @@ def test_gb10d_forget_removes_a_damaged_file_too(tmp_path: Path) -> None:
     assert not learned.exists()
 
 
+@pytest.mark.slow
 def test_gb10d_forget_of_a_named_file_needs_no_valid_config(tmp_path: Path) -> None:
     learned = tmp_path / "state.toml"
     save(learned, LearnedState(lowered(config())))
@@ -283,6 +286,7 @@ def test_gb10d_forget_of_a_named_file_needs_no_valid_config(tmp_path: Path) -> N
     assert not learned.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(WITHOUT_ROOT_POWERS) and shutil.which("setpriv") is None, reason="root without setpriv may remove any file")
 def test_gb10d_forget_without_permission_says_who_may(tmp_path: Path) -> None:
     directory = tmp_path / "lib"

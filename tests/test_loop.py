@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 import os
 import signal
@@ -72,6 +74,7 @@ def test_a_pause_ends_early_when_its_handler_sees_a_stop() -> None:
     assert stopped and waited < 10
 
 
+@pytest.mark.slow
 def test_the_watchdog_is_pinged_while_the_daemon_awaits_something_else() -> None:
     receiver = NotifySocket()
     os.environ["WATCHDOG_USEC"] = "400000"

@@ -39,6 +39,8 @@ FAST_RAY = {
     "RAY_health_check_failure_threshold": "3",
 }
 
+pytestmark = pytest.mark.slow
+
 
 def ready(fields: dict[str, str]) -> bool:
     return fields.get("READY") == "1"

@@ -208,6 +208,7 @@ def replace_by_rename(path: Path, text: str, temp_name: str) -> None:
     os.replace(temp, path)
 
 
+@pytest.mark.slow
 def test_a_burst_of_editor_renames_gives_one_notification(tmp_path: Path) -> None:
     async def scenario(path: Path, got: Notifications) -> None:
         for n in range(5):
@@ -218,6 +219,7 @@ def test_a_burst_of_editor_renames_gives_one_notification(tmp_path: Path) -> Non
     watching(tmp_path, scenario)
 
 
+@pytest.mark.slow
 def test_truncate_and_write_gives_one_notification_and_each_burst_its_own(tmp_path: Path) -> None:
     async def scenario(path: Path, got: Notifications) -> None:
         text = path.read_text()
@@ -235,6 +237,7 @@ def test_truncate_and_write_gives_one_notification_and_each_burst_its_own(tmp_pa
     watching(tmp_path, scenario)
 
 
+@pytest.mark.slow
 def test_a_dropin_directory_created_later_is_watched(tmp_path: Path) -> None:
     async def scenario(path: Path, got: Notifications) -> None:
         dropins = path.with_suffix(".d")
@@ -252,6 +255,7 @@ def test_a_dropin_directory_created_later_is_watched(tmp_path: Path) -> None:
     watching(tmp_path, scenario)
 
 
+@pytest.mark.slow
 def test_a_dropin_directory_removed_and_created_again_is_watched_again(tmp_path: Path) -> None:
     async def scenario(path: Path, got: Notifications) -> None:
         dropins = path.with_suffix(".d")
@@ -271,6 +275,7 @@ def test_a_dropin_directory_removed_and_created_again_is_watched_again(tmp_path:
     watching(tmp_path, scenario)
 
 
+@pytest.mark.slow
 def test_unrelated_files_and_reading_the_config_do_not_notify(tmp_path: Path) -> None:
     async def scenario(path: Path, got: Notifications) -> None:
         dropins = path.with_suffix(".d")
@@ -293,6 +298,7 @@ def test_unrelated_files_and_reading_the_config_do_not_notify(tmp_path: Path) ->
     watching(tmp_path, scenario)
 
 
+@pytest.mark.slow
 def test_stop_ends_the_threads_and_drops_a_pending_notification(tmp_path: Path) -> None:
     before = set(threading.enumerate())
     path = tmp_path / "gb10d.toml"
@@ -314,6 +320,7 @@ def test_stop_ends_the_threads_and_drops_a_pending_notification(tmp_path: Path) 
     assert set(threading.enumerate()) - before == set()
 
 
+@pytest.mark.slow
 def test_stop_before_start_is_harmless(tmp_path: Path) -> None:
     async def main() -> None:
         ConfigWatcher(tmp_path / "gb10d.toml", asyncio.get_running_loop(), lambda: None).stop()
@@ -321,6 +328,7 @@ def test_stop_before_start_is_harmless(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_watching_a_missing_directory_says_reload_still_works(tmp_path: Path) -> None:
     before = set(threading.enumerate())
 

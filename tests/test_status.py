@@ -171,6 +171,7 @@ def daemon_pid() -> Iterator[subprocess.Popen[bytes]]:
     process.wait(timeout=60)
 
 
+@pytest.mark.slow
 def test_running_daemon_is_summarised_with_exit_0(tmp_path: Path, daemon_pid: subprocess.Popen[bytes]) -> None:
     path = tmp_path / "state.json"
     write_state(path, state(pid=daemon_pid.pid))
@@ -180,6 +181,7 @@ def test_running_daemon_is_summarised_with_exit_0(tmp_path: Path, daemon_pid: su
     assert "Attempt: 2 of 5" in result.stdout
 
 
+@pytest.mark.slow
 def test_exit_3_once_the_daemon_process_is_gone(tmp_path: Path, daemon_pid: subprocess.Popen[bytes]) -> None:
     path = tmp_path / "state.json"
     write_state(path, state(pid=daemon_pid.pid))
@@ -190,6 +192,7 @@ def test_exit_3_once_the_daemon_process_is_gone(tmp_path: Path, daemon_pid: subp
     assert result.stdout.startswith(f"gb10d is not running (pid {daemon_pid.pid} has exited;")
 
 
+@pytest.mark.slow
 def test_exit_3_when_the_state_says_stopped(tmp_path: Path, daemon_pid: subprocess.Popen[bytes]) -> None:
     path = tmp_path / "state.json"
     write_state(path, state(pid=daemon_pid.pid, state="stopped"))
@@ -198,6 +201,7 @@ def test_exit_3_when_the_state_says_stopped(tmp_path: Path, daemon_pid: subproce
     assert "state is stopped" in result.stdout.splitlines()[0]
 
 
+@pytest.mark.slow
 def test_exit_3_without_state_file(tmp_path: Path) -> None:
     result = gb10d("status", "--state-file", str(tmp_path / "state.json"))
     assert result.returncode == 3
@@ -205,6 +209,7 @@ def test_exit_3_without_state_file(tmp_path: Path) -> None:
     assert result.stderr == ""
 
 
+@pytest.mark.slow
 def test_json_output_is_one_object_with_running_flag(tmp_path: Path, daemon_pid: subprocess.Popen[bytes]) -> None:
     path = tmp_path / "state.json"
     write_state(path, state(pid=daemon_pid.pid))
@@ -214,6 +219,7 @@ def test_json_output_is_one_object_with_running_flag(tmp_path: Path, daemon_pid:
     assert answer == {**state(pid=daemon_pid.pid).to_json(), "running": True, "state_file": str(path)}
 
 
+@pytest.mark.slow
 def test_json_output_when_not_running_gives_the_reason(tmp_path: Path) -> None:
     result = gb10d("status", "--json", "--state-file", str(tmp_path / "state.json"))
     assert result.returncode == 3
@@ -222,6 +228,7 @@ def test_json_output_when_not_running_gives_the_reason(tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.slow
 def test_unreadable_state_file_exits_4_without_traceback(tmp_path: Path) -> None:
     (tmp_path / "state.json").mkdir()
     result = gb10d("status", "--state-file", str(tmp_path / "state.json"))
@@ -230,6 +237,7 @@ def test_unreadable_state_file_exits_4_without_traceback(tmp_path: Path) -> None
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_state_file_location_comes_from_the_config(tmp_path: Path, daemon_pid: subprocess.Popen[bytes]) -> None:
     path = tmp_path / "run" / "state.json"
     config = tmp_path / "gb10d.toml"
@@ -243,6 +251,7 @@ def test_state_file_location_comes_from_the_config(tmp_path: Path, daemon_pid: s
     assert result.stdout.splitlines()[0] == "gb10d is running: serving"
 
 
+@pytest.mark.slow
 def test_unloadable_config_falls_back_to_the_default_state_file(tmp_path: Path) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text("[vllm\n", encoding="utf-8")

@@ -16,6 +16,14 @@ import pytest
 from systemd_harness import REPO, BootFailed, Container, boot, cached_root, gb10d_version, missing_tools
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test here builds packages or boots a container: all of them are slow."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.slow)
+
+
 def skip_unless_tools(*names: str, package_hint: str) -> None:
     """Skip the test, naming what to install, when a build tool is missing."""
     missing = missing_tools(*names)
