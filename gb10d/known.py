@@ -40,6 +40,7 @@ class KnownIssue:
     meaning: str
     fix: str
     retry_helps: bool
+    title: str  # a few words for lists (`gb10d diagnose --help`)
 
 
 def _patterns(*rules: tuple[str, Callable[[re.Match[str], str], Failure]]) -> Callable[[str], Failure | None]:
@@ -76,12 +77,14 @@ ISSUES: tuple[KnownIssue, ...] = (
         'vllm.env.PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:False" and without --enable-flashinfer-autotune in '
         "vllm.args or vllm.extra_args (the workaround reported with this failure)",
         False,
+        "the NVIDIA driver ran out of memory (kernel log)",
     ),
     KnownIssue(
         "gpu_xid", GpuXid, ("NVRM: Xid",), _kernel(GpuXid),
         "the NVIDIA driver reported an Xid error (journalctl -k shows it)",
         "see what the Xid number means (gb10d names it); a reboot is needed after Xid 79 (the GPU fell off the bus)",
         False,
+        "an NVIDIA Xid error (kernel log)",
     ),
     KnownIssue(
         "unsupported_build", UnsupportedBuild,
@@ -96,6 +99,7 @@ ISSUES: tuple[KnownIssue, ...] = (
         "install builds made for CUDA 13 on aarch64 (pip install torch --index-url https://download.pytorch.org/whl/cu130, "
         "then vllm) in the venv vllm.venv names, or run NVIDIA's vLLM image (nvcr.io/nvidia/vllm)",
         False,
+        "the vLLM or PyTorch build has no kernels for GB10's GPU",
     ),
     KnownIssue(
         "ptxas_sm121a", PtxasArchUnsupported, ("for option 'gpu-name'", "bin/ptxas"),
@@ -110,6 +114,7 @@ ISSUES: tuple[KnownIssue, ...] = (
         'point Triton at the CUDA 13 toolkit\'s ptxas: vllm.env.TRITON_PTXAS_PATH = "/usr/local/cuda/bin/ptxas" in '
         "gb10d.toml (install the CUDA 13 toolkit if that file is missing)",
         False,
+        "Triton's bundled ptxas does not know sm_121a",
     ),
     KnownIssue(
         "nccl_kho", RdmaRegistrationFailed, ("ibv_reg_mr",),
@@ -122,6 +127,7 @@ ISSUES: tuple[KnownIssue, ...] = (
         "boot with kho=off (add it to GRUB_CMDLINE_LINUX in /etc/default/grub, run update-grub, reboot); "
         "6.17 kernels are not affected",
         False,
+        "NCCL cannot register RDMA memory (the kernel's KHO regression)",
     ),
     KnownIssue(
         "ipc_removed", IpcRemoved, ("SemLock._rebuild", "shared memory broadcast block"),
@@ -134,6 +140,7 @@ ISSUES: tuple[KnownIssue, ...] = (
         "run vLLM as a system user (the gb10d service does), or set RemoveIPC=no in /etc/systemd/logind.conf, "
         "or keep the user's session with loginctl enable-linger USER",
         True,
+        "vLLM's semaphores or shared memory were removed under it",
     ),
     KnownIssue(
         "hidden_init_failure", HiddenInitFailure, ("Failed core proc(s): {}",),
@@ -142,6 +149,7 @@ ISSUES: tuple[KnownIssue, ...] = (
         "look for the engine's own error above; if there is none, upgrade vLLM to 0.24 or later to see it, "
         "and check that the engine's memory came back (gb10d status shows MemAvailable)",
         True,
+        "vLLM 0.23's engine start failure with its cause hidden",
     ),
 )
 

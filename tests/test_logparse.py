@@ -19,6 +19,7 @@ from gb10d.events import (
     Failure,
     FreeMemoryShort,
     GraphsProgressed,
+    HiddenInitFailure,
     KvCacheInsufficient,
     KvCacheSized,
     LoadStarted,
@@ -460,19 +461,22 @@ FAILURE_CASES = [
      "https://huggingface.co/meta-llama/Llama-3.3-70B-Instruct/resolve/main/config.json.",
      [ModelGated("meta-llama/Llama-3.3-70B-Instruct")]),
     ("KeyError: 'invalid tool call parser: qwen9 (chose from { hermes,qwen3_xml })'",
-     [BadArgument("invalid tool call parser: qwen9 (chose from { hermes,qwen3_xml })")]),
+     [BadArgument("invalid tool call parser: qwen9 (chose from { hermes,qwen3_xml })", "--tool-call-parser", "qwen9")]),
     ("KeyError: 'invalid reasoning parser: nope (chose from { qwen3 })'",
-     [BadArgument("invalid reasoning parser: nope (chose from { qwen3 })")]),
+     [BadArgument("invalid reasoning parser: nope (chose from { qwen3 })", "--reasoning-parser", "nope")]),
     ("TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser",
-     [BadArgument("--enable-auto-tool-choice requires --tool-call-parser")]),
-    ("vllm: error: unrecognized arguments: --frobnicate", [BadArgument("unrecognized arguments: --frobnicate")]),
+     [BadArgument("--enable-auto-tool-choice requires --tool-call-parser", "--tool-call-parser")]),
+    ("vllm: error: unrecognized arguments: --frobnicate",
+     [BadArgument("unrecognized arguments: --frobnicate", "--frobnicate", None)]),
     ("vllm serve: error: argument --kv-cache-dtype: invalid choice: 'fp7' (choose from 'auto', 'fp8')",
-     [BadArgument("argument --kv-cache-dtype: invalid choice: 'fp7' (choose from 'auto', 'fp8')")]),
+     [BadArgument("argument --kv-cache-dtype: invalid choice: 'fp7' (choose from 'auto', 'fp8')", "--kv-cache-dtype", "fp7")]),
     ("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.",
      [EngineDied("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.")]),
     ("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup",
      [EngineDied("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup")]),
-    ("RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}", [EngineStartFailed()]),
+    ("RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}", [HiddenInitFailure()]),
+    ("RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}",
+     [EngineStartFailed()]),
     ("EngineCore failed to start.", [EngineStartFailed()]),
     ("Exception: WorkerProc initialization failed due to an exception in a background process.", [EngineStartFailed()]),
     ("RuntimeError: Frontend process failed during engine core initialization. See root cause above.", [EngineStartFailed()]),
@@ -543,14 +547,61 @@ def test_kv_message_split_before_the_estimate_keeps_the_estimate() -> None:
     assert events == [KvCacheInsufficient(131072, 16.0, 5.12, 40960)]
 
 
-def test_an_unfinished_failure_is_still_reported_when_no_continuation_comes() -> None:
+def test_an_unfinished_failure_is_reported_as_soon_as_a_line_does_not_continue_it() -> None:
     scanner = EventScanner()
     oom = "torch.OutOfMemoryError: CUDA out of memory."
     assert scanner.feed(oom) == []
-    later = [scanner.feed(API + f"Loading weights took {n}.00 seconds") for n in range(4)]
-    assert later[:3] == [[WeightsLoaded(seconds=n)] for n in range(3)]
-    assert later[3] == [CudaOutOfMemory(None), WeightsLoaded(seconds=3.0)]
+    assert scanner.feed(API + "Loading weights took 0.00 seconds") == [CudaOutOfMemory(None), WeightsLoaded(seconds=0.0)]
     assert scanner.feed(oom) == [] and scanner.flush() == [CudaOutOfMemory(None)]
+
+
+# vLLM 0.26 logs this on every healthy start (seen on a real GPU machine); it begins like the free-memory failure.
+HEALTHY_026 = (
+    "Free memory on device (38.77/139.8 GiB) on startup. Desired GPU memory utilization is (0.9, 125.82 GiB). "
+    "Actual usage is 0.94 GiB for weight, 1.41 GiB for peak activation, 0.1 GiB for non-torch memory, and 0.06 GiB "
+    "for CUDAGraph memory. Replace gpu_memory_utilization config with `--kv-cache-memory=131524157184` (122.49 GiB) "
+    "to fit into requested memory, or `--kv-cache-memory=38221062963` (35.6 GiB) to fully utilize gpu memory. "
+    "Current kv cache memory in use is 123.28 GiB."
+)
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_healthy_line_that_begins_like_a_failure_holds_nothing_back(wrapped: bool) -> None:
+    scanner = EventScanner(wrapped=wrapped)
+    assert scanner.feed("(EngineCore pid=7) INFO 12-04 10:00:00 [gpu_worker.py:861] " + HEALTHY_026) == []
+    died = "(EngineCore pid=7) ERROR 12-04 10:00:01 [core.py:1022] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."
+    assert [type(e) for e in scanner.feed(died)] == [EngineDied]
+    assert scanner.flush() == []
+
+
+def test_a_failure_begun_on_one_line_and_followed_by_another_failure_reports_both_at_once() -> None:
+    scanner = EventScanner()
+    assert scanner.feed(ENGINE_ERR + "ValueError: To serve at least one request with the model's max seq len (131072), (16.0") == []
+    events = scanner.feed(ENGINE_ERR + "EngineCore failed to start.")
+    assert events == [KvCacheInsufficient(131072, None, None, None), EngineStartFailed()]
+
+
+@pytest.mark.parametrize(
+    ("cut_after", "expected"),
+    [
+        ("KV cach", KvCacheInsufficient(131072, 16.0, None, None)),
+        ("memory (5.1", KvCacheInsufficient(131072, 16.0, None, None)),
+        ("memory (5.12 GiB).", KvCacheInsufficient(131072, 16.0, 5.12, None)),
+        ("max seq len (131072), (16.0 GiB", KvCacheInsufficient(131072, 16.0, None, None)),
+    ],
+)
+def test_a_kv_message_cut_short_still_gives_what_it_had(cut_after: str, expected: KvCacheInsufficient) -> None:
+    full = ("ValueError: To serve at least one request with the model's max seq len (131072), (16.0 GiB KV cache is needed, "
+            "which is larger than the available KV cache memory (5.12 GiB). Try increasing `gpu_memory_utilization`")
+    cut = full[: full.index(cut_after) + len(cut_after)]
+    scanner = EventScanner(wrapped=True)
+    assert scanner.feed(cut) + scanner.flush() == [expected]
+
+
+def test_the_models_s_wording_of_some_releases_is_the_same_failure() -> None:
+    line = ("ValueError: To serve at least one request with the models's max seq len (32768), (4.0 GiB KV cache is needed, "
+            "which is larger than the available KV cache memory (2.5 GiB). Try increasing `gpu_memory_utilization`")
+    assert parse_line(line) == [KvCacheInsufficient(32768, 4.0, 2.5, None)]
 
 
 @pytest.mark.parametrize("width", [60, 80, 120])
