@@ -119,7 +119,8 @@ _JOURNAL_SHORT = re.compile(
     r"(?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?"
 )
 _JOURNAL_ISO = re.compile(
-    r"^(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?) (?P<host>\S+) "
+    # journald gives microseconds at most; docker's nanosecond stamps (`...123456789Z`) are not a journal line.
+    r"^(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d{1,6})?(?:Z|[+-]\d\d:?\d\d)?) (?P<host>\S+) "
     r"(?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?"
 )
 _JOURNAL_FULL = re.compile(  # -o short-full
@@ -127,7 +128,7 @@ _JOURNAL_FULL = re.compile(  # -o short-full
     r"(?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?"
 )
 _JOURNAL_UNIX = re.compile(r"^(?P<unix>\d{9,11}\.\d+) (?P<host>\S+) (?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?")
-_JOURNAL_MONOTONIC = re.compile(r"^\[\s*(?P<mono>\d+\.\d+)\] (?P<host>\S+) (?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?")
+_JOURNAL_MONOTONIC = re.compile(r"^\[\s*(?P<mono>\d+\.\d+)\] (?P<host>[^\s:]+) (?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?")
 _DOCKER_TS = re.compile(r"^(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)) ")
 _COMPOSE = re.compile(r"^[\w][\w.-]*\s*\| ?")
 _KUBECTL = re.compile(r"^\[pod/[^\]\s]+\] ")
@@ -135,7 +136,7 @@ _SYSLOG_LEVEL = re.compile(r"^<[0-7]>")
 # torch.distributed's per-rank prefix, a Markdown quote, and a launcher's own `[name] ` or `name | ` in front.
 _OTHER_PREFIX = re.compile(r"^(?:\[rank\d+\]:\s?|>\s?|\[[\w.-]{1,30}\]\s(?=\S))")
 # Colour codes whose escape character a paste lost (`[1;36m(EngineCore pid=1)[0;0m ERROR ...`).
-_ANSI_LEFTOVER = re.compile(r"\[\d{1,3}(?:;\d{1,3})*m(?![a-z])")
+_ANSI_LEFTOVER = re.compile(r"\[\d{1,3}(?:;\d{1,3})*m")
 _FENCE = re.compile(r"^\s*(?:```|~~~)[\w-]*\s*$")
 _JOURNAL_NOTE = re.compile(r"^-- .* --$")
 # Where a newline was lost: a journal prefix, a process tag or a vLLM record start in mid-line.

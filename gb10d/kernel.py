@@ -24,7 +24,7 @@ _XID = re.compile(
     r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)\): (?P<xid>\d+)(?:,\s*(?P<rest>.*))?"
 )
 # `NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051) returned from ...`
-_DRIVER_OOM = re.compile(r"NVRM: (?P<rest>.*NV_ERR_NO_MEMORY.*)")
+_DRIVER_OOM = re.compile(r"(?:NVRM: )?(?P<rest>\S.*NV_ERR_NO_MEMORY.*)")
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def xid_meaning(xid: int) -> XidMeaning:
 
 def parse_kernel_line(text: str) -> DriverOutOfMemory | GpuXid | None:
     """The driver event in one kernel log line, wherever the line's prefix ends; None for any other line."""
-    if "NVRM:" not in text:
+    if "NVRM" not in text and "NV_ERR_" not in text:
         return None
     m = _XID.search(text)
     if m is not None:

@@ -1064,6 +1064,8 @@ _WRAPPED_LEAD = re.compile(
     "(?:" + "|".join(re.escape(lead[:k]) for lead in _LEADS for k in range(len(lead), 3, -1)) + ")$"
 )
 _MAX_JOIN = 5  # a 300-character record wrapped at 80 columns is 4 lines; more is not one message
+# Words of a known failure's line that a wrap may have cut before what makes it recognisable.
+_PASTE_HOLD = re.compile("|".join(re.escape(w) for w in (*known.NEEDLES, "ptxas", "NCCL WARN", "NVRM", "Repro command", "ibv_")))
 
 
 # The driver's re-raise of a Ray worker's exception names the worker's machine; the exception's own line follows
@@ -1098,6 +1100,7 @@ class EventScanner:
         self._prefix = prefix
         self._wrapped = wrapped
         self._held: list[str] = []
+        self._generic: list[str] = []  # wrapped mode: an exception line whose cause may be on the next line
         self._task_node: str | None = None
 
     def feed(self, text: str) -> list[Event]:
@@ -1116,6 +1119,8 @@ class EventScanner:
         return events
 
     def _scan(self, msg: str) -> list[Event]:
+        if self._generic:
+            return self._continue_generic(msg)
         if self._held:
             pieces = self._held + [msg]
             state, joined = _best_join(pieces)
@@ -1131,10 +1136,33 @@ class EventScanner:
         if _fit(msg) == _PARTIAL or (self._wrapped and _WRAPPED_LEAD.search(msg[-60:]) is not None):
             self._held = [msg]
             return [e for e in events if not isinstance(e, Failure)]
+        failures = [e for e in events if isinstance(e, Failure)]
+        if self._wrapped and (failures and all(isinstance(e, ExceptionRaised) for e in failures)
+                              or (not failures and _PASTE_HOLD.search(msg) is not None)):
+            # A pasted exception line may have been wrapped before the words that name its cause.
+            self._generic = [msg]
+            return [e for e in events if not isinstance(e, Failure)]
         return events
+
+    def _continue_generic(self, msg: str) -> list[Event]:
+        """A held exception line and the next one: a named cause if joined they show one, else both as they are."""
+        pieces = self._generic + [msg]
+        own = parse_message(msg)
+        for joined in ("".join(pieces), " ".join(p.strip() for p in pieces)):
+            found = parse_message(joined)
+            if any(isinstance(e, Failure) and not isinstance(e, ExceptionRaised) for e in found):
+                self._generic = []
+                return [e for e in found if isinstance(e, Failure)] + [e for e in own if not isinstance(e, Failure)]
+        if not own and len(pieces) < 3:
+            self._generic = pieces
+            return []
+        return self.flush() + self._scan(msg)
 
     def flush(self) -> list[Event]:
         """The failure events of a message still waiting for its end, as far as it got."""
+        if self._generic:
+            first, self._generic = self._generic[0], []
+            return parse_message(first)
         if not self._held:
             return []
         pieces, self._held = self._held, []
