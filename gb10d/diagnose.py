@@ -549,7 +549,7 @@ def _deciding_failure(attempt: _Attempt, progress_index: int | None) -> Failure 
         (i, e) for i, e in attempt.events
         if isinstance(e, Failure) and (stop_at is None or i < stop_at)
         and not (isinstance(e, ExceptionRaised) and e.exc_type.split(".")[-1] in _STOP_EXCEPTIONS)
-        and not (_passing(e) and progress_index is not None and progress_index > i)
+        and not (_passing(e) and progress_index is not None and progress_index >= i)
     ]
     if progress_index is None:
         specific = [e for _, e in failures if not _generic(e)]
@@ -751,4 +751,6 @@ def _platform_verdict(name: str, event: Failure, facts: dict[str, Any]) -> Diagn
             facts["pci"] = event.pci
     facts["retry_helps"] = issue.retry_helps and not (isinstance(event, GpuXid) and xid_meaning(event.xid).reboot)
     summary = kernel_describe(event) if isinstance(event, (GpuXid, DriverOutOfMemory)) else issue.meaning
+    if isinstance(event, IpcRemoved) and not event.confirmed:
+        summary = f"a vLLM process waited a minute or more for shared memory: a process hangs, or {summary}"
     return Diagnosis(name, facts, _sentence(advice.platform(event)), _sentence(summary))

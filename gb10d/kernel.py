@@ -24,7 +24,8 @@ _XID = re.compile(
     r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)\): (?P<xid>\d+)(?:,\s*(?P<rest>.*))?"
 )
 # `NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051) returned from ...`
-_DRIVER_OOM = re.compile(r"(?:NVRM: )?(?P<rest>\S.*NV_ERR_NO_MEMORY.*)")
+_DRIVER_OOM = re.compile(r"NVRM: (?P<rest>.*NV_ERR_NO_MEMORY.*)")
+_DRIVER_OOM_BARE = re.compile(r"\S.*NV_ERR_NO_MEMORY.*")  # a paste whose wrapper took the `NVRM: ` with it
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ def parse_kernel_line(text: str) -> DriverOutOfMemory | GpuXid | None:
     o = _DRIVER_OOM.search(text)
     if o is not None:
         return DriverOutOfMemory(detail=o.group("rest").strip())
+    bare = _DRIVER_OOM_BARE.search(text)
+    if bare is not None:
+        return DriverOutOfMemory(detail=bare.group(0).strip())
     return None
 
 
