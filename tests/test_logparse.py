@@ -18,8 +18,10 @@ from gb10d.events import (
     ExceptionRaised,
     Failure,
     FreeMemoryShort,
+    GpuXid,
     GraphsProgressed,
     HiddenInitFailure,
+    InternalPortInUse,
     KvCacheInsufficient,
     KvCacheSized,
     LoadStarted,
@@ -27,6 +29,7 @@ from gb10d.events import (
     ModelNotFound,
     NoKvCacheMemory,
     PortInUse,
+    PtxasArchUnsupported,
     RayWorkerLost,
     ServerStarting,
     ShardsProgressed,
@@ -483,6 +486,33 @@ FAILURE_CASES = [
     ("AssertionError: something odd", [ExceptionRaised("AssertionError", "something odd")]),
     ("KeyboardInterrupt: terminated", [ExceptionRaised("KeyboardInterrupt", "terminated")]),
     ("UserWarning: harmless", []),
+    ("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:55217')",
+     [InternalPortInUse(55217, "tcp://127.0.0.1:55217")]),
+    ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. port: 29500, "
+     "useIPv6: 0, code: -98, name: EADDRINUSE, message: address already in use", [InternalPortInUse(29500)]),
+    ("Address already in use. Retrying with a new port.", []),
+    ("huggingface_hub.errors.HFValidationError: Repo id must be in the form 'repo_name' or 'namespace/repo_name': "
+     "'/models/x'. Use `repo_type` argument if needed.", [ModelNotFound("/models/x")]),
+    ("OSError: /models/llama does not appear to have a file named config.json. Checkout "
+     "'https://huggingface.co//models/llama/tree/None' for available files.", [ModelNotFound("/models/llama")]),
+    ("FileNotFoundError: [Errno 2] No such file or directory: '/srv/qwen/config.json'", [ModelNotFound("/srv/qwen")]),
+    ("OSError: We couldn't connect to 'https://huggingface.co' to load this file, couldn't find it in the cached files and "
+     "it looks like Qwen/Qwen3-8B is not the path to a directory containing a file named config.json.",
+     [ModelNotFound("Qwen/Qwen3-8B", unreachable=True)]),
+    ("huggingface_hub.errors.LocalEntryNotFoundError: An error happened while trying to locate the file on the Hub",
+     [ModelNotFound("", unreachable=True)]),
+    ("KeyError: \"Tool parser 'qwen9' not found.\"", [BadArgument("Tool parser 'qwen9' not found.", "--tool-call-parser", "qwen9")]),
+    ("KeyError: \"Reasoning parser 'r9' not found. Available parsers: qwen3\"",
+     [BadArgument("Reasoning parser 'r9' not found.", "--reasoning-parser", "r9")]),
+    ("TypeError: Error: --enable-auto-tool-choice requires tool_parser:'x9' which has not been registered",
+     [BadArgument("tool_parser:'x9' which has not been registered", "--tool-call-parser", "x9")]),
+    ("api_server.py: error: argument --pipeline-parallel-size/-pp: invalid int value: '8000:8000'",
+     [BadArgument("argument --pipeline-parallel-size/-pp: invalid int value: '8000:8000'", "--pipeline-parallel-size", "8000:8000")]),
+    ("vllm: error: unrecognized arguments: 8000:8000", [BadArgument("unrecognized arguments: 8000:8000", None, "8000:8000")]),
+    ("vllm serve: error: the following arguments are required: model_tag",
+     [BadArgument("the following arguments are required: model_tag", "model_tag")]),
+    ("ptxas fatal   : Value 'sm_121a' is not defined for option 'gpu-name'",
+     [PtxasArchUnsupported("sm_121a", detail="ptxas fatal   : Value 'sm_121a' is not defined for option 'gpu-name'")]),
 ]
 
 
@@ -720,3 +750,18 @@ def test_rays_own_log_lines_keep_their_level() -> None:
     warning = classify("(EngineCore pid=1285) 2026-12-03 15:16:30,441\tWARNING worker.py:2100 -- Ray is slow")
     info = classify("(EngineCore pid=1285) 2026-12-03 15:16:30,475\tINFO worker.py:2038 -- Connected to Ray cluster.")
     assert (warning.kind, warning.priority, info.priority) == (Kind.RAW, 4, 6)
+
+
+def test_the_v0_engines_zero_gpu_blocks_mean_no_memory_for_the_kv_cache() -> None:
+    assert parse_line("INFO 05-02 10:00:03 executor_base.py:108] # CUDA blocks: 0, # CPU blocks: 2048") == [NoKvCacheMemory()]
+    assert parse_line("INFO 05-02 10:00:03 executor_base.py:108] # GPU blocks: 1024, # CPU blocks: 2048") == [KvCacheSized()]
+
+
+def test_a_known_issues_exception_line_is_also_an_exception_for_the_crash_detail() -> None:
+    events = parse_line("torch.AcceleratorError: CUDA error: no kernel image is available for execution on the device")
+    assert [type(e).__name__ for e in events] == ["UnsupportedBuild", "ExceptionRaised"]
+
+
+def test_kernel_lines_in_a_paste_give_the_drivers_events() -> None:
+    (xid,) = parse_line("Dec 04 13:10:00 spark kernel: NVRM: Xid (PCI:000f:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
+    assert isinstance(xid, GpuXid) and (xid.xid, xid.pci) == (79, "000f:01:00")
