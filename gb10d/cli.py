@@ -296,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
         "numbers found, and the gb10d.toml key to change. Exit 0 whatever the verdict; 66 if FILE cannot be read.",
         config=False,
     )
+    from .diagnose import VERDICT_HELP
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = "verdicts:\n" + "\n".join(f"  {name:<23}{text}" for name, text in VERDICT_HELP.items())
     p.add_argument("file", metavar="FILE", nargs="?", default="-", help="the log to read ('-' or nothing reads stdin)")
     p.add_argument("--json", action="store_true", help='print one JSON object {"verdict", "facts", "advice"}')
     p.add_argument("--stall-timeout", metavar="S", type=float, default=300.0,

@@ -18,42 +18,70 @@ from __future__ import annotations
 
 import calendar
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Callable
 
+from . import advice
+from .command import Tunables
+from .config import Config
+from .errors import EXIT_CONFIG
 from .events import (
     ArgsSeen,
     BadArgument,
     CudaOutOfMemory,
+    DriverOutOfMemory,
     EngineDied,
     EngineStartFailed,
     Event,
     ExceptionRaised,
     Failure,
     FreeMemoryShort,
+    GpuXid,
+    HiddenInitFailure,
+    InternalPortInUse,
+    IpcRemoved,
     KvCacheInsufficient,
     ModelGated,
     ModelNotFound,
     NoKvCacheMemory,
     PortInUse,
+    PtxasArchUnsupported,
+    RdmaRegistrationFailed,
     ServerStarting,
     ShutdownStarted,
     SpecDecodingLogged,
     StartupCompleted,
     StatsLogged,
+    UnsupportedBuild,
     VersionSeen,
 )
-from .logparse import Classifier, EventScanner, Kind, LineFramer
+from .kernel import describe as kernel_describe
+from .kernel import xid_meaning
+from .known import ISSUES, by_name, issue_for
+from .logparse import PRIORITY_ERR, Classifier, EventScanner, Kind, LineFramer
 from .phases import Phase, StartupState, advance
+from .outcome import Cause, Failed
+from .policy import GiveUp, History, Retry, next_attempt
 
-VERDICTS = (
-    "ready", "loading", "free_memory", "shard_stall", "cuda_oom", "kv_cache_insufficient", "port_in_use",
-    "model_not_found", "engine_dead", "crash", "unknown",
-)
-HEADROOM_GIB = 1.0  # gb10d's default memory.headroom_gib, so the advice matches what gb10d would do
+# Every verdict and what it means, for `gb10d diagnose --help`; the GB10 platform's come from the known-issues table.
+VERDICT_HELP: dict[str, str] = {
+    "ready": "vLLM started and serves",
+    "loading": "still starting, nothing failed yet",
+    "shard_stall": "weight loading stopped making progress",
+    "free_memory": "too little free memory for gpu_memory_utilization at start",
+    "cuda_oom": "CUDA ran out of memory (loading, profiling, CUDA graphs or serving)",
+    "kv_cache_insufficient": "the KV cache cannot hold one request of max_model_len, or there is no memory for it",
+    "port_in_use": "the API port, or a port of vLLM's internal sockets, is taken",
+    "model_not_found": "the model is not a local directory or a reachable (or permitted) Hugging Face repository",
+    "bad_argument": "vLLM rejected a flag or its value",
+    "engine_dead": "vLLM's engine process died",
+    **{issue.name: issue.title for issue in ISSUES},
+    "crash": "vLLM failed in another way (the error is named)",
+    "unknown": "no vLLM startup in the input",
+}
+VERDICTS = tuple(VERDICT_HELP)
 DEFAULT_PORT = 8000  # vLLM's, when the log does not say
 VLLM_DEFAULT_UTILIZATION = 0.92
 
@@ -92,7 +120,8 @@ _JOURNAL_SHORT = re.compile(
     r"(?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?"
 )
 _JOURNAL_ISO = re.compile(
-    r"^(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?) (?P<host>\S+) "
+    # journald gives microseconds at most; docker's nanosecond stamps (`...123456789Z`) are not a journal line.
+    r"^(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d{1,6})?(?:Z|[+-]\d\d:?\d\d)?) (?P<host>\S+) "
     r"(?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?"
 )
 _JOURNAL_FULL = re.compile(  # -o short-full
@@ -100,11 +129,16 @@ _JOURNAL_FULL = re.compile(  # -o short-full
     r"(?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?"
 )
 _JOURNAL_UNIX = re.compile(r"^(?P<unix>\d{9,11}\.\d+) (?P<host>\S+) (?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?")
-_JOURNAL_MONOTONIC = re.compile(r"^\[\s*(?P<mono>\d+\.\d+)\] (?P<host>\S+) (?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?")
+_JOURNAL_MONOTONIC = re.compile(r"^\[\s*(?P<mono>\d+\.\d+)\] (?P<host>[^\s:]+) (?P<ident>[^\s\[\]:]+)(?:\[(?P<pid>\d+)\])?: ?")
 _DOCKER_TS = re.compile(r"^(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)) ")
 _COMPOSE = re.compile(r"^[\w][\w.-]*\s*\| ?")
 _KUBECTL = re.compile(r"^\[pod/[^\]\s]+\] ")
 _SYSLOG_LEVEL = re.compile(r"^<[0-7]>")
+# torch.distributed's per-rank prefix, a Markdown quote, and a launcher's own `[name] ` or `name | ` in front.
+_OTHER_PREFIX = re.compile(r"^(?:\[rank\d+\]:\s?|>\s?|\[[\w.-]{1,30}\]\s(?=\S))")
+# Colour codes whose escape character a paste lost (`[1;36m(EngineCore pid=1)[0;0m ERROR ...`).
+_ANSI_LEFTOVER = re.compile(r"\[\d{1,3}(?:;\d{1,3})*m")
+_FENCE = re.compile(r"^\s*(?:```|~~~)[\w-]*\s*$")
 _JOURNAL_NOTE = re.compile(r"^-- .* --$")
 # Where a newline was lost: a journal prefix, a process tag or a vLLM record start in mid-line.
 _GLUED_JOURNAL = re.compile(
@@ -158,7 +192,7 @@ def _strip_wrappers(line: str) -> tuple[str, float | None]:
             if m is not None:
                 when = float(m.group("unix") if "unix" in m.re.groupindex else m.group("mono"))
         if m is None:
-            m = _COMPOSE.match(line)
+            m = _COMPOSE.match(line) or _OTHER_PREFIX.match(line)
         if m is None or m.end() == 0:
             break
         line = line[m.end():]
@@ -223,7 +257,8 @@ def read_lines(text: str) -> list[_Line]:
     out: list[_Line] = []
     physicals = text.replace("\r\n", "\n").split("\n") if "\r\n" in text else text.split("\n")
     physicals = [_ANSI.sub("", p) if "\x1b" in p else p for p in physicals]
-    for physical in _unwrap(physicals):
+    physicals = [_ANSI_LEFTOVER.sub("", p) if "m" in p and "[" in p else p for p in physicals]
+    for physical in _unwrap([p for p in physicals if not _FENCE.match(p)]):
         if _JOURNAL_NOTE.match(physical.strip()):
             continue
         entry = _journal_json(physical) if physical.startswith("{") and '"MESSAGE"' in physical else None
@@ -268,6 +303,7 @@ class _Attempt:
     args: str = ""
     gb10d_stall: bool = False
     killed: bool = False
+    error_at: int | None = None  # the last traceback or ERROR line
 
 
 def _times(lines: list[_Line], records: list[tuple[str | None, int | None, str | None]]) -> list[float | None]:
@@ -336,7 +372,9 @@ def _split_attempts(lines: list[_Line]) -> tuple[list[_Attempt], list[float | No
             current.gb10d_stall = True
         if "ill" in message and _KILLED.search(message):
             current.killed = True
-        for event in scanner.feed(line.text):
+        if record.kind is Kind.TRACEBACK or (record.kind is Kind.VLLM and record.priority <= PRIORITY_ERR):
+            current.error_at = index
+        for event in scanner.feed_message(record.message):
             _add(current, index, event)
             every.append(event)
     for event in scanner.flush():
@@ -355,23 +393,74 @@ def _add(attempt: _Attempt, index: int, event: Event) -> None:
 
 # --- the verdict --------------------------------------------------------------------
 
-_ORDER: tuple[tuple[type[Failure], ...], ...] = (
-    (FreeMemoryShort,), (KvCacheInsufficient, NoKvCacheMemory), (CudaOutOfMemory,), (PortInUse,),
-    (ModelNotFound, ModelGated), (BadArgument,), (EngineDied,), (ExceptionRaised, EngineStartFailed),
+
+def _serious_xid(e: Failure) -> bool:
+    return isinstance(e, GpuXid) and xid_meaning(e.xid).serious
+
+
+# What decides the verdict when a start shows several failures, most telling first: the
+# platform's own failures explain the vLLM errors they cause, a specific failure explains
+# the wrappers printed after it, and vLLM 0.23's bare `Failed core proc(s): {}` counts only
+# when nothing else was printed.
+_RANKS: tuple[Callable[[Failure], bool], ...] = (
+    lambda e: isinstance(e, DriverOutOfMemory),
+    _serious_xid,
+    lambda e: isinstance(e, UnsupportedBuild),
+    lambda e: isinstance(e, PtxasArchUnsupported),
+    lambda e: isinstance(e, RdmaRegistrationFailed),
+    lambda e: isinstance(e, IpcRemoved) and e.confirmed,
+    lambda e: isinstance(e, FreeMemoryShort),
+    lambda e: isinstance(e, (KvCacheInsufficient, NoKvCacheMemory)),
+    lambda e: isinstance(e, CudaOutOfMemory),
+    lambda e: isinstance(e, (PortInUse, InternalPortInUse)),
+    lambda e: isinstance(e, (ModelNotFound, ModelGated)),
+    lambda e: isinstance(e, BadArgument),
+    lambda e: isinstance(e, EngineDied),
+    lambda e: isinstance(e, (IpcRemoved, GpuXid)),
+    lambda e: isinstance(e, ExceptionRaised) or (isinstance(e, EngineStartFailed) and not isinstance(e, HiddenInitFailure)),
+    lambda e: isinstance(e, HiddenInitFailure),
 )
 # Exceptions that mean someone stopped vLLM, not that it broke.
 _STOP_EXCEPTIONS = ("KeyboardInterrupt", "SystemExit", "CancelledError")
+
+
+def _generic(event: Failure) -> bool:
+    """A failure that wraps or hints at another rather than naming a cause of its own."""
+    return (isinstance(event, (ExceptionRaised, EngineStartFailed, EngineDied))
+            or (isinstance(event, IpcRemoved) and not event.confirmed) or (isinstance(event, GpuXid) and not _serious_xid(event)))
+
+
+def _passing(event: Failure) -> bool:
+    """A failure line a start can go on after (a caught exception's traceback, a warning): it ends nothing by itself."""
+    return (isinstance(event, ExceptionRaised) or (isinstance(event, IpcRemoved) and not event.confirmed)
+            or (isinstance(event, GpuXid) and not _serious_xid(event)))
 
 
 def _gib(value: float) -> str:
     return f"{value:g}"
 
 
-def suggested_utilization(free_gib: float, total_gib: float, headroom_gib: float = HEADROOM_GIB) -> float:
-    """floor((free - headroom) / total) to two decimals: what gb10d retries with after the free-memory failure."""
-    if total_gib <= 0:
-        return 0.0
-    return math.floor(round((free_gib - headroom_gib) / total_gib * 100, 6)) / 100
+def _sentence(text: str) -> str:
+    """A journal-style advice text (lower case, no full stop) as a sentence of its own."""
+    head = text[:1] if text.startswith("vLLM") else text[:1].upper()
+    return head + text[1:] + ("" if text.endswith(".") else ".")
+
+
+def _what_gb10d_does(cause: Cause, failure: Failure | None, utilization: float | None, model: str | None,
+                     port: int | None) -> Retry | GiveUp:
+    """What gb10d's supervisor decides after this failure on a first attempt: its defaults, plus what the log says.
+
+    The one place diagnose's numbers and words come from for the causes the
+    supervisor handles, so the advice is never what gb10d would not do.
+    """
+    vllm: dict[str, object] = {"executable": "/usr/bin/vllm", "model": model or "MODEL"}
+    if port:
+        vllm["port"] = port
+    if utilization is not None and 0 < utilization <= 1:
+        vllm["gpu_memory_utilization"] = utilization
+    config = Config.model_validate({"vllm": vllm})
+    used = Tunables(config.vllm.gpu_memory_utilization)
+    return next_attempt(Failed(cause=cause, failure=failure), used, History(1), config)
 
 
 def diagnose(text: str, stall_timeout_s: float = 300.0) -> Diagnosis:
@@ -385,36 +474,32 @@ def diagnose(text: str, stall_timeout_s: float = 300.0) -> Diagnosis:
         facts["vllm_version"] = version
     _stats_facts(every, facts)
 
-    # What fails after a stop was asked for (the engine "exiting unexpectedly" on
-    # SIGTERM, KeyboardInterrupt tracebacks) is the stop, not a fault.
-    stop_at = next((i for i, e in attempt.events if isinstance(e, ShutdownStarted)), None)
-    failures = [e for i, e in attempt.events if isinstance(e, Failure) and (stop_at is None or i < stop_at)]
-    failures = [e for e in failures if not (isinstance(e, ExceptionRaised) and e.exc_type.split(".")[-1] in _STOP_EXCEPTIONS)]
-    for group in _ORDER:
-        found = [e for e in failures if isinstance(e, group)]
-        if found:
-            return _failure_verdict(_best(found), attempt, facts)
-
-    if attempt.killed:
-        util = _current_utilization(attempt)
-        lower = (f"vllm.gpu_memory_utilization = {max(util - 0.05, 0.05):.2f}" if util is not None
-                 else "a lower vllm.gpu_memory_utilization")
-        return Diagnosis(
-            "crash", facts,
-            f"vLLM was killed from outside, most likely by the kernel's OOM killer (on GB10 the GPU's memory is the "
-            f"system's): set {lower} or a lower vllm.args.max_model_len in gb10d.toml, and stop other large processes.",
-            "vLLM was killed (SIGKILL), most likely out of host memory.",
-        )
     state = StartupState(phase=Phase.SPAWNING)
     progress_index: int | None = None
     for index, event in attempt.events:
         state = advance(state, event, float(index))
         if state.progressed:
             progress_index = index
+    failure = _deciding_failure(attempt, progress_index)
+    if failure is not None:
+        return _failure_verdict(failure, attempt, facts)
+
+    if attempt.killed:
+        return _killed_verdict(attempt, facts)
     if any(isinstance(e, (StartupCompleted, ServerStarting)) for _, e in attempt.events):
         url = next((e.url for _, e in attempt.events if isinstance(e, ServerStarting)), None)
         where = f" on {url}" if url else ""
         return Diagnosis("ready", facts, "vLLM started and serves; nothing to change.", f"vLLM is serving{where}.")
+    stopped = _stop_index(attempt)
+    if (attempt.error_at is not None and (progress_index is None or attempt.error_at > progress_index)
+            and (stopped is None or stopped < (progress_index or 0))):
+        # A traceback or an error after the last progress ended the start, even if its last line is missing.
+        return Diagnosis(
+            "crash", facts,
+            "The lines above the end of the log say what broke (the exception's own line is missing); if they name "
+            "a flag or a value, change that in vllm.args of gb10d.toml (gb10d print-command shows the full command).",
+            "vLLM failed after its last progress; the log ends inside the error.",
+        )
     if not attempt.events:
         return Diagnosis(
             "unknown", facts,
@@ -431,14 +516,14 @@ def diagnose(text: str, stall_timeout_s: float = 300.0) -> Diagnosis:
         where = f" at shard {state.shards_done}/{state.shards_total}" if state.shards_total else ""
         how_long = f" for {quiet_s:.0f} s" if quiet_s is not None else ""
         if state.eager:
-            advice = ("Loading stalls even with the eager strategy: check the model's disk (dmesg, iostat) and "
-                      'MemAvailable, or try vllm.args.safetensors_load_strategy = "prefetch" in gb10d.toml.')
+            advice_text = ("Loading stalls even with the eager strategy: check the model's disk (dmesg, iostat) and "
+                           'MemAvailable, or try vllm.args.safetensors_load_strategy = "prefetch" in gb10d.toml.')
         else:
-            advice = ('Set vllm.args.safetensors_load_strategy = "eager" in gb10d.toml (reads each shard into memory '
-                      "instead of mmap, which avoids this stall on GB10); gb10d's startup.load_strategy_ladder does "
-                      "this on the next attempt.")
+            advice_text = ('Set vllm.args.safetensors_load_strategy = "eager" in gb10d.toml (reads each shard into memory '
+                           "instead of mmap, which avoids this stall on GB10); gb10d's startup.load_strategy_ladder does "
+                           "this on the next attempt.")
         return Diagnosis(
-            "shard_stall", facts, advice,
+            "shard_stall", facts, advice_text,
             f"Weight loading made no progress{how_long}{where} (stall timeout {stall_timeout_s:g} s).",
         )
     where = f" ({state.shards_done}/{state.shards_total} shards)" if state.phase is Phase.LOADING_WEIGHTS and state.shards_total else ""
@@ -449,6 +534,39 @@ def diagnose(text: str, stall_timeout_s: float = 300.0) -> Diagnosis:
         f"The latest start is in phase {state.phase.value}{where}"
         + (f", last progress {quiet_s:.0f} s before the log ends." if quiet_s is not None else "."),
     )
+
+
+def _deciding_failure(attempt: _Attempt, progress_index: int | None) -> Failure | None:
+    """The failure that ended the start, or None.
+
+    What fails after a stop was asked for (the engine "exiting unexpectedly"
+    on SIGTERM, KeyboardInterrupt tracebacks) is the stop, not a fault; a
+    generic error the start went on after did not end it. A paste of errors
+    alone (no startup lines) gets the verdict of the last failure that names
+    a cause; otherwise the most telling failure of the start decides.
+    """
+    stop_at = _stop_index(attempt)
+    failures = [
+        (i, e) for i, e in attempt.events
+        if isinstance(e, Failure) and (stop_at is None or i < stop_at)
+        and not (isinstance(e, ExceptionRaised) and e.exc_type.split(".")[-1] in _STOP_EXCEPTIONS)
+        and not (_passing(e) and progress_index is not None and progress_index >= i)
+    ]
+    if progress_index is None:
+        specific = [e for _, e in failures if not _generic(e)]
+        if specific:
+            return specific[-1]
+    for rank in _RANKS:
+        found = [e for _, e in failures if rank(e)]
+        if found:
+            return _best(found)
+    return None
+
+
+def _stop_index(attempt: _Attempt) -> int | None:
+    """Where someone asked vLLM to stop (a shutdown line, or a KeyboardInterrupt or SystemExit), if anywhere."""
+    return next((i for i, e in attempt.events if isinstance(e, ShutdownStarted)
+                 or (isinstance(e, ExceptionRaised) and e.exc_type.split(".")[-1] in _STOP_EXCEPTIONS)), None)
 
 
 def _best(found: list[Failure]) -> Failure:
@@ -492,17 +610,44 @@ def _current_utilization(attempt: _Attempt) -> float | None:
     return None
 
 
+def _lowered(decision: Retry | GiveUp, otherwise: str) -> str:
+    """Advice from gb10d's decision on a memory failure: the value it restarts with, or why it gives up."""
+    if isinstance(decision, Retry):
+        return _sentence(advice.utilization_that_fits(decision.tunables.gpu_memory_utilization))
+    return _sentence(decision.message) if decision.exit_status != EXIT_CONFIG else otherwise
+
+
+def _killed_verdict(attempt: _Attempt, facts: dict[str, Any]) -> Diagnosis:
+    util = _current_utilization(attempt)
+    lower = "Lower vllm.gpu_memory_utilization by 0.05."
+    if util is not None:
+        # gb10d answers running out of memory by lowering the utilization 0.05, never below its minimum.
+        lower = _lowered(_what_gb10d_does(Cause.CUDA_OOM, CudaOutOfMemory(None), util, None, None), lower)
+    return Diagnosis(
+        "crash", facts,
+        "vLLM was killed from outside, most likely by the kernel's OOM killer (on GB10 the GPU's memory is the "
+        f"system's). {lower} A lower vllm.args.max_model_len and stopping other large processes help too.",
+        "vLLM was killed (SIGKILL), most likely out of host memory.",
+    )
+
+
 def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any]) -> Diagnosis:
     current_util = _current_utilization(attempt)
+    args_model = _ARGS_MODEL.search(attempt.args)
+    args_port = _ARGS_PORT.search(attempt.args)
+    log_model = args_model.group(1) if args_model else None
+    log_port = int(args_port.group(1)) if args_port else None
+    issue = issue_for(event)
+    if issue is not None:
+        return _platform_verdict(issue.name, event, facts)
     if isinstance(event, FreeMemoryShort):
-        suggested = suggested_utilization(event.free_gib, event.total_gib)
         facts.update(free_gib=event.free_gib, total_gib=event.total_gib, requested_utilization=event.requested_utilization,
-                     requested_gib=event.requested_gib, suggested_utilization=suggested)
+                     requested_gib=event.requested_gib)
+        decision = _what_gb10d_does(Cause.FREE_MEMORY, event, event.requested_utilization, log_model, log_port)
+        if isinstance(decision, Retry):
+            facts["suggested_utilization"] = decision.tunables.gpu_memory_utilization
         return Diagnosis(
-            "free_memory", facts,
-            f"Set vllm.gpu_memory_utilization = {suggested:.2f} in gb10d.toml (free {_gib(event.free_gib)} GiB minus "
-            f"{_gib(HEADROOM_GIB)} GiB headroom, of {_gib(event.total_gib)} GiB); gb10d does this by itself on retry, "
-            "and dropping the page cache first can let a higher value fit.",
+            "free_memory", facts, _lowered(decision, ""),
             f"vLLM refused to start: free memory {_gib(event.free_gib)} of {_gib(event.total_gib)} GiB is below "
             f"gpu_memory_utilization {event.requested_utilization:g} ({_gib(event.requested_gib)} GiB).",
         )
@@ -512,74 +657,70 @@ def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any]) -
             facts.update(needed_gib=event.needed_gib, available_gib=event.available_gib)
         if event.estimated_max_model_len is not None:
             facts["estimated_max_model_len"] = event.estimated_max_model_len
-            fix = f"Set vllm.args.max_model_len = {event.estimated_max_model_len} (vLLM's estimate of what fits)"
-        else:
-            fix = f"Lower vllm.args.max_model_len below {event.max_model_len}"
+        decision = _what_gb10d_does(Cause.KV_CACHE, event, current_util, log_model, log_port)
         return Diagnosis(
-            "kv_cache_insufficient", facts,
-            f"{fix} in gb10d.toml, or raise vllm.gpu_memory_utilization if memory allows.",
+            "kv_cache_insufficient", facts, _sentence(decision.message),
             f"The KV cache cannot hold one request of max_model_len {event.max_model_len}"
             + (f": it needs {_gib(event.needed_gib)} GiB, {_gib(event.available_gib)} GiB are available."
                if event.needed_gib is not None and event.available_gib is not None else "."),
         )
     if isinstance(event, NoKvCacheMemory):
-        raise_to = f" above {current_util:g}" if current_util is not None else ""
+        decision = _what_gb10d_does(Cause.NO_KV_MEMORY, event, current_util, log_model, log_port)
         return Diagnosis(
-            "kv_cache_insufficient", facts,
-            f"Raise vllm.gpu_memory_utilization{raise_to} in gb10d.toml, or lower vllm.args.max_model_len; "
-            "the weights left no memory for the KV cache.",
+            "kv_cache_insufficient", facts, _sentence(decision.message),
             "No memory was left for the KV cache blocks after loading the weights.",
         )
     if isinstance(event, CudaOutOfMemory):
         if event.tried_gib is not None:
             facts["tried_to_allocate"] = event.tried_gib
-        lower = (f"Set vllm.gpu_memory_utilization = {max(current_util - 0.05, 0.05):.2f}" if current_util is not None
-                 else "Lower vllm.gpu_memory_utilization by 0.05")
+        lower = "Lower vllm.gpu_memory_utilization by 0.05."
+        if current_util is not None:
+            lower = _lowered(_what_gb10d_does(Cause.CUDA_OOM, event, current_util, log_model, log_port), lower)
         where = " while loading the weights" if event.during_load else ""
         tried = f" allocating {_gib(event.tried_gib)} GiB" if event.tried_gib is not None else ""
         return Diagnosis(
             "cuda_oom", facts,
-            f"{lower} in gb10d.toml, or lower vllm.args.max_model_len; "
-            "on GB10 also check what else uses the shared memory.",
+            f"{lower} A lower vllm.args.max_model_len helps too; on GB10 also check what else uses the shared memory.",
             f"CUDA ran out of memory{where}{tried}.",
         )
-    if isinstance(event, PortInUse):
-        args_port = _ARGS_PORT.search(attempt.args)
-        port = event.port or (int(args_port.group(1)) if args_port else DEFAULT_PORT)
-        facts["port"] = port
+    if isinstance(event, InternalPortInUse):
+        facts.update(socket="internal")
+        if event.port is not None:
+            facts["port"] = event.port
+        if event.address:
+            facts["address"] = event.address
         return Diagnosis(
-            "port_in_use", facts,
-            f"Stop what listens on port {port} (ss -ltnp 'sport = :{port}' shows it; often an old vLLM that survived), "
-            f"or set vllm.port = {port + 1} in gb10d.toml.",
-            f"vLLM could not bind port {port}: another process has it.",
+            "port_in_use", facts, _sentence(advice.internal_port_in_use(event.port, event.address)),
+            f"vLLM could not bind an internal socket ({event.address or event.port or 'address not shown'}); "
+            "this is not the API port.",
         )
+    if isinstance(event, PortInUse):
+        port = event.port or log_port or DEFAULT_PORT
+        facts["port"] = port
+        decision = _what_gb10d_does(Cause.PORT_IN_USE, event, None, log_model, port)
+        return Diagnosis("port_in_use", facts, _sentence(decision.message),
+                         f"vLLM could not bind port {port}: another process has it.")
     if isinstance(event, (ModelNotFound, ModelGated)):
-        model = event.model
-        if model is None:
-            m = _ARGS_MODEL.search(attempt.args)
-            model = m.group(1) if m else None
+        model = event.model or log_model
         if model:
             facts["model"] = model
         if isinstance(event, ModelGated):
+            decision = _what_gb10d_does(Cause.MODEL_GATED, event, None, model, log_port)
             return Diagnosis(
-                "model_not_found", facts,
-                "The repository is gated: accept its terms on huggingface.co, then set HF_TOKEN in [vllm.env] of "
-                "gb10d.toml (or point vllm.model at a local copy).",
+                "model_not_found", facts, _sentence(decision.message),
                 f"Hugging Face refused access to the gated repository {model or ''}".rstrip() + ".",
             )
-        return Diagnosis(
-            "model_not_found", facts,
-            f"Set vllm.model in gb10d.toml to an existing local directory or a Hugging Face repository id "
-            f"(now {model!r}); clients use vllm.served_model_name, not this.",
-            f"vLLM cannot find the model {model!r}.",
-        )
+        if event.unreachable:
+            facts["hub_unreachable"] = True
+        decision = _what_gb10d_does(Cause.MODEL_NOT_FOUND, event, None, model, log_port)
+        return Diagnosis("model_not_found", facts, _sentence(decision.message), f"vLLM cannot find the model {model!r}.")
     if isinstance(event, BadArgument):
-        return Diagnosis(
-            "crash", facts,
-            f"vLLM rejected its command line ({event.message}); fix that flag in vllm.args or vllm.extra_args of "
-            "gb10d.toml (gb10d print-command shows the command).",
-            f"vLLM exited at once: {event.message}.",
-        )
+        if event.flag:
+            facts["flag"] = event.flag
+        if event.value is not None:
+            facts["value"] = event.value
+        decision = _what_gb10d_does(Cause.BAD_ARGUMENT, event, None, log_model, log_port)
+        return Diagnosis("bad_argument", facts, _sentence(decision.message), f"vLLM exited at once: {event.message}.")
     if isinstance(event, EngineDied):
         return Diagnosis(
             "engine_dead", facts,
@@ -587,8 +728,9 @@ def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any]) -
             "dying under load, lower vllm.gpu_memory_utilization or vllm.args.max_model_len.",
             "vLLM's engine core died" + (" after startup." if attempt.substantive else "."),
         )
-    exc = next((e for _, e in reversed(attempt.events) if isinstance(e, ExceptionRaised)
-                and e.exc_type.split(".")[-1] not in _STOP_EXCEPTIONS), None)
+    exc = event if isinstance(event, ExceptionRaised) else next(
+        (e for _, e in reversed(attempt.events) if isinstance(e, ExceptionRaised) and e.exc_type.split(".")[-1] not in _STOP_EXCEPTIONS),
+        None)
     cause = f"{exc.exc_type}: {exc.message}" if exc else "the engine core failed to start"
     return Diagnosis(
         "crash", facts,
@@ -596,3 +738,20 @@ def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any]) -
         "(gb10d print-command shows the full command), then restart gb10d.",
         f"vLLM crashed: {cause}.",
     )
+
+
+def _platform_verdict(name: str, event: Failure, facts: dict[str, Any]) -> Diagnosis:
+    """A GB10 platform failure of the known-issues table: its meaning, its facts, its fix."""
+    issue = by_name(name)
+    if isinstance(event, PtxasArchUnsupported):
+        facts["arch"] = event.arch
+    if isinstance(event, GpuXid):
+        meaning = xid_meaning(event.xid)
+        facts.update(xid=event.xid, xid_name=meaning.name, reboot_needed=meaning.reboot)
+        if event.pci:
+            facts["pci"] = event.pci
+    facts["retry_helps"] = issue.retry_helps and not (isinstance(event, GpuXid) and xid_meaning(event.xid).reboot)
+    summary = kernel_describe(event) if isinstance(event, (GpuXid, DriverOutOfMemory)) else issue.meaning
+    if isinstance(event, IpcRemoved) and not event.confirmed:
+        summary = f"a vLLM process waited a minute or more for shared memory: a process hangs, or {summary}"
+    return Diagnosis(name, facts, _sentence(advice.platform(event)), _sentence(summary))

@@ -159,16 +159,32 @@ class NoKvCacheMemory(Failure):
 
 @dataclass(frozen=True)
 class PortInUse(Failure):
-    """`OSError: [Errno 98] Address already in use`."""
+    """The API port is taken: vLLM's `OSError: [Errno 98] Address already in use`, or uvicorn's bind error."""
 
     port: int | None = None
 
 
 @dataclass(frozen=True)
+class InternalPortInUse(Failure):
+    """A port of vLLM's own internal sockets is taken (ZMQ, torch.distributed's store), not the API port.
+
+    `address` is the socket's address as printed (`tcp://127.0.0.1:29500`), empty when the text gave none.
+    """
+
+    port: int | None = None
+    address: str = ""
+
+
+@dataclass(frozen=True)
 class ModelNotFound(Failure):
-    """The model is neither a local folder nor a valid Hugging Face repository."""
+    """The model is neither a local folder nor a valid Hugging Face repository.
+
+    `model` is empty when the text did not name it; `unreachable` means the
+    Hub could not be reached and the model is not in the local cache.
+    """
 
     model: str
+    unreachable: bool = False
 
 
 @dataclass(frozen=True)
@@ -180,9 +196,14 @@ class ModelGated(Failure):
 
 @dataclass(frozen=True)
 class BadArgument(Failure):
-    """vLLM rejected its command line: unknown flag, bad parser name, bad value."""
+    """vLLM rejected its command line: unknown flag, bad parser name, bad value.
+
+    `flag` and `value` are the option and the value it refused, when the text names them.
+    """
 
     message: str
+    flag: str | None = None
+    value: str | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +224,70 @@ class RayWorkerLost(EngineDied):
 @dataclass(frozen=True)
 class EngineStartFailed(Failure):
     """`Engine core initialization failed` / `EngineCore failed to start.`: a wrapper, see the lines before."""
+
+
+@dataclass(frozen=True)
+class HiddenInitFailure(EngineStartFailed):
+    """vLLM 0.23's `Engine core initialization failed. ... Failed core proc(s): {}`.
+
+    A root cause only when no failure came before it in the same start:
+    0.23 can end an engine start with this line alone (0.24 prints the root
+    cause). Consumers decide that from the failures they saw before it.
+    """
+
+
+# --- GB10 platform failures (the known-issues table, `known.ISSUES`) ----------
+
+
+@dataclass(frozen=True)
+class PlatformFailure(Failure):
+    """Base of the failures of GB10's platform (builds, Triton, the driver, the kernel, IPC).
+
+    `detail` is the text that showed it, for the journal.
+    """
+
+    detail: str = field(default="", kw_only=True)
+
+
+@dataclass(frozen=True)
+class PtxasArchUnsupported(PlatformFailure):
+    """Triton's bundled ptxas does not know the GPU's architecture (`Value 'sm_121a' is not defined for option 'gpu-name'`)."""
+
+    arch: str = "sm_121a"
+
+
+@dataclass(frozen=True)
+class UnsupportedBuild(PlatformFailure):
+    """The vLLM or PyTorch build has no kernels for this GPU (`no kernel image is available`, `cudaErrorUnsupportedPtxVersion`)."""
+
+
+@dataclass(frozen=True)
+class IpcRemoved(PlatformFailure):
+    """vLLM's semaphores or shared memory were removed under it (logind's RemoveIPC).
+
+    `confirmed` is false for the shared-memory broadcast timeout, which a
+    process that hangs or compiles for long also causes.
+    """
+
+    confirmed: bool = True
+
+
+@dataclass(frozen=True)
+class RdmaRegistrationFailed(PlatformFailure):
+    """NCCL could not register memory with the RDMA device (`ibv_reg_mr_iova2 failed with error Cannot allocate memory`)."""
+
+
+@dataclass(frozen=True)
+class DriverOutOfMemory(PlatformFailure):
+    """The kernel's NVIDIA driver ran out of memory (`NVRM: ... Out of memory [NV_ERR_NO_MEMORY]`); a host freeze may follow."""
+
+
+@dataclass(frozen=True)
+class GpuXid(PlatformFailure):
+    """The NVIDIA driver reported an Xid error (`NVRM: Xid (PCI:0000:01:00): 79, ...`); `kernel.xid_meaning` explains it."""
+
+    xid: int = 0
+    pci: str = ""
 
 
 @dataclass(frozen=True)

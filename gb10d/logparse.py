@@ -26,8 +26,9 @@ import re
 from dataclasses import dataclass, replace
 from enum import Enum
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
+from . import known
 from .levels import PRIORITY_DEBUG, PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from .events import (
     ArgsSeen,
@@ -43,6 +44,7 @@ from .events import (
     Failure,
     FreeMemoryShort,
     GraphsProgressed,
+    InternalPortInUse,
     KvCacheInsufficient,
     KvCacheSized,
     LoadStarted,
@@ -537,24 +539,36 @@ def _scaled(number: str, unit: str) -> float:
 
 # --- events -----------------------------------------------------------------------
 
-_FREE_MEMORY = re.compile(
-    r"Free memory on device(?: (?P<dev>[^\s(]+))? ?\((?P<free>[\d.]+)/(?P<total>[\d.]+) GiB\) on startup is less than "
-    r"desired GPU memory utilization \((?P<util>[\d.]+), (?P<req>[\d.]+) GiB\)"
-)
-_CUDA_OOM = re.compile(r"CUDA out of memory\. Tried to allocate (?P<n>[\d.]+) ?(?P<u>[KMGT]i?B|B|bytes)")
-_KV_INSUFFICIENT = re.compile(
-    r"To serve at least one request with the model's max seq len \((?P<len>\d+)\), \((?P<need>[\d.]+) GiB KV cache "
-    r"is needed, which is larger than the available KV cache memory \((?P<avail>[\d.]+) GiB\)\.?"
-    r"(?: Based on the available memory, the estimated maximum model length is (?P<est>\d+))?"
-)
 _PORT = re.compile(r"(?:\(['\"][^'\"]*['\"], (?P<p1>\d+)\)|:(?P<p2>\d{2,5})\b)")
 _NOT_LOCAL = re.compile(r"(?:OSError: )?['\"]?(?P<model>[^\s'\"]+)['\"]? is not a local folder and is not a valid model identifier")
-_INVALID_REPO = re.compile(r"Invalid repository ID or local directory specified: ['\"](?P<model>[^'\"]+)['\"]")
 _REPO_NOT_FOUND = re.compile(r"Repository Not Found for url: https?://[^/\s]+/(?:api/models/)?(?P<model>[^/\s]+/[^/\s]+)")
 _NO_CONFIG = re.compile(r"Can't load the configuration of '(?P<model>[^']+)'")
 _GATED_URL = re.compile(r"gated repo for url https?://[^/\s]+/(?:api/models/)?(?P<model>[^/\s]+/[^/\s]+)")
-_BAD_PARSER = re.compile(r"invalid (?:tool call|reasoning) parser: [^'\"]*")
+_BAD_PARSER = re.compile(r"invalid (?P<kind>tool call|reasoning) parser: (?P<value>[^\s'\"]*)[^'\"]*")
+# Later releases: `Tool parser 'x' not found.`, `Reasoning parser 'x' not found. ...`, and the TypeErrors
+# `--enable-auto-tool-choice requires tool_parser:'x' which has not been registered`, `reasoning_parser_name='x' has not been registered`.
+_PARSER_NOT_FOUND = re.compile(
+    r"(?P<kind>Tool|Reasoning) parser '(?P<value>[^']*)' not found\.?|(?P<kind2>tool|reasoning)_parser(?:_name=|:)'(?P<value2>[^']*)'"
+    r"(?: which)? has not been registered"
+)
 _ARGPARSE = re.compile(r"(?:^|\s)(?:vllm(?: serve)?|[\w.-]+): error: (?P<msg>.+)$")
+_ARGPARSE_FLAG = re.compile(
+    r"^argument (?P<flag>-[\w-]+)(?:/-[\w-]+)*: (?:invalid (?:choice|[\w ]+ value): '(?P<value>[^']*)')?"
+    r"|^unrecognized arguments: (?P<words>.+)|^the following arguments are required: (?P<required>[^,\s]+)"
+    r"|^ambiguous option: (?P<ambiguous>-[\w-]+)"
+)
+# Ports of vLLM's internal sockets: ZMQ (`zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5555')`)
+# and torch.distributed's store (`DistNetworkError: The server socket has failed to listen ... port: 29500, ... EADDRINUSE`).
+_INTERNAL_SOCKET = re.compile(r"ZMQError|addr=|tcp://|ipc://|DistNetworkError|EADDRINUSE|server socket has failed|TCPStore|c10d")
+_SOCKET_ADDRESS = re.compile(r"(?P<address>(?:tcp|ipc)://[^\s'\")]+)")
+_INTERNAL_PORT = re.compile(r"(?:port: |:)(?P<port>\d{2,5})\b")
+_HF_VALIDATION = re.compile(r"Repo id must (?:be in the form|use alphanumeric chars).*?: '(?P<model>[^']+)'")
+_NO_CONFIG_FILE = re.compile(r"(?P<model>\S+) does not appear to have a file named (?:config\.json|params\.json)")
+_MISSING_CONFIG = re.compile(r"No such file or directory: '(?P<model>[^']+)/(?:config|params|tokenizer_config)\.json'")
+_HUB_UNREACHABLE = re.compile(
+    r"We couldn't connect to '[^']+' to load (?:this file|the files)(?:.*?it looks like (?P<model>\S+) is not the path)?"
+    r"|(?P<entry>LocalEntryNotFoundError|OfflineModeIsEnabled)"
+)
 _GRAPH_BAR = re.compile(r"Capturing CUDA graph[^:]*:\s+\d+%\|[^|]*\|\s*(?P<n>\d+)/(?P<total>\d+)")
 _GRAPH_DONE = re.compile(r"Graph capturing finished in [\d.]+ secs?(?:, took (?P<gib>-?[\d.]+) GiB)?")
 _WEIGHTS_TOOK = re.compile(r"Loading weights took (?P<s>[\d.]+) seconds")
@@ -590,26 +604,233 @@ def _f(value: str) -> float:
     return float(value)
 
 
+# --- failure messages that can arrive in pieces ---------------------------------------
+#
+# A failure is recognised by what makes it one, not by its first words: each
+# of these messages is written out as literal pieces and value slots, and a
+# text is judged against the whole of it. Another message that starts the
+# same way (vLLM 0.26 logs `Free memory on device (38.77/139.8 GiB) on
+# startup. Desired GPU memory utilization is ...` on every healthy start) is
+# not this failure and is never held back for a continuation.
+
+_COMPLETE, _PARTIAL, _MISMATCH = 2, 1, 0
+_CUT = "_cut"  # names the value a partial text ends in, which may be missing digits
+_NUM = r"-?\d+(?:\.\d+)?"
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A value in a failure message: its name and what it looks like."""
+
+    name: str
+    pattern: re.Pattern[str]
+
+
+@dataclass(frozen=True)
+class _Either:
+    """Alternatives at one point of a message (each a sequence of parts; an empty one makes the point optional)."""
+
+    options: tuple[tuple[object, ...], ...]
+
+
+def _slot(name: str, pattern: str) -> _Slot:
+    return _Slot(name, re.compile(pattern))
+
+
+def _walk(parts: tuple[object, ...], text: str, pos: int, values: dict[str, str]) -> tuple[int, dict[str, str]]:
+    """How `text[pos:]` fits `parts`: all of them (_COMPLETE), a beginning of them (_PARTIAL), or not (_MISMATCH)."""
+    if not parts:
+        return _COMPLETE, values
+    head, rest = parts[0], parts[1:]
+    if isinstance(head, str):
+        chunk = text[pos : pos + len(head)]
+        if chunk == head:
+            return _walk(rest, text, pos + len(head), values)
+        return (_PARTIAL, values) if pos + len(chunk) == len(text) and head.startswith(chunk) else (_MISMATCH, values)
+    if isinstance(head, _Slot):
+        m = head.pattern.match(text, pos)
+        if m is None:
+            return (_PARTIAL, values) if pos == len(text) else (_MISMATCH, values)
+        values = {**values, head.name: m.group(0)}
+        if m.end() == len(text) and rest:
+            return _PARTIAL, {**values, _CUT: head.name}  # the value itself may go on in the next piece
+        return _walk(rest, text, m.end(), values)
+    assert isinstance(head, _Either)
+    best: tuple[int, dict[str, str]] = (_MISMATCH, values)
+    for option in head.options:
+        found = _walk(option + rest, text, pos, values)
+        if found[0] > best[0]:
+            best = found
+    return best
+
+
+@dataclass(frozen=True)
+class _Template:
+    """A failure message that may be split or cut: its lead, its parts, and the event its values make.
+
+    `build(values, complete)` returns the event, or None when the values
+    found are too few to say anything (a cut message).
+    """
+
+    lead: str
+    parts: tuple[object, ...]
+    build: Callable[[dict[str, str], bool, str], Failure | None]
+
+    def fit(self, text: str) -> tuple[int, dict[str, str]]:
+        """How the text from the lead's last occurrence on fits the message (_MISMATCH without the lead)."""
+        at = text.rfind(self.lead)
+        if at < 0:
+            return _MISMATCH, {}
+        return _walk(self.parts, text, at + len(self.lead), {})
+
+
+def _free_memory(v: dict[str, str], complete: bool, msg: str) -> Failure | None:
+    if not complete:
+        return None
+    device = {"device": v["device"]} if v.get("device") else {}
+    return FreeMemoryShort(_f(v["free"]), _f(v["total"]), _f(v["util"]), _f(v["requested"]), **device)
+
+
+def _kv_insufficient(v: dict[str, str], complete: bool, msg: str) -> Failure | None:
+    whole = {key: value for key, value in v.items() if key != v.get(_CUT)}
+    if "len" not in whole:
+        return None
+    needed, available, estimate = (whole.get(key) for key in ("needed", "available", "estimate"))
+    return KvCacheInsufficient(
+        int(whole["len"]), _f(needed) if needed else None, _f(available) if available else None,
+        int(estimate) if estimate else None,
+    )
+
+
+def _cuda_oom(v: dict[str, str], complete: bool, msg: str) -> Failure | None:
+    tried = round(_f(v["n"]) * _UNIT_GIB[v["unit"].strip()], 4) if complete else None
+    return CudaOutOfMemory(tried, "Failed to load model" in msg)
+
+
+def _invalid_repo(v: dict[str, str], complete: bool, msg: str) -> Failure | None:
+    return ModelNotFound(v["model"]) if complete else None
+
+
+_QUOTE = _Either((("'",), ('"',)))
+_TEMPLATES: tuple[_Template, ...] = (
+    _Template(
+        "Free memory on device",
+        (_Either(((" ", _slot("device", r"[^\s(]+")), ())), " (", _slot("free", _NUM), "/", _slot("total", _NUM),
+         " GiB) on startup is less than desired GPU memory utilization (", _slot("util", _NUM), ", ",
+         _slot("requested", _NUM), " GiB)"),
+        _free_memory,
+    ),
+    _Template(
+        "To serve at least one request with the ",
+        # "models's": the wording of some releases.
+        (_Either((("model's",), ("models's",), ("model\u2019s",))), " max seq len (", _slot("len", r"\d+"), "), (",
+         _slot("needed", _NUM), " GiB KV cache is needed, which is larger than the available KV cache memory (",
+         _slot("available", _NUM), " GiB).",
+         # vLLM's estimate, if it gave one, then its hint; the message is whole once either has begun.
+         _Either(((" Based on the available memory, the estimated maximum model length is ", _slot("estimate", r"\d+"), "."),
+                  (" ", _slot("tail", r"[^\sB]")), (" B", _slot("tail", r"[^a]")), (" Ba", _slot("tail", r"[^s]"))))),
+        _kv_insufficient,
+    ),
+    _Template(
+        "CUDA out of memory.",
+        (" Tried to allocate ", _slot("n", _NUM), _Either(((" ",), ())), _slot("unit", r"[KMGT]i?B|B\b|bytes")),
+        _cuda_oom,
+    ),
+    _Template(
+        "Invalid repository ID or local directory specified: ",
+        (_QUOTE, _slot("model", r"[^'\"]+"), _QUOTE),
+        _invalid_repo,
+    ),
+)
+_LEADS = tuple(t.lead for t in _TEMPLATES)
+
+
+def _fit(text: str) -> int:
+    """How far `text` is from ending a failure message: _PARTIAL when it stops inside one."""
+    best = _MISMATCH
+    for template in _TEMPLATES:
+        if template.lead in text:
+            best = max(best, template.fit(text)[0])
+    return best
+
+
+def _template_events(msg: str) -> list[Event]:
+    out: list[Event] = []
+    for template in _TEMPLATES:
+        if template.lead in msg:
+            state, values = template.fit(msg)
+            if state != _MISMATCH:
+                event = template.build(values, state == _COMPLETE, msg)
+                if event is not None:
+                    out.append(event)
+    return out
+
+
+def _port_in_use(msg: str) -> Failure | None:
+    if "Retrying with a new port" in msg:  # vLLM retries that itself: not a failure
+        return None
+    if _INTERNAL_SOCKET.search(msg) is not None:
+        a = _SOCKET_ADDRESS.search(msg)
+        address = a.group("address") if a else ""
+        port = _INTERNAL_PORT.search(address or msg)
+        return InternalPortInUse(int(port.group("port")) if port else None, address)
+    p = _PORT.search(msg)
+    port_text = (p.group("p1") or p.group("p2")) if p else None
+    return PortInUse(int(port_text) if port_text else None)
+
+
+def _bad_argument(msg: str) -> BadArgument | None:
+    """vLLM's refusal of a flag or its value, with the flag and the value when the text names them."""
+    if "parser" in msg:
+        m = _BAD_PARSER.search(msg)
+        if m is not None:
+            flag = "--tool-call-parser" if m.group("kind") == "tool call" else "--reasoning-parser"
+            return BadArgument(m.group(0).strip().rstrip("'\""), flag, m.group("value"))
+        n = _PARSER_NOT_FOUND.search(msg)
+        if n is not None:
+            kind = (n.group("kind") or n.group("kind2")).lower()
+            flag = "--tool-call-parser" if kind == "tool" else "--reasoning-parser"
+            return BadArgument(n.group(0), flag, n.group("value") if n.group("value") is not None else n.group("value2"))
+    if "--enable-auto-tool-choice requires --tool-call-parser" in msg:
+        return BadArgument("--enable-auto-tool-choice requires --tool-call-parser", "--tool-call-parser")
+    if ": error: " in msg:
+        m = _ARGPARSE.search(msg)
+        if m is not None:
+            text = m.group("msg").strip()
+            f = _ARGPARSE_FLAG.search(text)
+            if f is None:
+                return BadArgument(text)
+            if f.group("words"):
+                # `unrecognized arguments: --flag value`, or a stray word such as a docker port mapping.
+                words = f.group("words").split()
+                at = next((i for i, w in enumerate(words) if w.startswith("-")), None)
+                if at is None:
+                    return BadArgument(text, None, " ".join(words))
+                return BadArgument(text, words[at], " ".join(words[at + 1 :]) or None)
+            return BadArgument(text, f.group("flag") or f.group("required") or f.group("ambiguous"), f.group("value"))
+    if "should be provided as the first positional argument" in msg or "Config file must be of a yaml" in msg:
+        return BadArgument(msg.split(": ", 1)[-1].strip())
+    return None
+
+
+def _model_not_found(msg: str) -> ModelNotFound | None:
+    m = _NOT_LOCAL.search(msg) or _REPO_NOT_FOUND.search(msg) or _NO_CONFIG.search(msg) or _HF_VALIDATION.search(msg)
+    if m is None:
+        m = _NO_CONFIG_FILE.search(msg) or _MISSING_CONFIG.search(msg)
+    if m is not None:
+        return ModelNotFound(m.group("model").rstrip(".,;'\""))
+    u = _HUB_UNREACHABLE.search(msg)
+    if u is not None:
+        return ModelNotFound(u.group("model") or "", unreachable=True)
+    return None
+
+
 def _failures(msg: str) -> list[Event]:
     """The failure events of one message; only called when a cheap keyword says one may be there."""
-    out: list[Event] = []
-    if "Free memory on device" in msg:
-        m = _FREE_MEMORY.search(msg)
-        if m is not None:
-            kwargs = {"device": m.group("dev")} if m.group("dev") else {}
-            out.append(FreeMemoryShort(_f(m.group("free")), _f(m.group("total")), _f(m.group("util")), _f(m.group("req")), **kwargs))
-    if "out of memory" in msg or "not enough GPU memory" in msg:
-        m = _CUDA_OOM.search(msg)
-        during_load = "Failed to load model" in msg
-        if m is not None:
-            out.append(CudaOutOfMemory(round(_f(m.group("n")) * _UNIT_GIB[m.group("u")], 4), during_load))
-        elif during_load or "CUDA out of memory" in msg or "CUDA error: out of memory" in msg:
-            out.append(CudaOutOfMemory(None, during_load))
-    if "To serve at least one request" in msg:
-        m = _KV_INSUFFICIENT.search(msg)
-        if m is not None:
-            est = m.group("est")
-            out.append(KvCacheInsufficient(int(m.group("len")), _f(m.group("need")), _f(m.group("avail")), int(est) if est else None))
+    out: list[Event] = _template_events(msg)
+    if ("out of memory" in msg or "not enough GPU memory" in msg) and not any(isinstance(e, CudaOutOfMemory) for e in out):
+        if "Failed to load model" in msg or "CUDA error: out of memory" in msg or "CUDA out of memory" in msg:
+            out.append(CudaOutOfMemory(None, "Failed to load model" in msg))
     if "stored in KV cache" in msg:
         # The V0 engine's wording counts tokens, not GiB; what fits is the longest possible max_model_len.
         m = _V0_KV_INSUFFICIENT.search(msg)
@@ -618,28 +839,18 @@ def _failures(msg: str) -> list[Event]:
     if "No available memory for the cache blocks" in msg:
         out.append(NoKvCacheMemory())
     if "ddress already in use" in msg:
-        p = _PORT.search(msg)
-        port = (p.group("p1") or p.group("p2")) if p else None
-        out.append(PortInUse(int(port) if port else None))
-    if ("is not a local folder" in msg or "Invalid repository ID" in msg or "Repository Not Found" in msg
-            or "load the configuration of" in msg):
-        m = _NOT_LOCAL.search(msg) or _INVALID_REPO.search(msg) or _REPO_NOT_FOUND.search(msg) or _NO_CONFIG.search(msg)
-        if m is not None:
-            out.append(ModelNotFound(m.group("model")))
+        port = _port_in_use(msg)
+        if port is not None:
+            out.append(port)
+    model = _model_not_found(msg) if _MODEL_WORDS.search(msg) else None
+    if model is not None:
+        out.append(model)
     if "gated repo" in msg:
         m = _GATED_URL.search(msg)
         out.append(ModelGated(m.group("model") if m else None))
-    if "invalid tool call parser" in msg or "invalid reasoning parser" in msg:
-        m = _BAD_PARSER.search(msg)
-        out.append(BadArgument((m.group(0) if m else msg).strip().rstrip("'\"")))
-    if "--enable-auto-tool-choice requires --tool-call-parser" in msg:
-        out.append(BadArgument("--enable-auto-tool-choice requires --tool-call-parser"))
-    if ": error: " in msg:
-        m = _ARGPARSE.search(msg)
-        if m is not None:
-            out.append(BadArgument(m.group("msg").strip()))
-    if "should be provided as the first positional argument" in msg or "Config file must be of a yaml" in msg:
-        out.append(BadArgument(msg.split(": ", 1)[-1].strip()))
+    bad = _bad_argument(msg) if _ARGUMENT_WORDS.search(msg) else None
+    if bad is not None:
+        out.append(bad)
     # vLLM's Ray executors: V1 re-raises Ray's actor errors; V2 (0.23's default) has a monitor thread that says
     # `RayWorkerProc rank=[1] died unexpectedly, shutting down executor.`
     if ("ActorDiedError" in msg or "RayActorError" in msg or "ActorUnavailableError" in msg
@@ -647,15 +858,25 @@ def _failures(msg: str) -> list[Event]:
         out.append(RayWorkerLost(msg.strip()))
     elif "EngineDeadError" in msg or "engine core exited unexpectedly" in msg or "died unexpectedly" in msg:
         out.append(EngineDied(msg.strip()))
-    if ("Engine core initialization failed" in msg or "EngineCore failed to start" in msg
-            or "WorkerProc failed to start" in msg or "WorkerProc initialization failed" in msg
-            or "failed during engine core initialization" in msg):
+    known_issues = known.match(msg)
+    wrapper = any(isinstance(e, EngineStartFailed) for e in known_issues)
+    if not wrapper and ("Engine core initialization failed" in msg or "EngineCore failed to start" in msg
+                        or "WorkerProc failed to start" in msg or "WorkerProc initialization failed" in msg
+                        or "failed during engine core initialization" in msg):
         out.append(EngineStartFailed())
-    if not out:
+    # A known issue's exception line is also an exception: the supervisor's crash detail names it.
+    if not out and not wrapper:
         e = _EXC_LINE.match(msg)
         if e is not None and not e.group("type").endswith("Warning"):
             out.append(ExceptionRaised(e.group("type"), (e.group("msg") or "").strip()))
-    return out
+    return known_issues + out
+
+
+_MODEL_WORDS = re.compile(
+    "is not a local folder|Repository Not Found|load the configuration of|Repo id must|does not appear to have a file"
+    "|No such file or directory: '.*json'|couldn't connect to|LocalEntryNotFound|OfflineModeIsEnabled"
+)
+_ARGUMENT_WORDS = re.compile("parser|: error: |--enable-auto-tool-choice|first positional argument|Config file must be of a yaml")
 
 
 # Cheap gates: a message with none of these words holds no progress event, or no failure.
@@ -666,7 +887,8 @@ _PROGRESS_GATE = re.compile(
 )
 _FAILURE_GATE = re.compile(
     "Error|error|memory|Exception|failed|in use|not a local|Invalid repository|Not Found|gated|parser|configuration of"
-    "|unexpectedly|Interrupt|Exit|positional|Fault|yaml"
+    "|unexpectedly|Interrupt|Exit|positional|Fault|yaml|Repo id|does not appear|couldn't connect|No such file|not found"
+    "|registered|" + "|".join(re.escape(needle) for needle in known.NEEDLES)
 )
 
 
@@ -771,8 +993,11 @@ def _progress(msg: str) -> list[Event]:
                 int(k.group("tokens").replace(",", "")) if k else None,
                 _f(c_.group("x")) if c_ else None,
             )]
-    if "blocks:" in msg and _V0_BLOCKS.search(msg) is not None:
-        return [KvCacheSized()]
+    if "blocks:" in msg:
+        b = _V0_BLOCKS.search(msg)
+        if b is not None:
+            # The V0 engine's `# GPU blocks: 0`: the weights left nothing for the KV cache.
+            return [KvCacheSized()] if b.group("n") != "0" else [NoKvCacheMemory()]
     if msg.startswith("Maximum concurrency for"):
         c_ = _MAX_CONCURRENCY.search(msg)
         if c_ is not None:
@@ -829,23 +1054,14 @@ def parse_line(text: str, prefix: str = "") -> list[Event]:
     return parse_message(message_of(text, prefix))
 
 
-# Failure messages long enough to be wrapped or split over two lines: the
-# words that start them, and the event that shows the message was whole.
-_SPLITTABLE: tuple[tuple[str, type[Failure]], ...] = (
-    ("Free memory on device", FreeMemoryShort),
-    ("To serve at least one request", KvCacheInsufficient),
-    ("CUDA out of memory", CudaOutOfMemory),
-    ("is not a local folder", ModelNotFound),
-    ("Invalid repository ID", ModelNotFound),
-)
-_KV_TAIL = ("Try increasing", "Decreasing", "See http")
-
-
-# The first letters of a splittable failure message at the end of a line (at least four).
+# The first letters of a failure message at the end of a pasted line (at least four): a terminal may have
+# wrapped the line there.
 _WRAPPED_LEAD = re.compile(
-    "(?:" + "|".join(re.escape(lead[:k]) for lead, _ in _SPLITTABLE for k in range(len(lead), 3, -1)) + ")$"
+    "(?:" + "|".join(re.escape(lead[:k]) for lead in _LEADS for k in range(len(lead), 3, -1)) + ")$"
 )
 _MAX_JOIN = 5  # a 300-character record wrapped at 80 columns is 4 lines; more is not one message
+# Words of a known failure's line that a wrap may have cut before what makes it recognisable.
+_PASTE_HOLD = re.compile("|".join(re.escape(w) for w in (*known.NEEDLES, "ptxas", "NCCL WARN", "NVRM", "Repro command", "ibv_")))
 
 
 # The driver's re-raise of a Ray worker's exception names the worker's machine; the exception's own line follows
@@ -858,12 +1074,15 @@ class EventScanner:
 
     A long failure text can arrive in pieces: the message itself held a
     newline (vLLM then prints the rest as a new record with the same prefix),
-    or a terminal or pager wrapped it before it was pasted. When a line starts
-    a known failure message whose numbers are not all there, the scanner holds
-    that line's failure events back and tries the message joined with the
-    following lines (directly, and with a space), up to `_MAX_JOIN` lines. So
-    a failure may be reported a few lines late, never twice; call `flush()`
-    when the stream ends. Other events are never delayed.
+    or a terminal or pager wrapped it before it was pasted. When a line stops
+    inside one of those failure messages (its text so far is the beginning
+    of the message, judged against the whole message, not its first words),
+    the scanner holds that line's failure events back and tries it joined
+    with the following lines (directly, and with a space), up to `_MAX_JOIN`
+    lines. The first line that does not continue it ends the wait at once:
+    the held failure is reported with what it had, then that line is read on
+    its own. So a failure may be reported a line late, never twice; call
+    `flush()` when the stream ends. Other events are never delayed.
 
     A Ray worker's exception re-raised in the driver starts with a
     `RayTaskError(...)` line naming the worker's machine; the failure its
@@ -877,7 +1096,7 @@ class EventScanner:
         self._prefix = prefix
         self._wrapped = wrapped
         self._held: list[str] = []
-        self._held_events: list[Event] = []
+        self._generic: list[str] = []  # wrapped mode: an exception line whose cause may be on the next line
         self._task_node: str | None = None
 
     def feed(self, text: str) -> list[Event]:
@@ -896,53 +1115,71 @@ class EventScanner:
         return events
 
     def _scan(self, msg: str) -> list[Event]:
-        events = parse_message(msg)
-        failures: list[Event] = [e for e in events if isinstance(e, Failure)]
-        others = [e for e in events if not isinstance(e, Failure)]
+        if self._generic:
+            return self._continue_generic(msg)
         if self._held:
-            self._held.append(msg)
-            joined = _join(self._held)
-            if joined:
-                self._held, self._held_events = [], []
-                return joined + others
-            self._held_events.extend(failures)
-            if len(self._held) < _MAX_JOIN and not any(_complete(e, msg) for e in failures):
-                return others
-            return self.flush() + others
-        if _incomplete(msg, events) or (self._wrapped and _WRAPPED_LEAD.search(msg[-40:]) is not None):
-            self._held, self._held_events = [msg], failures
-            return others
+            pieces = self._held + [msg]
+            state, joined = _best_join(pieces)
+            if state == _COMPLETE:
+                self._held = []
+                return [e for e in parse_message(joined) if isinstance(e, Failure)] + _others(msg)
+            if state == _PARTIAL and len(pieces) < _MAX_JOIN:
+                self._held = pieces
+                return _others(msg)
+            # Not a continuation: report what was held, then read this line on its own.
+            return self.flush() + self._scan(msg)
+        events = parse_message(msg)
+        if _fit(msg) == _PARTIAL or (self._wrapped and _WRAPPED_LEAD.search(msg[-60:]) is not None):
+            self._held = [msg]
+            return [e for e in events if not isinstance(e, Failure)]
+        failures = [e for e in events if isinstance(e, Failure)]
+        if self._wrapped and (failures and all(isinstance(e, ExceptionRaised) for e in failures)
+                              or (not failures and _PASTE_HOLD.search(msg) is not None)):
+            # A pasted exception line may have been wrapped before the words that name its cause.
+            self._generic = [msg]
+            return [e for e in events if not isinstance(e, Failure)]
         return events
 
+    def _continue_generic(self, msg: str) -> list[Event]:
+        """A held exception line and the next one: a named cause if joined they show one, else both as they are."""
+        pieces = self._generic + [msg]
+        own = parse_message(msg)
+        for joined in ("".join(pieces), " ".join(p.strip() for p in pieces)):
+            found = parse_message(joined)
+            if any(isinstance(e, Failure) and not isinstance(e, ExceptionRaised) for e in found):
+                self._generic = []
+                return [e for e in found if isinstance(e, Failure)] + [e for e in own if not isinstance(e, Failure)]
+        if not own and len(pieces) < 3:
+            self._generic = pieces
+            return []
+        return self.flush() + self._scan(msg)
+
     def flush(self) -> list[Event]:
-        """The failure events held back for a continuation that never came."""
-        held, self._held, self._held_events = self._held_events, [], []
-        return held
+        """The failure events of a message still waiting for its end, as far as it got."""
+        if self._generic:
+            first, self._generic = self._generic[0], []
+            return parse_message(first)
+        if not self._held:
+            return []
+        pieces, self._held = self._held, []
+        _, joined = _best_join(pieces)
+        return [e for e in parse_message(joined) if isinstance(e, Failure)]
 
 
-def _incomplete(msg: str, events: list[Event]) -> bool:
-    for lead, wanted in _SPLITTABLE:
-        if lead in msg:
-            found = [e for e in events if isinstance(e, wanted)]
-            if not found or not all(_complete(e, msg) for e in found):
-                return True
-    return False
+def _others(msg: str) -> list[Event]:
+    """The events of a continuation line that are not failures (a failure in a piece belongs to the joined message)."""
+    return [e for e in parse_message(msg) if not isinstance(e, Failure)]
 
 
-def _join(pieces: list[str]) -> list[Event]:
-    # A terminal wrap keeps every character ("utiliza" + "tion"); a newline in
-    # the message replaced a space, and the next piece may be indented.
+def _best_join(pieces: list[str]) -> tuple[int, str]:
+    """The pieces joined the way that fits a failure message best, and how well.
+
+    A terminal wrap keeps every character (`utiliza` + `tion`); a newline in
+    the message replaced a space, and the next piece may be indented.
+    """
+    best = (_MISMATCH, pieces[0])
     for joined in ("".join(pieces), " ".join(p.strip() for p in pieces)):
-        failures: list[Event] = [e for e in parse_message(joined) if isinstance(e, Failure)]
-        if failures and any(_complete(e, joined) for e in failures):
-            return failures
-    return []
-
-
-def _complete(event: Event, msg: str) -> bool:
-    """A split failure is whole once its numbers are there (and vLLM's estimate, if it gave one)."""
-    if isinstance(event, CudaOutOfMemory):
-        return event.tried_gib is not None
-    if isinstance(event, KvCacheInsufficient):
-        return event.estimated_max_model_len is not None or any(t in msg for t in _KV_TAIL)
-    return isinstance(event, (FreeMemoryShort, ModelNotFound))
+        state = _fit(joined)
+        if state > best[0]:
+            best = (state, joined)
+    return best

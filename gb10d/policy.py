@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from . import advice
 from .command import Tunables
 from .config import Config
 from .errors import EXIT_CONFIG, EXIT_GAVE_UP
@@ -131,12 +132,7 @@ def _lower_utilization(current: float, target: float, config: Config, why: str, 
     new = min(floor2(target), floor2(current - 0.01))
     minimum = config.memory.min_gpu_memory_utilization
     if new < minimum:
-        return GiveUp(
-            f"{why}; the next gpu_memory_utilization would be {new:g}, below memory.min_gpu_memory_utilization "
-            f"{minimum:g}. Free memory on {f'the machine {machine}' if machine else 'this machine'} (stop what uses it, or reboot if a crashed vLLM left it taken), "
-            "or lower memory.min_gpu_memory_utilization",
-            EXIT_GAVE_UP,
-        )
+        return GiveUp(advice.utilization_below_minimum(why, new, minimum, machine), EXIT_GAVE_UP)
     return Retry(tunables=Tunables(new, None, None), delay_s=0.0, message=f"restarting with gpu_memory_utilization {new:g}")
 
 
@@ -157,19 +153,12 @@ def next_attempt(outcome: Failed, used: Tunables, history: History, config: Conf
                 used.with_(max_model_len=estimate), 0.0, f"restarting with max_model_len {estimate} (vLLM's estimate)"
             )
         else:
-            hint = f"set vllm.args.max_model_len = {estimate}, " if estimate else "lower vllm.args.max_model_len, "
             return GiveUp(
-                f"max_model_len {failure.max_model_len} needs {failure.needed_gib:g} GiB of KV cache but only "
-                f"{failure.available_gib:g} GiB is available; {hint}raise vllm.gpu_memory_utilization, "
-                "or set startup.allow_max_model_len_reduction = true",
+                advice.kv_cache_too_small(failure.max_model_len, failure.needed_gib, failure.available_gib, estimate),
                 EXIT_CONFIG,
             )
     elif outcome.cause is Cause.NO_KV_MEMORY:
-        return GiveUp(
-            "no memory is left for the KV cache after loading the model; raise vllm.gpu_memory_utilization "
-            "or use a smaller or more quantized model",
-            EXIT_CONFIG,
-        )
+        return GiveUp(advice.no_kv_memory(), EXIT_CONFIG)
     elif outcome.cause is Cause.FREE_MEMORY:
         failure = outcome.failure
         assert isinstance(failure, FreeMemoryShort)
@@ -216,11 +205,7 @@ def next_attempt(outcome: Failed, used: Tunables, history: History, config: Conf
         retry = Retry(used, backoff_delay(config, history.backoffs), "restarting with the same settings")
 
     if history.attempts >= config.restart.max_attempts:
-        return GiveUp(
-            f"giving up after {history.attempts} failed starts (last: {describe(outcome)}); "
-            "fix the cause, then: systemctl restart gb10d",
-            EXIT_GAVE_UP,
-        )
+        return GiveUp(advice.gave_up(history.attempts, describe(outcome)), EXIT_GAVE_UP)
     return retry
 
 
@@ -245,24 +230,16 @@ def _config_advice(outcome: Failed, config: Config) -> str:
     failure = outcome.failure
     v = config.vllm
     if outcome.cause is Cause.PORT_IN_USE:
-        return (
-            f"port {v.port} is already in use by another program (`ss -ltnp 'sport = :{v.port}'` shows it); "
-            "stop it or set vllm.port to a free port"
-        )
+        return advice.port_in_use(v.port)
     if outcome.cause is Cause.MODEL_GATED:
-        return (
-            f"the model {v.model} is gated on Hugging Face and the token has no access; accept its licence on the "
-            "model page and put HF_TOKEN=... in the file named by vllm.env_file"
-        )
+        return advice.model_gated(v.model)
     if outcome.cause is Cause.MODEL_NOT_FOUND:
-        return (
-            f"the model {v.model!r} is neither a local directory nor a Hugging Face repository gb10d can reach; "
-            "check vllm.model (spelling, organisation) and, for private repositories, HF_TOKEN in vllm.env_file"
-        )
+        return advice.model_not_found(v.model, isinstance(failure, ModelNotFound) and failure.unreachable)
     if outcome.cause is Cause.SERVED_NAME:
-        return f"{outcome.detail}; set vllm.served_model_name to the name clients use"
-    message = failure.message if isinstance(failure, BadArgument) else outcome.detail
-    return f"vLLM rejected its command line: {message}; fix the flag in vllm.args or vllm.extra_args (gb10d print-command shows the line)"
+        return advice.served_name(outcome.detail)
+    if isinstance(failure, BadArgument):
+        return advice.bad_argument(failure.message, failure.flag, failure.value)
+    return advice.bad_argument(outcome.detail)
 
 
 def event_kind(cause: Cause) -> str:

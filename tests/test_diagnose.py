@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from gb10d.diagnose import VERDICTS, diagnose, read_lines, suggested_utilization
+from gb10d.command import Tunables
+from gb10d.config import Config
+from gb10d.diagnose import VERDICTS, diagnose, read_lines
+from gb10d.events import FreeMemoryShort
+from gb10d.outcome import Cause, Failed
+from gb10d.policy import History, Retry, next_attempt
 
 CORPUS = Path(__file__).parent / "corpus"
 EXPECTED: dict[str, dict[str, object]] = json.loads((CORPUS / "expected.json").read_text())
@@ -42,12 +48,6 @@ def test_the_real_healthy_start_is_ready_with_its_version_and_throughput() -> No
 
 def test_the_real_engine_death_is_engine_dead() -> None:
     assert diagnose(real("enginedeath")).verdict == "engine_dead"
-
-
-def test_suggested_utilization_matches_the_worked_example() -> None:
-    assert suggested_utilization(103.45, 123.73) == 0.82
-    assert suggested_utilization(100.0, 100.0, headroom_gib=0.0) == 1.0
-    assert suggested_utilization(84.0, 100.0) == 0.83  # no float artefact turns 0.83 into 0.82
 
 
 FREE = ("(EngineCore pid=4300) ERROR 12-02 14:00:22 [core.py:1019] ValueError: Free memory on device cuda:0 "
@@ -279,3 +279,105 @@ def test_a_free_memory_failure_on_the_ray_worker_machine_is_diagnosed_with_its_n
     found = diagnose(log)
     assert found.verdict == "free_memory"
     assert (found.facts["free_gib"], found.facts["total_gib"], found.facts["suggested_utilization"]) == (40.0, 121.69, 0.32)
+
+
+# --- advice is what gb10d itself would do ---------------------------------------------
+
+ADVISED = re.compile(r"gpu_memory_utilization = (-?[\d.]+)")
+
+
+def free_memory_line(free: float, total: float, util: float) -> str:
+    return (f"(EngineCore pid=1) ERROR 12-02 14:00:22 [core.py:1019] ValueError: Free memory on device cuda:0 ({free}/{total} GiB) "
+            f"on startup is less than desired GPU memory utilization ({util}, {round(total * util, 2)} GiB). Decrease GPU memory "
+            "utilization or reduce GPU memory used by other processes.\n")
+
+
+@pytest.mark.parametrize(("free", "total"), [(0.49, 79.32), (1.54, 22.05), (20.0, 121.69)])
+def test_too_little_free_memory_for_the_minimum_says_what_holds_it_not_an_absurd_value(free: float, total: float) -> None:
+    result = diagnose(free_memory_line(free, total, 0.9))
+    assert result.verdict == "free_memory" and "suggested_utilization" not in result.facts
+    assert ADVISED.search(result.advice) is None, result.advice
+    assert "below memory.min_gpu_memory_utilization 0.3" in result.advice
+    assert "ps -eo pid,rss,comm --sort=-rss" in result.advice and "reboot" in result.advice
+
+
+@pytest.mark.parametrize("free", [v / 4 for v in range(0, 500)])
+def test_free_memory_advice_never_leaves_the_minimum_to_one(free: float) -> None:
+    result = diagnose(free_memory_line(free, 121.69, 0.92))
+    for value in ADVISED.findall(result.advice):
+        assert 0.3 <= float(value) <= 1, result.advice
+    if "suggested_utilization" in result.facts:
+        assert 0.3 <= result.facts["suggested_utilization"] <= 1
+
+
+def test_the_advice_is_the_supervisors_decision() -> None:
+    cfg = Config.model_validate({"vllm": {"executable": "/usr/bin/vllm", "model": "m", "gpu_memory_utilization": 0.92}})
+    event = FreeMemoryShort(60.0, 121.69, 0.92, 111.95)
+    decision = next_attempt(Failed(cause=Cause.FREE_MEMORY, failure=event), Tunables(0.92), History(1), cfg)
+    assert isinstance(decision, Retry)
+    result = diagnose(free_memory_line(60.0, 121.69, 0.92))
+    assert result.facts["suggested_utilization"] == decision.tunables.gpu_memory_utilization == 0.48
+    assert "vllm.gpu_memory_utilization = 0.48" in result.advice
+
+
+def test_a_cuda_oom_at_the_minimum_does_not_advise_going_lower() -> None:
+    text = ("(APIServer pid=1) INFO 12-02 14:00:00 [api_utils.py:273] non-default args: {'model': 'm', 'gpu_memory_utilization': 0.32}\n"
+            "(EngineCore pid=2) ERROR 12-02 14:00:22 [core.py:1019] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n")
+    result = diagnose(text)
+    assert result.verdict == "cuda_oom" and ADVISED.search(result.advice) is None
+    assert "below memory.min_gpu_memory_utilization 0.3" in result.advice
+
+
+def test_the_gated_advice_puts_the_token_where_the_supervisor_does() -> None:
+    text = ("OSError: You are trying to access a gated repo.\n401 Client Error. (Request ID: x) Cannot access gated repo for url "
+            "https://huggingface.co/meta-llama/Llama-3.3-70B-Instruct/resolve/main/config.json.\n")
+    result = diagnose(text)
+    assert result.verdict == "model_not_found" and "HF_TOKEN=... in the file named by vllm.env_file" in result.advice
+
+
+# --- reading logs in general ---------------------------------------------------------------
+
+
+def test_every_verdict_has_at_least_two_corpus_logs() -> None:
+    counts = {verdict: sum(e["verdict"] == verdict for e in EXPECTED.values()) for verdict in VERDICTS}
+    assert all(n >= 2 for n in counts.values()), counts
+
+
+def test_an_error_only_paste_gets_the_verdict_of_its_last_failure() -> None:
+    text = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB.\n"
+            "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+            "OSError: [Errno 98] Address already in use\n")
+    assert diagnose(text).verdict == "port_in_use"
+
+
+def test_the_hidden_engine_failure_is_only_the_verdict_when_nothing_above_explains_it() -> None:
+    recorded = Path(__file__).parent / "fixtures" / "real-vllm-0.23.0-gb10d" / "1-free-memory-failure"
+    text = recorded.with_suffix(".stdout").read_text(encoding="utf-8") + recorded.with_suffix(".stderr").read_text(encoding="utf-8")
+    assert "Failed core proc(s): {}" in text
+    assert diagnose(text).verdict == "free_memory"
+    assert diagnose((CORPUS / "hidden_init__0.30__plain.log").read_text(encoding="utf-8")).verdict == "hidden_init_failure"
+
+
+def test_vllm_026s_healthy_free_memory_line_is_no_failure_and_holds_back_none() -> None:
+    healthy = (CORPUS / "ready_026__0.26__plain.log").read_text(encoding="utf-8").splitlines()
+    failure = ("(EngineCore pid=20) ERROR 12-04 10:01:11 [core.py:1022] vllm.v1.engine.exceptions.EngineDeadError: "
+               "EngineCore encountered an issue.")
+    assert diagnose("\n".join(healthy[:2] + [failure]) + "\n").verdict == "engine_dead"
+
+
+def test_a_generic_error_the_start_went_on_after_does_not_end_it() -> None:
+    text = ("(EngineCore pid=2) INFO 12-02 14:00:20 [weight_utils.py:922] Filesystem type for checkpoints: EXT4.\n"
+            "ModuleNotFoundError: No module named 'flash_attn_3'\n"
+            "(EngineCore pid=2) INFO 12-02 14:00:40 [default_loader.py:397] Loading weights took 20.00 seconds\n")
+    assert diagnose(text).verdict == "loading"
+
+
+@pytest.mark.parametrize("verdict", VERDICTS)
+def test_diagnose_help_documents_every_verdict(verdict: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "gb10d", "diagnose", "--help"], capture_output=True, text=True, timeout=60)
+    assert re.search(rf"^  {verdict} +\S", done.stdout, re.M), done.stdout
+
+
+def test_the_man_page_documents_every_verdict() -> None:
+    page = (Path(__file__).parent.parent / "docs" / "gb10d.8").read_text(encoding="utf-8")
+    assert all(f".B {verdict}\n" in page for verdict in VERDICTS)

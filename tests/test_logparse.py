@@ -18,7 +18,10 @@ from gb10d.events import (
     ExceptionRaised,
     Failure,
     FreeMemoryShort,
+    GpuXid,
     GraphsProgressed,
+    HiddenInitFailure,
+    InternalPortInUse,
     KvCacheInsufficient,
     KvCacheSized,
     LoadStarted,
@@ -26,6 +29,7 @@ from gb10d.events import (
     ModelNotFound,
     NoKvCacheMemory,
     PortInUse,
+    PtxasArchUnsupported,
     RayWorkerLost,
     ServerStarting,
     ShardsProgressed,
@@ -460,25 +464,55 @@ FAILURE_CASES = [
      "https://huggingface.co/meta-llama/Llama-3.3-70B-Instruct/resolve/main/config.json.",
      [ModelGated("meta-llama/Llama-3.3-70B-Instruct")]),
     ("KeyError: 'invalid tool call parser: qwen9 (chose from { hermes,qwen3_xml })'",
-     [BadArgument("invalid tool call parser: qwen9 (chose from { hermes,qwen3_xml })")]),
+     [BadArgument("invalid tool call parser: qwen9 (chose from { hermes,qwen3_xml })", "--tool-call-parser", "qwen9")]),
     ("KeyError: 'invalid reasoning parser: nope (chose from { qwen3 })'",
-     [BadArgument("invalid reasoning parser: nope (chose from { qwen3 })")]),
+     [BadArgument("invalid reasoning parser: nope (chose from { qwen3 })", "--reasoning-parser", "nope")]),
     ("TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser",
-     [BadArgument("--enable-auto-tool-choice requires --tool-call-parser")]),
-    ("vllm: error: unrecognized arguments: --frobnicate", [BadArgument("unrecognized arguments: --frobnicate")]),
+     [BadArgument("--enable-auto-tool-choice requires --tool-call-parser", "--tool-call-parser")]),
+    ("vllm: error: unrecognized arguments: --frobnicate",
+     [BadArgument("unrecognized arguments: --frobnicate", "--frobnicate", None)]),
     ("vllm serve: error: argument --kv-cache-dtype: invalid choice: 'fp7' (choose from 'auto', 'fp8')",
-     [BadArgument("argument --kv-cache-dtype: invalid choice: 'fp7' (choose from 'auto', 'fp8')")]),
+     [BadArgument("argument --kv-cache-dtype: invalid choice: 'fp7' (choose from 'auto', 'fp8')", "--kv-cache-dtype", "fp7")]),
     ("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.",
      [EngineDied("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.")]),
     ("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup",
      [EngineDied("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup")]),
-    ("RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}", [EngineStartFailed()]),
+    ("RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}", [HiddenInitFailure()]),
+    ("RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}",
+     [EngineStartFailed()]),
     ("EngineCore failed to start.", [EngineStartFailed()]),
     ("Exception: WorkerProc initialization failed due to an exception in a background process.", [EngineStartFailed()]),
     ("RuntimeError: Frontend process failed during engine core initialization. See root cause above.", [EngineStartFailed()]),
     ("AssertionError: something odd", [ExceptionRaised("AssertionError", "something odd")]),
     ("KeyboardInterrupt: terminated", [ExceptionRaised("KeyboardInterrupt", "terminated")]),
     ("UserWarning: harmless", []),
+    ("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:55217')",
+     [InternalPortInUse(55217, "tcp://127.0.0.1:55217")]),
+    ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. port: 29500, "
+     "useIPv6: 0, code: -98, name: EADDRINUSE, message: address already in use", [InternalPortInUse(29500)]),
+    ("Address already in use. Retrying with a new port.", []),
+    ("huggingface_hub.errors.HFValidationError: Repo id must be in the form 'repo_name' or 'namespace/repo_name': "
+     "'/models/x'. Use `repo_type` argument if needed.", [ModelNotFound("/models/x")]),
+    ("OSError: /models/llama does not appear to have a file named config.json. Checkout "
+     "'https://huggingface.co//models/llama/tree/None' for available files.", [ModelNotFound("/models/llama")]),
+    ("FileNotFoundError: [Errno 2] No such file or directory: '/srv/qwen/config.json'", [ModelNotFound("/srv/qwen")]),
+    ("OSError: We couldn't connect to 'https://huggingface.co' to load this file, couldn't find it in the cached files and "
+     "it looks like Qwen/Qwen3-8B is not the path to a directory containing a file named config.json.",
+     [ModelNotFound("Qwen/Qwen3-8B", unreachable=True)]),
+    ("huggingface_hub.errors.LocalEntryNotFoundError: An error happened while trying to locate the file on the Hub",
+     [ModelNotFound("", unreachable=True)]),
+    ("KeyError: \"Tool parser 'qwen9' not found.\"", [BadArgument("Tool parser 'qwen9' not found.", "--tool-call-parser", "qwen9")]),
+    ("KeyError: \"Reasoning parser 'r9' not found. Available parsers: qwen3\"",
+     [BadArgument("Reasoning parser 'r9' not found.", "--reasoning-parser", "r9")]),
+    ("TypeError: Error: --enable-auto-tool-choice requires tool_parser:'x9' which has not been registered",
+     [BadArgument("tool_parser:'x9' which has not been registered", "--tool-call-parser", "x9")]),
+    ("api_server.py: error: argument --pipeline-parallel-size/-pp: invalid int value: '8000:8000'",
+     [BadArgument("argument --pipeline-parallel-size/-pp: invalid int value: '8000:8000'", "--pipeline-parallel-size", "8000:8000")]),
+    ("vllm: error: unrecognized arguments: 8000:8000", [BadArgument("unrecognized arguments: 8000:8000", None, "8000:8000")]),
+    ("vllm serve: error: the following arguments are required: model_tag",
+     [BadArgument("the following arguments are required: model_tag", "model_tag")]),
+    ("ptxas fatal   : Value 'sm_121a' is not defined for option 'gpu-name'",
+     [PtxasArchUnsupported("sm_121a", detail="ptxas fatal   : Value 'sm_121a' is not defined for option 'gpu-name'")]),
 ]
 
 
@@ -543,14 +577,61 @@ def test_kv_message_split_before_the_estimate_keeps_the_estimate() -> None:
     assert events == [KvCacheInsufficient(131072, 16.0, 5.12, 40960)]
 
 
-def test_an_unfinished_failure_is_still_reported_when_no_continuation_comes() -> None:
+def test_an_unfinished_failure_is_reported_as_soon_as_a_line_does_not_continue_it() -> None:
     scanner = EventScanner()
     oom = "torch.OutOfMemoryError: CUDA out of memory."
     assert scanner.feed(oom) == []
-    later = [scanner.feed(API + f"Loading weights took {n}.00 seconds") for n in range(4)]
-    assert later[:3] == [[WeightsLoaded(seconds=n)] for n in range(3)]
-    assert later[3] == [CudaOutOfMemory(None), WeightsLoaded(seconds=3.0)]
+    assert scanner.feed(API + "Loading weights took 0.00 seconds") == [CudaOutOfMemory(None), WeightsLoaded(seconds=0.0)]
     assert scanner.feed(oom) == [] and scanner.flush() == [CudaOutOfMemory(None)]
+
+
+# vLLM 0.26 logs this on every healthy start (seen on a real GPU machine); it begins like the free-memory failure.
+HEALTHY_026 = (
+    "Free memory on device (38.77/139.8 GiB) on startup. Desired GPU memory utilization is (0.9, 125.82 GiB). "
+    "Actual usage is 0.94 GiB for weight, 1.41 GiB for peak activation, 0.1 GiB for non-torch memory, and 0.06 GiB "
+    "for CUDAGraph memory. Replace gpu_memory_utilization config with `--kv-cache-memory=131524157184` (122.49 GiB) "
+    "to fit into requested memory, or `--kv-cache-memory=38221062963` (35.6 GiB) to fully utilize gpu memory. "
+    "Current kv cache memory in use is 123.28 GiB."
+)
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_healthy_line_that_begins_like_a_failure_holds_nothing_back(wrapped: bool) -> None:
+    scanner = EventScanner(wrapped=wrapped)
+    assert scanner.feed("(EngineCore pid=7) INFO 12-04 10:00:00 [gpu_worker.py:861] " + HEALTHY_026) == []
+    died = "(EngineCore pid=7) ERROR 12-04 10:00:01 [core.py:1022] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."
+    assert [type(e) for e in scanner.feed(died)] == [EngineDied]
+    assert scanner.flush() == []
+
+
+def test_a_failure_begun_on_one_line_and_followed_by_another_failure_reports_both_at_once() -> None:
+    scanner = EventScanner()
+    assert scanner.feed(ENGINE_ERR + "ValueError: To serve at least one request with the model's max seq len (131072), (16.0") == []
+    events = scanner.feed(ENGINE_ERR + "EngineCore failed to start.")
+    assert events == [KvCacheInsufficient(131072, None, None, None), EngineStartFailed()]
+
+
+@pytest.mark.parametrize(
+    ("cut_after", "expected"),
+    [
+        ("KV cach", KvCacheInsufficient(131072, 16.0, None, None)),
+        ("memory (5.1", KvCacheInsufficient(131072, 16.0, None, None)),
+        ("memory (5.12 GiB).", KvCacheInsufficient(131072, 16.0, 5.12, None)),
+        ("max seq len (131072), (16.0 GiB", KvCacheInsufficient(131072, 16.0, None, None)),
+    ],
+)
+def test_a_kv_message_cut_short_still_gives_what_it_had(cut_after: str, expected: KvCacheInsufficient) -> None:
+    full = ("ValueError: To serve at least one request with the model's max seq len (131072), (16.0 GiB KV cache is needed, "
+            "which is larger than the available KV cache memory (5.12 GiB). Try increasing `gpu_memory_utilization`")
+    cut = full[: full.index(cut_after) + len(cut_after)]
+    scanner = EventScanner(wrapped=True)
+    assert scanner.feed(cut) + scanner.flush() == [expected]
+
+
+def test_the_models_s_wording_of_some_releases_is_the_same_failure() -> None:
+    line = ("ValueError: To serve at least one request with the models's max seq len (32768), (4.0 GiB KV cache is needed, "
+            "which is larger than the available KV cache memory (2.5 GiB). Try increasing `gpu_memory_utilization`")
+    assert parse_line(line) == [KvCacheInsufficient(32768, 4.0, 2.5, None)]
 
 
 @pytest.mark.parametrize("width", [60, 80, 120])
@@ -669,3 +750,18 @@ def test_rays_own_log_lines_keep_their_level() -> None:
     warning = classify("(EngineCore pid=1285) 2026-12-03 15:16:30,441\tWARNING worker.py:2100 -- Ray is slow")
     info = classify("(EngineCore pid=1285) 2026-12-03 15:16:30,475\tINFO worker.py:2038 -- Connected to Ray cluster.")
     assert (warning.kind, warning.priority, info.priority) == (Kind.RAW, 4, 6)
+
+
+def test_the_v0_engines_zero_gpu_blocks_mean_no_memory_for_the_kv_cache() -> None:
+    assert parse_line("INFO 05-02 10:00:03 executor_base.py:108] # CUDA blocks: 0, # CPU blocks: 2048") == [NoKvCacheMemory()]
+    assert parse_line("INFO 05-02 10:00:03 executor_base.py:108] # GPU blocks: 1024, # CPU blocks: 2048") == [KvCacheSized()]
+
+
+def test_a_known_issues_exception_line_is_also_an_exception_for_the_crash_detail() -> None:
+    events = parse_line("torch.AcceleratorError: CUDA error: no kernel image is available for execution on the device")
+    assert [type(e).__name__ for e in events] == ["UnsupportedBuild", "ExceptionRaised"]
+
+
+def test_kernel_lines_in_a_paste_give_the_drivers_events() -> None:
+    (xid,) = parse_line("Dec 04 13:10:00 spark kernel: NVRM: Xid (PCI:000f:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
+    assert isinstance(xid, GpuXid) and (xid.xid, xid.pci) == (79, "000f:01:00")

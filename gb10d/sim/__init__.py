@@ -18,7 +18,15 @@ Knobs (environment):
 - `GB10D_SIM_SCENARIO`: comma-separated `healthy`, `stall_at=K`,
   `slow_shards=S`, `cuda_oom_during=load|profile|graphs`, `kv_insufficient`,
   `engine_dies_after=S`, `hang_after=S`, `model_not_found`, `bad_parser`,
-  `leak_gib=G`. A port in use is found by really binding it.
+  `leak_gib=G`. A port in use is found by really binding it. GB10's own
+  failures: `ptxas` (Triton's bundled ptxas does not know sm_121a: the start
+  fails in torch.compile, or at the kernels' warm-up with --enforce-eager,
+  unless TRITON_PTXAS_PATH names a ptxas that answers `--version` with its
+  release, as Triton requires), `no_kernel_image` (the first kernel after the
+  weights: a build without kernels for the GPU), `hidden_init_failure` (vLLM
+  0.23 only: the EngineCore dies without a word and the API server says
+  `Failed core proc(s): {}`), `ipc_removed` (the spawned EngineCore cannot
+  open its parent's semaphore: FileNotFoundError in SemLock._rebuild).
 - `GB10D_SIM_SPEED`: factor on every delay (1: minutes, like a 27B model on
   GB10; 0.01: ready in about 1.5 s).
 - `GB10D_SIM_SHARDS`: number of checkpoint shards (default 6, or the number

@@ -18,15 +18,17 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import select
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn, Protocol, Sequence
+from typing import Mapping, NoReturn, Protocol, Sequence
 
 from . import texts
 from .model import ModelFacts
@@ -205,6 +207,16 @@ class EngineCore:
         if not self.ray:
             self.settings.trap_memory()
 
+    def ptxas_fails(self) -> bool:
+        """The ptxas scenario: Triton compiles with its bundled ptxas unless TRITON_PTXAS_PATH gives it a working one."""
+        return self.settings.scenario.ptxas and triton_ptxas(self.settings.env) is None
+
+    def fail_ptxas(self, compiling: bool) -> NoReturn:
+        """Triton's make_cubin: the reproducer on stdout, then PTXASError (wrapped by Inductor while torch.compile runs)."""
+        error = texts.ptxas_error(f"/tmp/tmp{os.getpid() % 10**8:08x}.ptx")
+        self.console.write(STDOUT, texts.triton_reproducer(error))
+        self.fail("compile" if compiling else "warmup", texts.ptxas_final(error, compiling))
+
     def oom(self, kind: str, tried_gib: float) -> NoReturn:
         self.fail(kind, f"torch.OutOfMemoryError: {cuda_oom_message(self.settings.memory(), tried_gib)}")
 
@@ -221,6 +233,10 @@ class EngineCore:
             self.executor.collective_rpc("load_model")
         except EngineFailure as failure:
             self.fail_with(failure.frames, failure.final)
+        if self.settings.scenario.hidden_init_failure:
+            # vLLM 0.23: the engine dies before it can say why; the API server's `Failed core proc(s): {}` is all there is.
+            self.trap_memory()
+            os._exit(1)
         compile_s = 0.0 if self.enforce_eager else self.compile()
         self.settings.sleep(PROFILE_S)
         if self.settings.scenario.cuda_oom_during == "profile":
@@ -229,6 +245,8 @@ class EngineCore:
             self.log("compilation/monitor.py:81", f"Initial profiling/warmup run took {PROFILE_S * 0.18:.2f} s")
         kv_tokens = self.size_kv_cache()
         graphs_s = 0.0 if self.enforce_eager else self.capture_graphs()
+        if self.ptxas_fails():
+            self.fail_ptxas(compiling=False)
         self.settings.sleep(ENGINE_FINISH_S)
         self.log("compilation/jit_monitor.py:54", "Kernel JIT monitor activated \u2014 Triton JIT compilations during inference will be logged as warnings.")
         total = PROFILE_S + KV_SETUP_S + ENGINE_FINISH_S + graphs_s + (0.0 if self.enforce_eager else DYNAMO_S + COMPILE_RANGE_S)
@@ -288,6 +306,8 @@ class EngineCore:
         self.log("compilation/backends.py:1089", f"Using cache directory: {cache}/torch_compile_cache/a33744ddfd/rank_0_0/backbone for vLLM's torch.compile")
         self.settings.sleep(DYNAMO_S)
         self.log("compilation/backends.py:1148", f"Dynamo bytecode transform time: {DYNAMO_S * 0.38:.2f} s")
+        if self.ptxas_fails():
+            self.fail_ptxas(compiling=True)
         self.log("compilation/backends.py:378", "Cache the graph of compile range (1, 8192) for later use")
         self.settings.sleep(COMPILE_RANGE_S)
         self.log("compilation/backends.py:393", f"Compiling a graph for compile range (1, 8192) takes {COMPILE_RANGE_S * 0.52:.2f} s")
@@ -429,10 +449,31 @@ class EngineCore:
                 hang_forever()
 
 
+def triton_ptxas(env: Mapping[str, str]) -> str | None:
+    """The working ptxas Triton would use, as its knobs pick it: TRITON_PTXAS_PATH when `PATH --version` runs and names a release.
+
+    None means Triton's bundled ptxas, which is older than GB10's sm_121a.
+    (Triton also falls back to the bundled one when the variable's program
+    is missing or says no release.)
+    """
+    path = env.get("TRITON_PTXAS_PATH")
+    if not path:
+        return None
+    try:
+        said = subprocess.run([path, "--version"], capture_output=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path if re.search(rb"release \d+\.\d+", said) else None
+
+
 def run_engine(settings: SimSettings, args: argparse.Namespace, model: ModelFacts, conn: socket.socket) -> NoReturn:
     """Entry point of the forked child."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if settings.scenario.ipc_removed:
+        # The spawned child cannot open the semaphore its parent made: it dies before vLLM tags its streams.
+        os.write(2, (texts.SEMAPHORE_GONE + "\n").encode())
+        os._exit(1)
     try:
         EngineCore(settings, args, model, conn).run()
     except SettingsError as exc:

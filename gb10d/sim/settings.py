@@ -41,12 +41,17 @@ class Scenario:
     model_not_found: bool = False
     bad_parser: bool = False
     leak_gib: float = 0.0  # memory a failed engine leaves trapped (GB10's crashed-CUDA-process trap)
+    # GB10's own failures (REFERENCE §12):
+    ptxas: bool = False  # Triton's bundled ptxas does not know sm_121a: compile or warm-up fails unless TRITON_PTXAS_PATH helps
+    no_kernel_image: bool = False  # a build without kernels for this GPU: the first kernel after loading fails
+    hidden_init_failure: bool = False  # vLLM 0.23: the EngineCore dies without a word, the API server says `{}`
+    ipc_removed: bool = False  # the EngineCore's semaphore was removed before it could open it (logind's RemoveIPC)
 
 
 def parse_scenario(text: str) -> Scenario:
     """Parse `healthy`, `stall_at=K`, `slow_shards=S`, ... separated by commas."""
     values: dict[str, object] = {}
-    flags = {"kv_insufficient", "model_not_found", "bad_parser"}
+    flags = {"kv_insufficient", "model_not_found", "bad_parser", "ptxas", "no_kernel_image", "hidden_init_failure", "ipc_removed"}
     numbers = {"slow_shards": "slow_shards_s", "engine_dies_after": "engine_dies_after_s", "hang_after": "hang_after_s", "leak_gib": "leak_gib"}
     for item in (part.strip() for part in text.split(",")):
         if not item or item == "healthy":
@@ -61,7 +66,8 @@ def parse_scenario(text: str) -> Scenario:
         elif name == "cuda_oom_during" and raw in OOM_PHASES:
             values["cuda_oom_during"] = raw
         else:
-            known = "healthy, stall_at=K, slow_shards=S, cuda_oom_during=load|profile|graphs, kv_insufficient, engine_dies_after=S, hang_after=S, model_not_found, bad_parser, leak_gib=G"
+            known = ("healthy, stall_at=K, slow_shards=S, cuda_oom_during=load|profile|graphs, kv_insufficient, engine_dies_after=S, "
+                     "hang_after=S, model_not_found, bad_parser, leak_gib=G, ptxas, no_kernel_image, hidden_init_failure, ipc_removed")
             raise SettingsError(f"GB10D_SIM_SCENARIO: unknown item {item!r} (known: {known})")
     return Scenario(**values)  # type: ignore[arg-type]
 
@@ -228,10 +234,16 @@ def from_environ(env: Mapping[str, str] | None = None) -> SimSettings:
         threshold=LEVELS[level],
         color=use_color(env, minor, os.isatty(1)),
     )
+    scenario = parse_scenario(env.get("GB10D_SIM_SCENARIO", "healthy"))
+    if scenario.hidden_init_failure and minor >= 24:
+        raise SettingsError(
+            f"GB10D_SIM_SCENARIO hidden_init_failure is vLLM 0.23's behaviour (0.24 prints the root cause); "
+            f"GB10D_SIM_VERSION is {version}"
+        )
     return SimSettings(
         era=era,
         version=version,
-        scenario=parse_scenario(env.get("GB10D_SIM_SCENARIO", "healthy")),
+        scenario=scenario,
         speed=speed,
         shards=shards,
         meminfo=meminfo,

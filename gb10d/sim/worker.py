@@ -109,6 +109,9 @@ class GpuWorker:
         self.load_weights()
         load_s = self.model.shards * self._shard_s()
         self.log("model_executor/model_loader/default_loader.py:397", f"Loading weights took {load_s:.2f} seconds")
+        if self.settings.scenario.no_kernel_image:
+            # The first CUDA kernel after the weights: a build without kernels for this GPU stops here.
+            raise WorkerFailure("post_load", texts.NO_KERNEL_IMAGE)
         self.settings.sleep(MODEL_SETTLE_S)
         memory_word = "GiB memory" if self.settings.minor >= 28 else "GiB"
         share = self.model.per_rank(self.rank.world_size).weights_gib
