@@ -32,11 +32,19 @@ REDACTED = "***"
 
 @dataclass(frozen=True)
 class Tunables:
-    """The settings an attempt may differ in from the config as written."""
+    """The settings an attempt may differ in from the config as written.
+
+    `env` holds variables gb10d adds for a known failure (TRITON_PTXAS_PATH
+    for Triton's ptxas, a PyTorch allocator setting after the driver ran out
+    of memory); the config's own [vllm.env] and env_file win over them.
+    `without` names flags gb10d leaves out for one (`enable-flashinfer-autotune`).
+    """
 
     gpu_memory_utilization: float
     load_strategy: str | None = None
     max_model_len: int | str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    without: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, vllm: VllmSection) -> Tunables:
@@ -52,6 +60,15 @@ class Tunables:
     def with_(self, **changes: Any) -> Tunables:
         """A copy with some fields changed."""
         return replace(self, **changes)
+
+    def with_env(self, name: str, value: str) -> Tunables:
+        """A copy that also sets the variable `name` for vLLM."""
+        return replace(self, env=(*((k, v) for k, v in self.env if k != name), (name, value)))
+
+    def without_flag(self, flag: str) -> Tunables:
+        """A copy that leaves the flag `flag` (either spelling) out of vLLM's command line."""
+        name = normalize_flag(flag)
+        return self if name in self.without else replace(self, without=(*self.without, name))
 
 
 def flag_values(flag: str, value: Any) -> list[str]:
@@ -85,7 +102,7 @@ def build_argv(vllm: VllmSection, tunables: Tunables | None = None, cluster_flag
     argv = [str(vllm.program), "serve", vllm.model]
     if vllm.served_model_name is not None:
         argv += ["--served-model-name", *vllm.served_names]
-    overridden = {"safetensors-load-strategy", "max-model-len"}
+    overridden = {"safetensors-load-strategy", "max-model-len", *tunables.without}
     for key, value in vllm.args.items():
         if normalize_flag(key) in overridden:
             continue
@@ -97,8 +114,16 @@ def build_argv(vllm: VllmSection, tunables: Tunables | None = None, cluster_flag
         argv += ["--safetensors-load-strategy", tunables.load_strategy]
     argv += ["--host", vllm.host, "--port", str(vllm.port)]
     argv += cluster_flags
-    argv += vllm.extra_args
+    argv += [word for word in vllm.extra_args if _flag_name(word) not in tunables.without]
     return argv
+
+
+def _flag_name(word: str) -> str | None:
+    """The flag a word of extra_args sets (`--enable-x`, `--enable-x=1`, `--no-enable-x` -> `enable-x`), or None."""
+    if not word.startswith("--"):
+        return None
+    name = normalize_flag(word.split("=", 1)[0])
+    return name[3:] if name.startswith("no-") else name
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -140,8 +165,9 @@ def env_additions(vllm: VllmSection) -> dict[str, str]:
     return env
 
 
-def build_env(vllm: VllmSection, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """vLLM's environment: gb10d's own minus systemd's variables, plus `env_additions`.
+def build_env(vllm: VllmSection, base: Mapping[str, str] | None = None, added: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+    """vLLM's environment: gb10d's own minus systemd's variables, plus `env_additions`, plus `added`
+    (a `Tunables.env`) where the config sets no value of its own.
 
     With a venv, its bin directory goes first on PATH, as `activate` would
     do, so tools vLLM runs (ninja, the Triton compiler) come from the venv.
@@ -149,7 +175,9 @@ def build_env(vllm: VllmSection, base: Mapping[str, str] | None = None) -> dict[
     env = {k: v for k, v in (os.environ if base is None else base).items() if k not in _SYSTEMD_ONLY}
     if vllm.venv is not None:
         env["PATH"] = f"{vllm.venv / 'bin'}{os.pathsep}{env.get('PATH', os.defpath)}"
-    env.update(env_additions(vllm))
+    configured = env_additions(vllm)
+    env.update(configured)
+    env.update((name, value) for name, value in added if name not in configured)
     return env
 
 

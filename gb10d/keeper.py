@@ -40,9 +40,9 @@ class ConfigKeeper:
     def config(self) -> Config:
         return self.snapshot.config
 
-    def env(self) -> dict[str, str]:
-        """vLLM's environment from the snapshot (the env_file as last read)."""
-        return self.snapshot.env()
+    def env(self, tunables: Tunables | None = None) -> dict[str, str]:
+        """vLLM's environment from the snapshot (the env_file as last read), with what `tunables` add."""
+        return self.snapshot.env(added=tunables.env if tunables else ())
 
     # --- watching and reloading ----------------------------------------------
 

@@ -34,7 +34,7 @@ from .config import Config, normalize_flag
 from .reload import Change, canonical
 
 # The fields of Tunables that are learned, each on its own: None in an entry means "not learned".
-TUNABLE_NAMES = ("gpu_memory_utilization", "load_strategy", "max_model_len")
+TUNABLE_NAMES = ("gpu_memory_utilization", "load_strategy", "max_model_len", "env", "without")
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class LearnedEntry:
     gpu_memory_utilization: float | None = None
     load_strategy: str | None = None
     max_model_len: int | str | None = None
+    env: tuple[tuple[str, str], ...] | None = None
+    without: tuple[str, ...] | None = None
 
     def values(self) -> str:
         """`gpu_memory_utilization 0.85, safetensors-load-strategy prefetch`."""
@@ -58,6 +60,8 @@ class LearnedEntry:
             parts.append(f"safetensors-load-strategy {self.load_strategy}")
         if self.max_model_len is not None:
             parts.append(f"max-model-len {self.max_model_len}")
+        parts.extend(f"{name}={value}" for name, value in self.env or ())
+        parts.extend(f"without --{flag}" for flag in self.without or ())
         return ", ".join(parts)
 
     def describe(self) -> str:

@@ -37,6 +37,8 @@ class _StoredEntry(BaseModel):
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     load_strategy: str | None = None
     max_model_len: int | str | None = None
+    env: dict[str, str] | None = None
+    without: list[str] | None = None
     learned_at: str
     reason: str
     fingerprint: str
@@ -53,7 +55,12 @@ class _StoredEntry(BaseModel):
 def _to_toml(entry: LearnedEntry | None) -> dict[str, Any]:
     if entry is None:
         return {}
-    table = learned_values(entry) | {"learned_at": entry.learned_at, "reason": entry.reason, "fingerprint": entry.fingerprint, "for": dict(entry.learned_for)}
+    values = learned_values(entry)
+    if "env" in values:
+        values["env"] = dict(values["env"])
+    if "without" in values:
+        values["without"] = list(values["without"])
+    table = values | {"learned_at": entry.learned_at, "reason": entry.reason, "fingerprint": entry.fingerprint, "for": dict(entry.learned_for)}
     return {"learned": table}
 
 
@@ -80,7 +87,10 @@ def load(path: Path) -> LearnedState:
         first = exc.errors(include_url=False)[0]
         where = ".".join(["learned", *(str(p) for p in first["loc"])])
         return LearnedState(problem=f"the learned settings {path} are damaged ({where}: {first['msg']}); {ignoring} (gb10d forget removes the file)")
-    return LearnedState(LearnedEntry(**stored.model_dump()))
+    fields = stored.model_dump()
+    fields["env"] = tuple(fields["env"].items()) if fields["env"] is not None else None
+    fields["without"] = tuple(fields["without"]) if fields["without"] is not None else None
+    return LearnedState(LearnedEntry(**fields))
 
 
 def save(path: Path, state: LearnedState) -> None:

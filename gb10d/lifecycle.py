@@ -28,9 +28,11 @@ from typing import Sequence, Union
 
 from .command import Tunables
 from .config import Config
-from .events import EngineDied, Event, Failure, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged
+from .events import DriverOutOfMemory, EngineDied, Event, Failure, GpuXid, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged
 from .facts import AttemptFact, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Tick
-from .levels import PRIORITY_ERR
+from .kernel import describe as describe_kernel
+from .kernel import xid_meaning
+from .levels import PRIORITY_ERR, PRIORITY_WARNING
 from .outcome import Cause, Failed, describe_exit
 from .phases import Phase, StartupState, advance, enter, note_io, start, status_text
 from .policy import classify
@@ -108,13 +110,20 @@ class LivenessFailed:
 
 
 @dataclass(frozen=True)
+class XidSeen:
+    """The NVIDIA driver reported an Xid error: counted by its number."""
+
+    xid: int
+
+
+@dataclass(frozen=True)
 class Finish:
     """The attempt is over: kill whatever of vLLM is left, and hand `outcome` to the supervisor."""
 
     outcome: Failed
 
 
-Action = Union[Extend, ShowPhase, Say, Observe, StartReadiness, BecomeReady, ProcessExited, LivenessFailed, Finish]
+Action = Union[Extend, ShowPhase, Say, Observe, StartReadiness, BecomeReady, ProcessExited, LivenessFailed, XidSeen, Finish]
 
 
 # --- state ----------------------------------------------------------------------
@@ -183,7 +192,19 @@ def _exit_outcome(state: AttemptState, status: int) -> Failed:
     return outcome
 
 
+def kernel_said(event: DriverOutOfMemory | GpuXid, number: int | None = None) -> list[Action]:
+    """What a driver message of the kernel log means by itself: an Xid is told and counted; a driver out of
+    memory is told as the warning it is (a whole-host freeze can follow)."""
+    fields: tuple[tuple[str, object], ...] = (("attempt", number),) if number is not None else ()
+    if isinstance(event, GpuXid):
+        serious = xid_meaning(event.xid).serious
+        return [Say("gpu_xid", describe_kernel(event), PRIORITY_ERR if serious else PRIORITY_WARNING, (*fields, ("xid", event.xid))), XidSeen(event.xid)]
+    return [Say("driver_oom", f"{describe_kernel(event)}; a freeze of the whole machine can follow", PRIORITY_ERR, fields)]
+
+
 def _on_event(state: AttemptState, event: Event, now: float, config: Config) -> tuple[AttemptState, list[Action]]:
+    if isinstance(event, (DriverOutOfMemory, GpuXid)):
+        return _on_kernel(state, event)
     actions: list[Action] = []
     before = state.startup
     state = replace(state, startup=advance(before, event, now))
@@ -203,6 +224,20 @@ def _on_event(state: AttemptState, event: Event, now: float, config: Config) -> 
         state = replace(state, startup_complete_at=now)
         actions.append(StartReadiness())
     return state, actions
+
+
+def _on_kernel(state: AttemptState, event: DriverOutOfMemory | GpuXid) -> tuple[AttemptState, list[Action]]:
+    """The kernel's word on the GPU while vLLM runs: a driver out of memory stops vLLM at once, before the host freezes."""
+    if not isinstance(event, DriverOutOfMemory) or state.exit_status is not None:
+        return state, kernel_said(event, state.number)
+    state = replace(state, failures=(*state.failures, event))
+    stop = Say(
+        "driver_oom",
+        f"{describe_kernel(event)}; a freeze of the whole machine can follow: stopping vLLM at once",
+        PRIORITY_ERR,
+        (("attempt", state.number),),
+    )
+    return state, [stop, Finish(Failed(cause=Cause.DRIVER_OOM, failure=event, was_ready=state.ready, detail=event.detail))]
 
 
 def _on_probe(state: AttemptState, probed: Probed, now: float, config: Config) -> tuple[AttemptState, list[Action]]:

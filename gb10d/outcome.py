@@ -34,6 +34,14 @@ class Cause(enum.Enum):
     START_TIMEOUT = "start_timeout"
     CRASH = "crash"
     WORKER_LOST = "ray_worker_lost"  # one of vLLM's Ray workers died; on a pair, its machine may have left
+    INTERNAL_PORT = "internal_port_in_use"  # one of vLLM's own sockets (ZMQ, torch.distributed) found its port taken
+    # GB10's own failures (gb10d.known): their names are the known issues' names.
+    PTXAS = "ptxas_sm121a"
+    UNSUPPORTED_BUILD = "unsupported_build"
+    DRIVER_OOM = "driver_oom"
+    NCCL_KHO = "nccl_kho"
+    IPC_REMOVED = "ipc_removed"
+    HIDDEN_INIT = "hidden_init_failure"
 
 
 @dataclass(frozen=True)

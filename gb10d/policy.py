@@ -17,8 +17,15 @@ from typing import Sequence
 from . import advice
 from .command import Tunables
 from .config import Config
-from .errors import EXIT_CONFIG, EXIT_GAVE_UP
+from .errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED
 from .events import (
+    DriverOutOfMemory,
+    HiddenInitFailure,
+    InternalPortInUse,
+    IpcRemoved,
+    PtxasArchUnsupported,
+    RdmaRegistrationFailed,
+    UnsupportedBuild,
     BadArgument,
     CudaOutOfMemory,
     EngineDied,
@@ -32,14 +39,23 @@ from .events import (
     PortInUse,
     RayWorkerLost,
 )
+from .host import HostFacts
+from .known import issue_for
 from .memory import fitting_utilization, floor2
 from .outcome import Cause, Failed
 
 
 # Causes that no retry can fix: the operator must change the config or the machine.
 CONFIG_CAUSES = frozenset(
-    {Cause.PORT_IN_USE, Cause.MODEL_NOT_FOUND, Cause.MODEL_GATED, Cause.BAD_ARGUMENT, Cause.SERVED_NAME}
+    {Cause.PORT_IN_USE, Cause.MODEL_NOT_FOUND, Cause.MODEL_GATED, Cause.BAD_ARGUMENT, Cause.SERVED_NAME,
+     Cause.UNSUPPORTED_BUILD, Cause.NCCL_KHO}
 )
+# The variable that points Triton at another ptxas, and the allocator setting reported to keep the driver's memory in check.
+TRITON_PTXAS_PATH = "TRITON_PTXAS_PATH"
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+AUTOTUNE_FLAG = "enable-flashinfer-autotune"
+# How much lower the utilization goes after the driver ran out of memory or CUDA did.
+OOM_MARGIN = 0.05
 
 # More specific failures win over the generic wrappers printed after them.
 _PRECEDENCE: tuple[tuple[type[Failure], Cause], ...] = (
@@ -47,12 +63,20 @@ _PRECEDENCE: tuple[tuple[type[Failure], Cause], ...] = (
     (KvCacheInsufficient, Cause.KV_CACHE),
     (NoKvCacheMemory, Cause.NO_KV_MEMORY),
     (CudaOutOfMemory, Cause.CUDA_OOM),
+    (UnsupportedBuild, Cause.UNSUPPORTED_BUILD),
+    (PtxasArchUnsupported, Cause.PTXAS),
+    (DriverOutOfMemory, Cause.DRIVER_OOM),
+    (RdmaRegistrationFailed, Cause.NCCL_KHO),
     (PortInUse, Cause.PORT_IN_USE),
+    (InternalPortInUse, Cause.INTERNAL_PORT),
     (ModelGated, Cause.MODEL_GATED),
     (ModelNotFound, Cause.MODEL_NOT_FOUND),
     (BadArgument, Cause.BAD_ARGUMENT),
     (RayWorkerLost, Cause.WORKER_LOST),
     (EngineDied, Cause.ENGINE_DEAD),
+    (IpcRemoved, Cause.IPC_REMOVED),
+    # vLLM 0.23's `Failed core proc(s): {}` is a cause only when nothing before it said more.
+    (HiddenInitFailure, Cause.HIDDEN_INIT),
 )
 
 # The journal event (MESSAGE_ID, catalog entry) that tells of a failure, by cause.
@@ -65,6 +89,12 @@ _EVENT_KINDS = {
     Cause.ENGINE_DEAD: "engine_dead",
     Cause.WORKER_LOST: "engine_dead",
     Cause.ENGINE_HUNG: "engine_hung",
+    Cause.PTXAS: "ptxas_sm121a",
+    Cause.UNSUPPORTED_BUILD: "unsupported_build",
+    Cause.DRIVER_OOM: "driver_oom",
+    Cause.NCCL_KHO: "nccl_kho",
+    Cause.IPC_REMOVED: "ipc_removed",
+    Cause.HIDDEN_INIT: "crashed",
 }
 
 
@@ -136,20 +166,29 @@ def _lower_utilization(current: float, target: float, config: Config, why: str, 
     return Retry(tunables=Tunables(new, None, None), delay_s=0.0, message=f"restarting with gpu_memory_utilization {new:g}")
 
 
-def next_attempt(outcome: Failed, used: Tunables, history: History, config: Config) -> Retry | GiveUp:
+def next_attempt(outcome: Failed, used: Tunables, history: History, config: Config, host: HostFacts | None = None) -> Retry | GiveUp:
     """The next attempt's settings and delay after `outcome`, or the reason to stop.
 
     `history.attempts` counts attempts made so far (including the one that
-    just failed); the budget is `restart.max_attempts`.
+    just failed); the budget is `restart.max_attempts`. `host` says what
+    this machine offers for GB10's own failures (a CUDA toolkit's ptxas).
     """
     if outcome.cause in CONFIG_CAUSES:
         return GiveUp(_config_advice(outcome, config), EXIT_CONFIG)
-    if outcome.cause is Cause.KV_CACHE:
+    if outcome.cause is Cause.PTXAS:
+        retry: Retry | GiveUp = _ptxas(used, config, host)
+        if isinstance(retry, GiveUp):
+            return retry
+    elif outcome.cause is Cause.DRIVER_OOM:
+        retry = _driver_oom(used, config)
+        if isinstance(retry, GiveUp):
+            return retry
+    elif outcome.cause is Cause.KV_CACHE:
         failure = outcome.failure
         assert isinstance(failure, KvCacheInsufficient)
         estimate = failure.estimated_max_model_len
         if config.startup.allow_max_model_len_reduction and estimate:
-            retry: Retry | GiveUp = Retry(
+            retry = Retry(
                 used.with_(max_model_len=estimate), 0.0, f"restarting with max_model_len {estimate} (vLLM's estimate)"
             )
         else:
@@ -175,7 +214,7 @@ def next_attempt(outcome: Failed, used: Tunables, history: History, config: Conf
             retry = Retry(used.with_(gpu_memory_utilization=new), 0.0, f"restarting with {new:g}")
     elif outcome.cause is Cause.CUDA_OOM:
         retry = _lower_utilization(
-            used.gpu_memory_utilization, used.gpu_memory_utilization - 0.05, config, "CUDA ran out of memory"
+            used.gpu_memory_utilization, used.gpu_memory_utilization - OOM_MARGIN, config, "CUDA ran out of memory"
         )
         if isinstance(retry, Retry):
             retry = Retry(used.with_(gpu_memory_utilization=retry.tunables.gpu_memory_utilization), 0.0, retry.message)
@@ -209,10 +248,57 @@ def next_attempt(outcome: Failed, used: Tunables, history: History, config: Conf
     return retry
 
 
+def _ptxas(used: Tunables, config: Config, host: HostFacts | None) -> Retry | GiveUp:
+    """Triton's bundled ptxas is older than sm_121a: point it at the CUDA toolkit's, once, if there is one."""
+    given = dict(used.env).get(TRITON_PTXAS_PATH) or config.vllm.env.get(TRITON_PTXAS_PATH)
+    if given:
+        return GiveUp(
+            f"Triton still fails to compile for sm_121a with TRITON_PTXAS_PATH={given}; point it at the ptxas of a CUDA "
+            "12.9 or later toolkit (vllm.env.TRITON_PTXAS_PATH), or install the CUDA 13 toolkit; not retrying",
+            EXIT_CONFIG,
+        )
+    if host is None or host.ptxas is None:
+        return GiveUp(
+            "no CUDA toolkit ptxas that knows sm_121a was found (looked at $CUDA_HOME/bin/ptxas, /usr/local/cuda/bin/ptxas "
+            "and vLLM's PATH); install the CUDA 13 toolkit (sudo apt install cuda-toolkit-13-0 puts it in /usr/local/cuda) "
+            "or set vllm.env.TRITON_PTXAS_PATH to the ptxas of a CUDA 12.9 or later toolkit; not retrying",
+            EXIT_CONFIG,
+        )
+    return Retry(
+        used.with_env(TRITON_PTXAS_PATH, host.ptxas), 0.0, f"restarting with {TRITON_PTXAS_PATH}={host.ptxas}, the CUDA toolkit's ptxas"
+    )
+
+
+def _driver_oom(used: Tunables, config: Config) -> Retry | GiveUp:
+    """The driver ran out of memory: never the same settings again; lower, with the reported workaround, once."""
+    name, value = ALLOC_CONF
+    if dict(used.env).get(name) == value or config.vllm.env.get(name) == value:
+        return GiveUp(
+            f"the NVIDIA driver ran out of memory again with gpu_memory_utilization {used.gpu_memory_utilization:g} and "
+            f"{name}={value}; not retrying: lower vllm.gpu_memory_utilization, look at what else uses memory "
+            "(journalctl -k shows the driver's messages), and reboot if the machine misbehaves",
+            EXIT_MEMORY_NOT_RETURNED,
+        )
+    lowered = _lower_utilization(
+        used.gpu_memory_utilization, used.gpu_memory_utilization - OOM_MARGIN, config, "the NVIDIA driver ran out of memory"
+    )
+    if isinstance(lowered, GiveUp):
+        return GiveUp(lowered.message, EXIT_MEMORY_NOT_RETURNED)
+    new = lowered.tunables.gpu_memory_utilization
+    return Retry(
+        used.with_(gpu_memory_utilization=new).with_env(name, value).without_flag(AUTOTUNE_FLAG),
+        0.0,
+        f"restarting with gpu_memory_utilization {new:g}, {name}={value} and without --{AUTOTUNE_FLAG}",
+    )
+
+
 def describe(outcome: Failed) -> str:
     """A few words for the cause, used in give-up messages and STATUS=."""
     failure = outcome.failure
     where = f" on the machine {failure.node}" if failure is not None and failure.node else ""
+    issue = issue_for(failure) if failure is not None else None
+    if issue is not None and outcome.cause.value == issue.name:
+        return issue.title
     if isinstance(failure, FreeMemoryShort):
         return (
             f"free memory {failure.free_gib:g} of {failure.total_gib:g} GiB{where} is below gpu_memory_utilization "
@@ -229,6 +315,9 @@ def _config_advice(outcome: Failed, config: Config) -> str:
     """The operator's fix for a failure no retry can mend."""
     failure = outcome.failure
     v = config.vllm
+    issue = issue_for(failure) if failure is not None else None
+    if issue is not None and failure is not None:
+        return f"{issue.meaning}; {advice.platform(failure)}"
     if outcome.cause is Cause.PORT_IN_USE:
         return advice.port_in_use(v.port)
     if outcome.cause is Cause.MODEL_GATED:
@@ -247,12 +336,14 @@ def event_kind(cause: Cause) -> str:
     return _EVENT_KINDS.get(cause, "config_error" if cause in CONFIG_CAUSES else "crashed")
 
 
-def after_failure(outcome: Failed, used: Tunables, history: History, config: Config) -> tuple[History, Retry | GiveUp]:
+def after_failure(
+    outcome: Failed, used: Tunables, history: History, config: Config, host: HostFacts | None = None
+) -> tuple[History, Retry | GiveUp]:
     """The count after `outcome` and what to do next: a failure after a long enough serve begins a new
     count, and a retry that waits counts one more back-off (so the next wait doubles)."""
     if starts_new_count(outcome, config):
         history = History(1, 0)
-    decision = next_attempt(outcome, used, history, config)
+    decision = next_attempt(outcome, used, history, config, host)
     if isinstance(decision, Retry) and decision.delay_s > 0:
         history = History(history.attempts, history.backoffs + 1)
     return history, decision

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from .command import REDACTED, build_argv, build_env, is_secret_name, read_env_file, redact_setting
 from .config import Config, normalize_flag
@@ -43,8 +43,8 @@ class ConfigSnapshot:
         path = config.vllm.env_file
         return cls(config, read_env_file(path) if path is not None else {})
 
-    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        """vLLM's environment as of this snapshot: the env_file as it was read, never read again.
+    def env(self, base: Mapping[str, str] | None = None, added: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+        """vLLM's environment as of this snapshot (plus a `Tunables.env`): the env_file as it was read, never read again.
 
         An edit of the env_file takes effect at the next reload, not at the
         next crash-restart; a deleted one does not stop a running gb10d.
@@ -52,7 +52,7 @@ class ConfigSnapshot:
         vllm = self.config.vllm
         # The file's contents go under [vllm.env], which wins over the file.
         inlined = vllm.model_copy(update={"env_file": None, "env": {**self.env_file, **vllm.env}})
-        return build_env(inlined, base)
+        return build_env(inlined, base, added)
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ class Supervisor:
         """Start vLLM once and follow it until it ends."""
         config = self.keeper.config
         argv = build_argv(config.vllm, tunables, vllm_flags(config.cluster) if config.cluster else ())
-        env = {**self.keeper.env(), **(self.pair.env() if self.pair else {})}
+        env = {**self.keeper.env(tunables), **(self.pair.env() if self.pair else {})}
         self._serial += 1
         self.attempt = attempt = await Attempt.launch(
             self._serial, number, tunables, argv, env, self.launcher, config, self.reporter, self.loop.post,

@@ -1,0 +1,142 @@
+"""Facts about this machine that decide how GB10's own failures are handled, and the known-bad combinations.
+
+At each start gb10d notes the kernel, the NVIDIA driver version, the CMA
+figures of /proc/meminfo and whether a CUDA toolkit's ptxas that knows
+GB10's GPU is installed. They go to the journal and `gb10d status`, they
+let the policy fix Triton's ptxas failure (TRITON_PTXAS_PATH) only when
+there is a ptxas to point at, and they are checked against combinations
+reported to fail, kept as data in `KNOWN_BAD` so that a new report is one
+more entry.
+
+Everything is pure except `read_host_facts`, which reads the files and runs
+`ptxas --version`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+# sm_121a first appeared in the CUDA 12.9 toolkit's ptxas.
+PTXAS_MIN_RELEASE = (12, 9)
+DRIVER_VERSION = Path("/proc/driver/nvidia/version")
+
+_RELEASE = re.compile(r"release (\d+)\.(\d+)")
+_DRIVER = re.compile(r"NVRM version: .*?\s(\d+\.\d+(?:\.\d+)?)\s")
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """This machine as gb10d sees it; None where the source is missing (no NVIDIA driver, no CMA)."""
+
+    kernel: str
+    driver: str | None = None
+    cma_total_kib: int | None = None
+    cma_free_kib: int | None = None
+    ptxas: str | None = None  # a ptxas that knows sm_121a, for TRITON_PTXAS_PATH
+
+    def summary(self) -> str:
+        """`kernel 6.17.0-1008-nvidia, NVIDIA driver 580.95.05, CMA 1024 MiB total, 992 MiB free, ptxas /usr/local/cuda/bin/ptxas`."""
+        parts = [f"kernel {self.kernel}", f"NVIDIA driver {self.driver}" if self.driver else "no NVIDIA driver loaded"]
+        if self.cma_total_kib is not None and self.cma_free_kib is not None:
+            parts.append(f"CMA {self.cma_total_kib // 1024} MiB total, {self.cma_free_kib // 1024} MiB free")
+        parts.append(f"ptxas {self.ptxas}" if self.ptxas else "no CUDA toolkit ptxas found")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class KnownBad:
+    """A combination of kernel, driver and memory figures reported to fail, and what to do about it."""
+
+    name: str
+    applies: Callable[[HostFacts], bool]
+    problem: str
+    fix: str
+
+
+def _kho_regression(facts: HostFacts) -> bool:
+    cma_inverted = facts.cma_free_kib is not None and facts.cma_total_kib is not None and facts.cma_free_kib > facts.cma_total_kib
+    return cma_inverted and re.match(r"7\.0\.0-10\d\d-nvidia", facts.kernel) is not None
+
+
+KNOWN_BAD: tuple[KnownBad, ...] = (
+    KnownBad(
+        "kho",
+        _kho_regression,
+        "CmaFree is above CmaTotal on a 7.0.0-10xx-nvidia kernel: the kexec-handover (KHO) regression, with which "
+        "NCCL between two machines fails (ibv_reg_mr_iova2 failed with error Cannot allocate memory)",
+        "boot with kho=off (add it to GRUB_CMDLINE_LINUX in /etc/default/grub, run update-grub, reboot)",
+    ),
+)
+
+
+def warnings(facts: HostFacts) -> list[str]:
+    """One sentence per known-bad combination this machine is in: the problem, then the fix."""
+    return [f"{bad.problem}; {bad.fix}" for bad in KNOWN_BAD if bad.applies(facts)]
+
+
+def driver_version(text: str) -> str | None:
+    """The version in /proc/driver/nvidia/version (`NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  580.95.05  ...`)."""
+    m = _DRIVER.search(text)
+    return m.group(1) if m else None
+
+
+def cma(meminfo: str) -> tuple[int | None, int | None]:
+    """CmaTotal and CmaFree of a /proc/meminfo text, in KiB (None where absent)."""
+    fields: dict[str, int] = {}
+    for line in meminfo.splitlines():
+        name, _, rest = line.partition(":")
+        words = rest.split()
+        if name in ("CmaTotal", "CmaFree") and words and words[0].isdigit():
+            fields[name] = int(words[0])
+    return fields.get("CmaTotal"), fields.get("CmaFree")
+
+
+def ptxas_release(version_output: str) -> tuple[int, int] | None:
+    """The CUDA release `ptxas --version` names (`Cuda compilation tools, release 13.0, V13.0.48`)."""
+    m = _RELEASE.search(version_output)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def ptxas_candidates(env: Mapping[str, str]) -> list[Path]:
+    """Where a CUDA toolkit's ptxas may be, in the order looked at: CUDA_HOME and CUDA_PATH of vLLM's
+    environment, /usr/local/cuda, then vLLM's PATH."""
+    candidates = [Path(env[name]) / "bin" / "ptxas" for name in ("CUDA_HOME", "CUDA_PATH") if env.get(name)]
+    candidates.append(Path("/usr/local/cuda/bin/ptxas"))
+    candidates += [Path(d) / "ptxas" for d in env.get("PATH", "").split(os.pathsep) if d]
+    return candidates
+
+
+# --- reading them ------------------------------------------------------------------
+
+
+def read_host_facts(meminfo_path: Path, vllm_env: Mapping[str, str], driver_path: Path = DRIVER_VERSION) -> HostFacts:
+    """This machine's facts now; a source that cannot be read leaves its fact None."""
+    try:
+        driver = driver_version(driver_path.read_text(errors="replace"))
+    except OSError:
+        driver = None
+    try:
+        total, free = cma(meminfo_path.read_text(errors="replace"))
+    except OSError:
+        total, free = None, None
+    return HostFacts(os.uname().release, driver, total, free, _find_ptxas(vllm_env))
+
+
+def _find_ptxas(env: Mapping[str, str]) -> str | None:
+    """The first candidate that runs and is new enough to know sm_121a."""
+    for path in ptxas_candidates(env):
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            continue
+        try:
+            result = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        release = ptxas_release(result.stdout)
+        if release is not None and release >= PTXAS_MIN_RELEASE:
+            return str(path)
+    return None
