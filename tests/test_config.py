@@ -86,7 +86,7 @@ BROKEN = [
     Broken("bad_env_name", GOOD_HEAD + '[vllm.env]\n"BAD-NAME" = "1"\n', "vllm.env.BAD-NAME", "is not an environment variable name", 5),
     Broken("env_value_table", GOOD_HEAD + "[vllm.env]\nX = {{ a = 1 }}\n", "vllm.env.X", "must be a string", 5),
     Broken("env_file_relative", GOOD_HEAD + 'env_file = "secrets.env"\n', "vllm.env_file", "must be an absolute path", 4),
-    Broken("env_file_missing", GOOD_HEAD + 'env_file = "{tmp}/nope.env"\n', "vllm.env_file", "nope.env: cannot read: No such file or directory", 4),
+    Broken("env_file_missing", GOOD_HEAD + 'env_file = "{tmp}/nope.env"\n', "vllm.env_file", "nope.env does not exist; create it, or remove vllm.env_file", 4),
     Broken("max_attempts_zero", GOOD_HEAD + "[restart]\nmax_attempts = 0\n", "restart.max_attempts", "must be >= 1 (got 0)", 5),
     Broken("backoff_order", GOOD_HEAD + "[restart]\nbackoff_initial_s = 10\nbackoff_max_s = 1\n", "restart", "backoff_max_s (1.0) must be >= backoff_initial_s (10.0)", 4),
     Broken("unknown_load_strategy", GOOD_HEAD + '[startup]\nload_strategy_ladder = ["fast"]\n', "startup.load_strategy_ladder.0", "must be one of", 5),
