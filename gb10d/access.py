@@ -144,7 +144,10 @@ class Denial:
     def verb(self) -> str:
         """What the user may not do, as the sentence says it."""
         if self.node.is_dir:
-            return "enter" if self.want == Want.EXEC else ("write in" if self.want & Want.WRITE else "list")
+            # Not even allowed in: that is what the operator meets first.
+            if not permits(self.node, self.who, Want.EXEC):
+                return "enter"
+            return "write in" if self.want & Want.WRITE else "list"
         return "run" if self.want & Want.EXEC else ("write" if self.want & Want.WRITE else "read")
 
     def cause(self, role: str = "the service user") -> str:

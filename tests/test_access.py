@@ -93,8 +93,9 @@ def test_the_first_directory_in_the_way_is_the_one_named() -> None:
 @pytest.mark.parametrize(
     ("target", "want", "verb"),
     [
-        (node("/m", 0o700), Want.READ, "list"),
-        (node("/m", 0o700), Want.WRITE, "write in"),
+        (node("/m", 0o700), Want.READ, "enter"),  # not even allowed in: that comes first
+        (node("/m", 0o701), Want.READ, "list"),
+        (node("/m", 0o705), Want.WRITE, "write in"),
         (node("/m/config.json", 0o600, kind=FILE), Want.READ, "read"),
         (node("/v/bin/vllm", 0o700, kind=FILE), Want.EXEC, "run"),
     ],
