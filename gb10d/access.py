@@ -209,6 +209,14 @@ def ways_out(denial: Denial, unit: str) -> list[WayOut]:
     return ways
 
 
+def advice(ways: list[WayOut]) -> list[str]:
+    """The ways out as the lines that follow a problem: a heading, then each way with its exact command."""
+    if not ways:
+        return []
+    heading = {1: "the way out:", 2: "two ways out:"}.get(len(ways), f"{len(ways)} ways out:")
+    return [heading] + [f"  {'or ' if i else ''}{way.summary}: {way.command}" for i, way in enumerate(ways)]
+
+
 # --- the shell: stat data and users -------------------------------------------
 
 

@@ -157,9 +157,13 @@ def _print_ray_command(cluster: ClusterSection, vllm: VllmSection) -> dict[str, 
 
 def cmd_import_script(args: argparse.Namespace) -> int:
     """Translate a hand-written start script into gb10d.toml on stdout."""
-    from .importscript import import_script_file
+    from .importscript import import_script, read_script, render
+    from .migrate import for_the_service, merge, survey
 
-    sys.stdout.write(import_script_file(args.script))
+    text, shown = read_script(args.script)
+    imported = import_script(text, shown)
+    vllm = imported.data["vllm"]
+    sys.stdout.write(render(merge(imported, for_the_service(vllm, survey(vllm))), shown))
     return EXIT_OK
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from .access import Denial, Principal, Walked, Want, WayOut, reach, walk, ways_out
+from .access import Denial, Principal, Walked, Want, WayOut, advice, reach, walk, ways_out
 from .cluster import ray_program
 from .command import env_additions, read_env_file
 from .config import LoadedConfig
@@ -48,11 +48,7 @@ class PathReport:
 
     def advice(self) -> list[str]:
         """The lines that follow the problems: each way out with its exact command."""
-        if not self.ways_out:
-            return []
-        lines = ["two ways out:" if len(self.ways_out) == 2 else f"{len(self.ways_out)} ways out:" if len(self.ways_out) > 2 else "the way out:"]
-        lines += [f"  {'or ' if i else ''}{way.summary}: {way.command}" for i, way in enumerate(self.ways_out)]
-        return lines
+        return advice(self.ways_out)
 
 
 class PathsUnreachable(ConfigError):
