@@ -28,7 +28,7 @@ from .cluster import ray_program
 from .command import env_additions, read_env_file
 from .config import LoadedConfig
 from .errors import ConfigError, ConfigProblem
-from .hfcache import cached_snapshot, hub_cache, hub_cache_source, is_repo_id, offline, weight_files
+from .hfcache import cached_snapshot, hub_cache, hub_cache_source, is_repo_id, offline, repo_folder, weight_files
 from .service import ServiceContext, ipc_warning, lingering, logind_texts, remove_ipc
 
 
@@ -79,7 +79,7 @@ class _Checker:
             return reach(walked.chain, self.who, Want.EXEC) if self.is_self else None
         return reach(walked.chain, self.who, want)
 
-    def check(self, key: str, path: Path, want: Want, what: str, missing_hint: str) -> bool:
+    def check(self, key: str, path: Path, want: Want, what: str, missing_hint: str, lead: str | None = None) -> bool:
         """Check one path for `want`; record a problem and return False when the service cannot use it."""
         text = str(path)
         if not self.context.sandbox.allows_read(text):
@@ -99,7 +99,7 @@ class _Checker:
             return False
         denial = self.denial(walked, want)
         if denial is not None:
-            at = "" if denial.node.path == text else f"{what} {text} exists, but "
+            at = lead if lead is not None else "" if denial.node.path == text else f"{what} {text} exists, but "
             self.report.deny(self.problem(key, f"{at}{denial.cause()}"), denial, self.context.unit)
             return False
         if walked.hidden is not None:
@@ -184,8 +184,13 @@ class _Checker:
         where = f"the Hugging Face cache {hub} ({self.origin(env)})"
         if snapshot is not None:
             for file in [snapshot / "config.json", *weight_files(snapshot)[:1]]:
-                if not self.check(key, file, Want.READ, f"{model} is in {where}, and its file", "the cache is damaged; download the model again"):
+                if not self.check(key, file, Want.READ, "", "the cache is damaged; download the model again", lead=f"{model} is in {where}, but "):
                     return
+            return
+        repo = Path(hub) / repo_folder(model)
+        if walk(str(repo)).hidden is not None:
+            # Whether the model is there cannot be seen from here: say what is in the way, not that it is missing.
+            self.check(key, repo / "refs" / "main", Want.READ, "", "", lead=f"{model} may be in {where}, but ")
             return
         if offline(env):
             self.report.problems.append(self.problem(key, (
