@@ -234,15 +234,24 @@ class Walked:
     hidden: str | None = None
 
 
+def user_name(uid: int) -> str:
+    """The name of a uid, or the number when no user has it."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def group_name(gid: int) -> str:
+    """The name of a gid, or the number when no group has it."""
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
 def _node(path: str, st: os.stat_result) -> Node:
-    try:
-        owner = pwd.getpwuid(st.st_uid).pw_name
-    except KeyError:
-        owner = str(st.st_uid)
-    try:
-        group = grp.getgrgid(st.st_gid).gr_name
-    except KeyError:
-        group = str(st.st_gid)
+    owner, group = user_name(st.st_uid), group_name(st.st_gid)
     try:
         acl = parse_acl(os.getxattr(path, "system.posix_acl_access", follow_symlinks=False))
     except OSError:
@@ -300,8 +309,4 @@ def principal(name: str, extra_groups: tuple[str, ...] = ()) -> Principal | None
 def current_principal() -> Principal:
     """This process's own user and groups."""
     uid = os.geteuid()
-    try:
-        name = pwd.getpwuid(uid).pw_name
-    except KeyError:
-        name = str(uid)
-    return Principal(name, uid, frozenset({os.getegid(), *os.getgroups()}))
+    return Principal(user_name(uid), uid, frozenset({os.getegid(), *os.getgroups()}))

@@ -101,6 +101,7 @@ def cmd_service_user(args: argparse.Namespace) -> int:
     """Run the unit as a login user (or, given gb10d, as the system user again): the drop-in, lingering, daemon-reload."""
     import pwd
 
+    from .access import group_name
     from .service import SYSTEM_USER, dropin_dir, install_user_dropin, unit_for_config, user_dropin
 
     unit = args.unit or unit_for_config(_config_path(args))
@@ -112,9 +113,7 @@ def cmd_service_user(args: argparse.Namespace) -> int:
         raise Gb10dError("gb10d does not run vLLM as root; name the user whose start script ran it, or gb10d for the system user")
     if args.print:
         if args.user != SYSTEM_USER:
-            import grp
-
-            sys.stdout.write(user_dropin(entry.pw_name, grp.getgrgid(entry.pw_gid).gr_name, entry.pw_dir))
+            sys.stdout.write(user_dropin(entry.pw_name, group_name(entry.pw_gid), entry.pw_dir))
         return EXIT_OK
     if os.geteuid() != 0:
         raise Gb10dError(f"writing {dropin_dir(unit)} needs root: sudo gb10d service-user {args.user}")

@@ -20,7 +20,6 @@ Parsing and deciding are pure; `query`, `logind_texts`, `lingering` and
 
 from __future__ import annotations
 
-import grp
 import os
 import pwd
 import re
@@ -30,7 +29,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .access import Principal, current_principal, principal
+from .access import Principal, current_principal, group_name, principal
 from .errors import Gb10dError
 
 MAIN_UNIT = "gb10d.service"
@@ -301,7 +300,7 @@ def install_user_dropin(unit: str, user: str) -> Installed:
             done.append(f"{unit} already runs as {SYSTEM_USER} ({path} does not exist)")
     else:
         entry = pwd.getpwnam(user)
-        group = _group_name(entry.pw_gid)
+        group = group_name(entry.pw_gid)
         for name in HOME_CACHE_DIRS:
             directory = Path(entry.pw_dir) / name
             if not directory.exists():
@@ -315,13 +314,6 @@ def install_user_dropin(unit: str, user: str) -> Installed:
         done += _linger(user)
     done += _systemctl("daemon-reload")
     return Installed(done)
-
-
-def _group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
 
 
 def _linger(user: str) -> list[str]:

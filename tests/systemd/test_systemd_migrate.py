@@ -72,6 +72,13 @@ preflight = false
 """
 
 
+def start_script() -> str:
+    """The reference script as its first user runs it: it also names a log file and removes the old one first."""
+    lines = (REPO / "tests" / "fixtures" / "scripts" / "reference.sh").read_text().splitlines(keepends=True)
+    log = f'LOG_FILE="{HOME}/vllm.log"\nif [ -f "$LOG_FILE" ]; then rm "$LOG_FILE"; fi\n'
+    return "#!/bin/bash\n" + "".join(lines[:3]) + log + "".join(lines[3:])
+
+
 def cursor(box: Container) -> str:
     """Where the journal ends now, so a test reads only what its own start wrote."""
     return box.run("journalctl", "-n", "0", "--show-cursor").stdout.split("cursor: ")[-1].strip()
@@ -99,7 +106,7 @@ def operator(container: Container, build_deb: Callable[[str], Path]) -> Containe
     container.sh(OPERATOR_SETUP)
     container.write(f"{VENV}/bin/vllm", VLLM_SCRIPT, mode="0775")
     container.run("chown", f"{USER}:{USER}", f"{VENV}/bin/vllm")
-    script = (REPO / "tests" / "fixtures" / "scripts" / "start.sh").read_text()
+    script = start_script()
     container.write(f"{HOME}/start.sh", script, mode="0755")
     container.run("chown", f"{USER}:{USER}", f"{HOME}/start.sh")
     container.write(MEMINFO, meminfo(total_gib=121.69, free_gib=115.0))
@@ -117,7 +124,7 @@ def test_import_script_points_at_the_model_already_downloaded_and_says_what_chan
     assert f'HF_HUB_CACHE = "{HUB}"' in config and 'HF_HUB_OFFLINE = "1"' in config
     assert f"# note: {MODEL} is already in {USER}'s Hugging Face cache {HUB}" in config
     assert f"# note: the service runs vLLM as the system user gb10d, not as {USER} who ran this script" in config
-    assert "# note: line 7: `if [ -f \"$LOG_FILE\" ]; then rm \"$LOG_FILE\"; fi` has no effect on vLLM under gb10d; ignored" in config
+    assert '# note: line 6: `if [ -f "$LOG_FILE" ]; then rm "$LOG_FILE"; fi` has no effect on vLLM under gb10d; ignored' in config
     assert f"no longer to {HOME}/vllm.log" in config
     assert f"# warning: as things are, the service user gb10d cannot use this: {HOME} is mode 0750 and the service user gb10d may not enter it" in config
 
