@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import __version__
 from .cluster import cluster_env, ray_argv, vllm_flags
-from .command import REDACTED, build_argv, env_additions, redact_setting, runnable_problems, shell_line
+from .command import REDACTED, build_argv, env_additions, redact_setting, shell_line
 from .config import (
     CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
@@ -71,11 +72,18 @@ def _explain(loaded: LoadedConfig, prefix: str = "") -> None:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    """Validate the config and what can be checked offline; print OK and a summary."""
+    """Validate the config and check every path it names as the service user will meet it; print OK and a summary."""
+    from .pathcheck import PathsUnreachable, check_paths
+    from .service import query, unit_for_config
+
     loaded = _load(args)
-    problems = runnable_problems(loaded)
-    if problems:
-        raise ConfigError(problems)
+    unit = args.unit or unit_for_config(_config_path(args))
+    context = query(unit, args.user)
+    report = check_paths(loaded, context)
+    for warning in report.warnings:
+        _say(f"warning: {warning}")
+    if report.problems:
+        raise PathsUnreachable(report)
     v = loaded.config.vllm
     dropins = len(loaded.files) - 1
     print("OK")
@@ -83,8 +91,36 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         f"{loaded.files[0]}{f' + {dropins} drop-in(s)' if dropins else ''}: serve {v.model} as {', '.join(v.served_names)} "
         f"on {v.host}:{v.port} with gpu_memory_utilization {v.gpu_memory_utilization:g} using {v.program}"
     )
+    print(f"paths checked as {context.describe()}")
     if args.explain:
         _explain(loaded)
+    return EXIT_OK
+
+
+def cmd_service_user(args: argparse.Namespace) -> int:
+    """Run the unit as a login user (or, given gb10d, as the system user again): the drop-in, lingering, daemon-reload."""
+    import pwd
+
+    from .access import group_name
+    from .service import SYSTEM_USER, dropin_dir, install_user_dropin, unit_for_config, user_dropin
+
+    unit = args.unit or unit_for_config(_config_path(args))
+    try:
+        entry = pwd.getpwnam(args.user)
+    except KeyError:
+        raise Gb10dError(f"no user {args.user} on this machine") from None
+    if entry.pw_uid == 0:
+        raise Gb10dError("gb10d does not run vLLM as root; name the user whose start script ran it, or gb10d for the system user")
+    if args.print:
+        if args.user != SYSTEM_USER:
+            sys.stdout.write(user_dropin(entry.pw_name, group_name(entry.pw_gid), entry.pw_dir))
+        return EXIT_OK
+    if os.geteuid() != 0:
+        raise Gb10dError(f"writing {dropin_dir(unit)} needs root: sudo gb10d service-user {args.user}")
+    for line in install_user_dropin(unit, entry.pw_name).lines:
+        print(line)
+    manager = unit.removesuffix(".service")
+    print(f"next: sudo gb10d check-config, then: sudo systemctl restart {manager}")
     return EXIT_OK
 
 
@@ -120,16 +156,25 @@ def _print_ray_command(cluster: ClusterSection, vllm: VllmSection) -> dict[str, 
 
 def cmd_import_script(args: argparse.Namespace) -> int:
     """Translate a hand-written start script into gb10d.toml on stdout."""
-    from .importscript import import_script_file
+    from .importscript import import_script, read_script, render
+    from .migrate import for_the_service, merge, survey
 
-    sys.stdout.write(import_script_file(args.script))
+    text, shown = read_script(args.script)
+    imported = import_script(text, shown)
+    vllm = imported.data["vllm"]
+    sys.stdout.write(render(merge(imported, for_the_service(vllm, survey(vllm))), shown))
     return EXIT_OK
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run the supervisor in the foreground (what the systemd unit starts)."""
+    """Run the supervisor in the foreground (what the systemd unit starts), unless a program it needs is out of its reach."""
     from .daemon import run_daemon
+    from .pathcheck import PathsUnreachable, check_paths
+    from .service import this_process, unit_for_config
 
+    report = check_paths(_load(args), this_process(unit_for_config(_config_path(args))), caches=False)
+    if report.problems:
+        raise PathsUnreachable(report)
     return run_daemon(_config_path(args))
 
 
@@ -211,12 +256,31 @@ def build_parser() -> argparse.ArgumentParser:
         "check-config",
         cmd_check_config,
         "validate the config (exit 78 if invalid)",
-        "Validate the config file and its drop-ins, check that the vllm program exists and is executable "
-        "and that env_file is readable, then print OK and a one-line summary (exit 0). "
+        "Validate the config file and its drop-ins, then check every path it names as the user the unit runs as "
+        "(asked of systemd; run as root to see everything): the vllm program and its interpreter, the Ray program, "
+        "env_file, a local model directory, the Hugging Face cache and vLLM's compile caches. Print OK, a one-line summary "
+        "and the user the paths were checked as (exit 0), with warnings (logind's RemoveIPC= for a login user) on stderr. "
         "Otherwise print each problem with its file, line and key, and exit 78. "
         "The systemd unit runs this as ExecStartPre.",
     )
     p.add_argument("--explain", action="store_true", help="also list every effective value and the file it came from")
+    p.add_argument("--user", metavar="NAME", help="check the paths as this user instead of the one the unit runs as "
+                   "(e.g. before gb10d service-user NAME)")
+    p.add_argument("--unit", metavar="UNIT", help="the unit whose user, environment and sandbox count (default: gb10d.service, "
+                   "or gb10d@NAME.service for /etc/gb10d/NAME.toml)")
+    p = add(
+        "service-user",
+        cmd_service_user,
+        "run the service as a login user, or as gb10d again",
+        "Run gb10d.service (and vLLM) as USER, the way a start script ran it: write the drop-in "
+        "/etc/systemd/system/gb10d.service.d/50-service-user.conf (User=, Group=, the caches in USER's home, "
+        "ProtectHome=read-only with only those cache directories writable), create those directories if missing, "
+        "keep USER lingering (loginctl enable-linger) so logind's RemoveIPC= does not delete vLLM's semaphores "
+        "at logout, and run systemctl daemon-reload. 'gb10d service-user gb10d' removes the drop-in. Needs root.",
+    )
+    p.add_argument("user", metavar="USER", help="the login user to run as, or gb10d for the system user")
+    p.add_argument("--unit", metavar="UNIT", help="the unit to change (default: gb10d.service, or gb10d@NAME.service for /etc/gb10d/NAME.toml)")
+    p.add_argument("--print", action="store_true", help="only print the drop-in; write and change nothing")
     p = add(
         "print-command",
         cmd_print_command,
@@ -307,18 +371,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _say(line: str, level: str = "<4>") -> None:
+    """One `gb10d: ` line on stderr; under systemd the journal files it at `level`."""
+    print(f"{level if connected_to_journal(sys.stderr) else ''}gb10d: {line}", file=sys.stderr)
+
+
 def _report(exc: Gb10dError, args: argparse.Namespace) -> None:
-    """Print an error as `gb10d: ` lines; config errors end with how to check again."""
+    """Print an error as `gb10d: ` lines; config errors end with how to check again (access errors with the ways out first)."""
     lines = [str(p) for p in exc.problems] if isinstance(exc, ConfigError) else str(exc).splitlines() or [repr(exc)]
-    # Under systemd (ExecStartPre=check-config, gb10d run) the journal files these as errors.
-    level = "<3>" if connected_to_journal(sys.stderr) else ""
-    for line in lines:
-        print(f"{level}gb10d: {line}", file=sys.stderr)
     if isinstance(exc, ConfigError) and args.command != "import-script":
         again = "gb10d check-config"
         if getattr(args, "config", None):
             again += f" --config {args.config}"
-        print(f"{level}gb10d: fix the file, then check again with: {again}", file=sys.stderr)
+        advice = getattr(exc, "advice", [])
+        lines += [*advice, f"then check again with: sudo {again}"] if advice else [f"fix the file, then check again with: {again}"]
+    for line in lines:
+        _say(line, "<3>")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

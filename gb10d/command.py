@@ -15,8 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .cluster import ray_program
-from .config import LoadedConfig, VllmSection, normalize_flag
+from .config import VllmSection, normalize_flag
 from .errors import ConfigError, ConfigProblem
 
 # Variables that belong to gb10d's own contract with systemd; vLLM must never see them.
@@ -179,36 +178,6 @@ def build_env(vllm: VllmSection, base: Mapping[str, str] | None = None, added: S
     env.update(configured)
     env.update((name, value) for name, value in added if name not in configured)
     return env
-
-
-def runnable_problems(loaded: LoadedConfig) -> list[ConfigProblem]:
-    """What can be checked without starting vLLM: the programs exist and run, env_file parses.
-
-    `check-config` (the unit's ExecStartPre) reports these so a missing venv
-    fails the start at once instead of after a restart loop.
-    """
-    vllm = loaded.config.vllm
-    key = "vllm.executable" if vllm.executable is not None else "vllm.venv"
-    problems = _program_problems(loaded, key, vllm.program, "vLLM")
-    cluster = loaded.config.cluster
-    if cluster is not None:
-        problems += _program_problems(loaded, "cluster.ray" if cluster.ray else key, ray_program(cluster, vllm), "Ray")
-    if vllm.env_file is not None:
-        try:
-            read_env_file(vllm.env_file)
-        except ConfigError as exc:
-            # An unreadable file is blamed on the line that names it; a bad line in it, on that line.
-            problems += [p if p.line is not None else loaded.problem("vllm.env_file", f"{p.path}: {p.message}") for p in exc.problems]
-    return problems
-
-
-def _program_problems(loaded: LoadedConfig, key: str, program: Path, name: str) -> list[ConfigProblem]:
-    if not program.is_file():
-        hint = f"is {name} installed in that venv?" if key == "vllm.venv" else f"is that the path of the {program.name} program?"
-        return [loaded.problem(key, f"{program} does not exist; {hint}")]
-    if not os.access(program, os.X_OK):
-        return [loaded.problem(key, f"{program} is not executable; chmod +x it or fix the path")]
-    return []
 
 
 def redact_argv(argv: list[str]) -> list[str]:

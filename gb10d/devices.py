@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import errno
 import fnmatch
-import grp
 import os
-import pwd
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+from .access import group_name, user_name
 
 # Every CUDA process opens the control device and the unified-memory device first.
 NVIDIA_NODES = (Path("/dev/nvidiactl"), Path("/dev/nvidia-uvm"))
@@ -121,7 +121,7 @@ def probe_nodes(paths: tuple[Path, ...] = NVIDIA_NODES) -> list[NodeAccess]:
             os.close(os.open(path, os.O_RDWR | os.O_CLOEXEC))
         except OSError as exc:
             error = exc.errno
-        found.append(NodeAccess(path, error, _user_name(st.st_uid), _group_name(st.st_gid), st.st_mode))
+        found.append(NodeAccess(path, error, user_name(st.st_uid), group_name(st.st_gid), st.st_mode))
     return found
 
 
@@ -134,18 +134,4 @@ def check_gpu_access(unit: str, paths: tuple[Path, ...] = NVIDIA_NODES, proc_dev
         groups = parse_proc_devices(proc_devices.read_text())
     except OSError:
         groups = []
-    return access_problem(nodes, groups, _user_name(os.geteuid()), unit)
-
-
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-def _group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
+    return access_problem(nodes, groups, user_name(os.geteuid()), unit)

@@ -41,10 +41,15 @@ _RELEVANT_ENV = (
 # Commands with no effect on vLLM once gb10d runs it (it owns output, restarts and the process).
 _HARMLESS = {
     "echo", "printf", "set", "shopt", "sleep", "mkdir", "touch", "date", "tail", "cat", "tee", "true", ":",
-    "umask", "disown", "wait", "exit", "deactivate", "nvidia-smi", "sync", "trap", "rm", "ls", "pwd",
+    "umask", "disown", "wait", "exit", "deactivate", "nvidia-smi", "sync", "trap", "rm", "ls", "pwd", *("[", "[[", "test"),
 }
 _STOPPERS = {"pkill", "kill", "killall"}
 _CONTROL = {"if", "then", "elif", "else", "fi", "for", "while", "until", "do", "done", "case", "esac", "function", "{", "}", "(", ")"}
+# Compound commands: the word that opens one, and the word that closes it.
+_OPENERS = {"if": "fi", "for": "done", "while": "done", "until": "done", "case": "esac", "{": "}"}
+# Words that start a command inside a compound one (`then rm x` runs `rm x`).
+_INNER_KEYWORDS = {"then", "elif", "else", "do", "if", "while", "until", "!"}
+_TESTS = {"[", "[[", "test"}
 # Wrappers before the program that gb10d makes unnecessary: systemd keeps it running and owns the process.
 _WRAPPERS = {"nohup", "exec", "setsid", "time", "env"}
 _SHORT_FLAGS = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size", "-dp": "data-parallel-size", "-q": "quantization"}
@@ -167,6 +172,54 @@ def _commands(text: str) -> list[_Command]:
             i = word_end = end
     finish()
     return commands
+
+
+@dataclass
+class _Block:
+    """A compound command (`if ... fi`, a loop, `case`, `{ }`): its lines, its text, and the simple commands in it.
+
+    The script is read as if every command ran once, so a block is judged as
+    one thing: harmless, holding the vLLM command, or something gb10d does
+    not reproduce; one note or warning each, not one per keyword.
+    """
+
+    first: int
+    last: int
+    text: str
+    commands: list[_Command] = field(default_factory=list)
+
+
+def _blocks(commands: list[_Command]) -> list[_Command | _Block]:
+    """Group the simple commands into top-level commands and compound blocks, stripping the keywords inside."""
+    items: list[_Command | _Block] = []
+    block: _Block | None = None
+    closers: list[str] = []
+    for command in commands:
+        words = command.words
+        opener = words[0] if words else ""
+        if block is None and opener not in _OPENERS:
+            items.append(command)
+            continue
+        if block is None:
+            block = _Block(command.line, command.line, "")
+            items.append(block)
+        block.last = command.line
+        joiner = " " if block.text.endswith((" then", " do", " else", " {")) or block.text in ("{",) else "; "
+        block.text += (joiner if block.text else "") + " ".join(words + command.redirects)
+        inner = list(words)
+        while inner and (inner[0] in _OPENERS or inner[0] in _INNER_KEYWORDS or (closers and inner[0] == closers[-1])):
+            word = inner.pop(0)
+            if word in _OPENERS:
+                closers.append(_OPENERS[word])
+                if word in ("for", "case"):
+                    inner = []  # `for x in ...` and `case $x in` are headers, not commands
+            elif closers and word == closers[-1]:
+                closers.pop()
+        if inner:
+            block.commands.append(_Command(command.line, inner, command.redirects, command.background, command.piped_from))
+        if not closers:
+            block = None
+    return items
 
 
 @dataclass
@@ -407,12 +460,8 @@ def _interpret(shell: _Shell, command: _Command, result: _Import) -> None:
         if result.cwd is None:
             result.warnings.append(f"line {line}: cd {target!r} cannot be followed; relative paths after it are not resolved")
         return
-    start = next((k for k, f in enumerate(fields) if _is_vllm(f) or _is_python(f)), None)
-    runs_vllm = start is not None and (
-        fields[start + 1 : start + 2] == ["-m"] or (_is_vllm(fields[start]) and (start == 0 or fields[start + 1 : start + 2] == ["serve"]))
-    )
-    # `pkill -f vllm` or `echo vllm serve` mention vllm without running it.
-    if start is not None and runs_vllm and posixpath.basename(fields[0]) not in _HARMLESS | _STOPPERS:
+    start = _vllm_start(fields)
+    if start is not None:
         _wrappers(fields[:start], line, result)
         if result.found == 0:
             for expanded in [*expansions, *(e for _, e in assignments)]:
@@ -420,6 +469,16 @@ def _interpret(shell: _Shell, command: _Command, result: _Import) -> None:
         _vllm_command(shell, fields[start:], [(n, " ".join(e.fields)) for n, e in assignments], command, result)
         return
     _other(fields, command, result)
+
+
+def _vllm_start(fields: list[str]) -> int | None:
+    """The index of the vllm (or python -m vllm...) word when this command runs vLLM, else None."""
+    start = next((k for k, f in enumerate(fields) if _is_vllm(f) or _is_python(f)), None)
+    runs_vllm = start is not None and (
+        fields[start + 1 : start + 2] == ["-m"] or (_is_vllm(fields[start]) and (start == 0 or fields[start + 1 : start + 2] == ["serve"]))
+    )
+    # `pkill -f vllm` or `echo vllm serve` mention vllm without running it.
+    return start if runs_vllm and posixpath.basename(fields[0]) not in _HARMLESS | _STOPPERS else None
 
 
 def _relevant(name: str) -> bool:
@@ -548,10 +607,16 @@ def _vllm_command(shell: _Shell, fields: list[str], assignments: list[tuple[str,
     if "model" not in result.vllm:
         result.warnings.append(f"line {line}: no model was given; set vllm.model")
     _environment(shell, assignments, line, result)
-    extras = [r for r in command.redirects] + (["&"] if command.background else [])
-    if extras:
+    if command.redirects:
+        outputs = [r.split(None, 1)[1] for r in command.redirects if r.split(None, 1)[0] in (">", ">>", "1>", "1>>", "&>", "&>>") and " " in r]
+        target = " ".join(shell.expand(outputs[0]).fields) if outputs else ""
         result.notes.append(
-            f"line {line}: {' '.join(extras)} not needed: gb10d sends vLLM's output to the journal (journalctl -u gb10d)"
+            f"line {line}: {' '.join(command.redirects)} not needed: vLLM's output goes to the journal now "
+            f"(journalctl -u gb10d){f', no longer to {target}' if target else ''}"
+        )
+    if command.background:
+        result.notes.append(
+            f"line {line}: & not needed: systemd runs gb10d in the background, and systemctl start gb10d returns once vLLM serves"
         )
     if command.piped_from:
         result.warnings.append(f"line {line}: vllm reads from a pipe here; gb10d gives it no input")
@@ -667,6 +732,33 @@ def _other(fields: list[str], command: _Command, result: _Import) -> None:
         result.warnings.append(f"line {command.line}: {text!r} is not understood and was not imported; if vLLM depends on it, do it another way (e.g. ExecStartPre= in a systemd drop-in)")
 
 
+def _block(shell: _Shell, block: _Block, result: _Import) -> None:
+    """A compound command as one thing: its variables are applied, and it gets one note or one warning."""
+    lines = f"line {block.first}" if block.first == block.last else f"lines {block.first}-{block.last}"
+    shown = block.text if len(block.text) <= 100 else block.text[:97] + "..."
+    others: list[str] = []
+    runs_vllm = False
+    for command in block.commands:
+        fields = [f for w in command.words for f in shell.expand(w).fields]
+        name = posixpath.basename(fields[0]) if fields else ""
+        if not fields or _ASSIGNMENT.fullmatch(command.words[0]) or name in ("export", "declare", "readonly", "local", "typeset", "source", ".", "cd"):
+            _interpret(shell, command, result)
+        elif _vllm_start(fields) is not None:
+            runs_vllm = True
+            _interpret(shell, command, result)
+        elif name not in _HARMLESS | _STOPPERS:
+            others.append(name)
+    if runs_vllm:
+        result.warnings.append(f"{lines}: the vLLM command is inside `{shown}`; gb10d runs it every time, as if the condition held; check the result")
+    elif others:
+        result.warnings.append(
+            f"{lines}: `{shown}` is not reproduced ({', '.join(dict.fromkeys(others))}); if vLLM depends on it, "
+            "do it another way (e.g. ExecStartPre= in a systemd drop-in: systemctl edit gb10d)"
+        )
+    else:
+        result.notes.append(f"{lines}: `{shown}` has no effect on vLLM under gb10d; ignored")
+
+
 @dataclass(frozen=True)
 class Imported:
     """The gb10d.toml tables read from a script, and what the operator must know about them."""
@@ -683,8 +775,11 @@ def import_script(text: str, shown: str = "<script>") -> Imported:
     if "\r\n" in text:
         # bash would pass each \r on to vLLM as part of the last word; the intent is plain newlines.
         result.notes.append("the script has Windows line endings (CRLF); read as if it had plain newlines")
-    for command in _commands(text.replace("\r\n", "\n")):
-        _interpret(shell, command, result)
+    for item in _blocks(_commands(text.replace("\r\n", "\n"))):
+        if isinstance(item, _Block):
+            _block(shell, item, result)
+        else:
+            _interpret(shell, item, result)
     if not result.found:
         raise ConfigError([ConfigProblem(shown, "", "no vllm serve (or python -m vllm.entrypoints.openai.api_server) command found; nothing to import")])
     vllm: dict[str, Any] = {}
@@ -728,8 +823,8 @@ def render(imported: Imported, shown: str) -> str:
     return "\n".join(header) + "\n\n" + tomli_w.dumps(imported.data)
 
 
-def import_script_file(path: Path) -> str:
-    """Read a script file (or stdin for `-`) and return the gb10d.toml text; ConfigError when unreadable."""
+def read_script(path: Path) -> tuple[str, str]:
+    """A script's text (stdin for `-`) and the name to show for it; ConfigError when it cannot be read."""
     shown = "<stdin>" if str(path) == "-" else str(path)
     try:
         raw = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
@@ -738,7 +833,12 @@ def import_script_file(path: Path) -> str:
     except OSError as exc:
         raise ConfigError([ConfigProblem(shown, "", f"cannot read: {exc.strerror or exc}")]) from None
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8"), shown
     except UnicodeDecodeError:
         raise ConfigError([ConfigProblem(shown, "", "not UTF-8 text; is this really a shell script?")]) from None
+
+
+def import_script_file(path: Path) -> str:
+    """Read a script file (or stdin for `-`) and return the gb10d.toml text of what it says; ConfigError when unreadable."""
+    text, shown = read_script(path)
     return render(import_script(text, shown), shown)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from .hfcache import hub_cache, repo_folder
+
 GIB = 1024**3
 
 
@@ -163,11 +165,8 @@ def safetensors_files(model: str, env: Mapping[str, str]) -> list[Path]:
     local = Path(model).expanduser()
     if local.is_dir():
         return sorted(local.glob("*.safetensors"))
-    hub = env.get("HF_HUB_CACHE")
-    if not hub:
-        home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
-        hub = os.path.join(home, "hub")
-    repo = Path(hub) / ("models--" + model.replace("/", "--")) / "snapshots"
+    hub = hub_cache(env, env.get("HOME") or os.path.expanduser("~"))
+    repo = Path(hub) / repo_folder(model) / "snapshots"
     return sorted(repo.glob("*/*.safetensors")) if repo.is_dir() else []
 
 

@@ -184,3 +184,29 @@ def test_import_then_print_command_through_the_real_cli(tmp_path: Path) -> None:
     assert printed.returncode == 0, printed.stderr
     assert shlex.split(printed.stdout)[:3] == ["/home/hayashi/vllm-pip-env/bin/vllm", "serve", "Qwen/Qwen3.6-27B-FP8"]
     assert "Traceback" not in imported.stderr + printed.stderr
+
+
+def test_service_user_print_shows_the_drop_in_and_writes_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["service-user", "nobody", "--print"]) == 0
+    text = capsys.readouterr().out
+    assert "User=nobody\n" in text and "UnsetEnvironment=HF_HOME " in text and "ReadWritePaths=-" in text
+
+
+@pytest.mark.parametrize(("user", "message"), [("root", "gb10d does not run vLLM as root"), ("no-such-user-x", "no user no-such-user-x on this machine")])
+def test_service_user_refuses_root_and_unknown_users(user: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["service-user", user]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_check_config_says_whom_it_checked_the_paths_as(tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(f'[vllm]\nvenv = "{fake_venv}"\nmodel = "m"\n')
+    assert main(["check-config", "--config", str(config), "--user", "root"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "paths checked as root (--user)"
+
+
+def test_check_config_user_that_does_not_exist_is_a_clear_error(tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(f'[vllm]\nvenv = "{fake_venv}"\nmodel = "m"\n')
+    assert main(["check-config", "--config", str(config), "--user", "no-such-user-x"]) == 1
+    assert "gb10d: no user no-such-user-x on this machine" in capsys.readouterr().err

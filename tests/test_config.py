@@ -86,7 +86,7 @@ BROKEN = [
     Broken("bad_env_name", GOOD_HEAD + '[vllm.env]\n"BAD-NAME" = "1"\n', "vllm.env.BAD-NAME", "is not an environment variable name", 5),
     Broken("env_value_table", GOOD_HEAD + "[vllm.env]\nX = {{ a = 1 }}\n", "vllm.env.X", "must be a string", 5),
     Broken("env_file_relative", GOOD_HEAD + 'env_file = "secrets.env"\n', "vllm.env_file", "must be an absolute path", 4),
-    Broken("env_file_missing", GOOD_HEAD + 'env_file = "{tmp}/nope.env"\n', "vllm.env_file", "nope.env: cannot read: No such file or directory", 4),
+    Broken("env_file_missing", GOOD_HEAD + 'env_file = "{tmp}/nope.env"\n', "vllm.env_file", "nope.env does not exist; create it, or remove vllm.env_file", 4),
     Broken("max_attempts_zero", GOOD_HEAD + "[restart]\nmax_attempts = 0\n", "restart.max_attempts", "must be >= 1 (got 0)", 5),
     Broken("backoff_order", GOOD_HEAD + "[restart]\nbackoff_initial_s = 10\nbackoff_max_s = 1\n", "restart", "backoff_max_s (1.0) must be >= backoff_initial_s (10.0)", 4),
     Broken("unknown_load_strategy", GOOD_HEAD + '[startup]\nload_strategy_ladder = ["fast"]\n', "startup.load_strategy_ladder.0", "must be one of", 5),
@@ -377,3 +377,106 @@ def test_file_that_cannot_be_read_for_another_reason_is_explained(tmp_path: Path
     assert result.returncode == EXIT_CONFIG
     assert f"gb10d: {config}: cannot read: Too many levels of symbolic links" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# --- paths the service user cannot reach ----------------------------------------------
+
+LOCKED_UID = 1000  # a login user's files, in a home of mode 0750 as Ubuntu 24.04 makes them
+
+
+@pytest.fixture
+def locked(tmp_path: Path) -> Path:
+    """A directory every user may enter holding `home` (mode 0750, a login user's) and `open` (writable by all)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a directory to another user")
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="gb10d-paths-", dir="/tmp"))
+    base.chmod(0o755)
+    (base / "open").mkdir(mode=0o777)
+    (base / "open").chmod(0o1777)
+    home = base / "home"
+    for program in ("venv/bin/vllm", "venv/bin/ray"):
+        path = home / program
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\nexit 0\n")
+        path.chmod(0o755)
+    (home / "secrets.env").write_text("HF_TOKEN=hf_x\n")
+    (home / "model").mkdir()
+    (home / "model" / "config.json").write_text("{}")
+    for path in [home, *home.rglob("*")]:
+        os.chown(path, LOCKED_UID, LOCKED_UID)
+    home.chmod(0o750)
+    yield base
+    shutil.rmtree(base)
+
+
+def unreachable_config(base: Path, vllm: str, tail: str = "") -> str:
+    """A config whose caches are in a directory open to all, so only the path under test is out of reach."""
+    return (
+        f'[vllm]\n{vllm}\n[vllm.env]\nHF_HOME = "{base}/open/hf"\nVLLM_CACHE_ROOT = "{base}/open/vllm"\n'
+        f'TRITON_CACHE_DIR = "{base}/open/triton"\n{tail}'
+    )
+
+
+PATH_KEYS = {
+    "venv": ('venv = "{base}/home/venv"\nmodel = "Qwen/Qwen3.6-27B-FP8"', "", 2, "vllm.venv", "the program {base}/home/venv/bin/vllm"),
+    "executable": ('executable = "{base}/home/venv/bin/vllm"\nmodel = "Qwen/Qwen3.6-27B-FP8"', "", 2, "vllm.executable", "the program {base}/home/venv/bin/vllm"),
+    "env_file": ('executable = "{exe}"\nmodel = "Qwen/Qwen3.6-27B-FP8"\nenv_file = "{base}/home/secrets.env"', "", 4, "vllm.env_file", "the file {base}/home/secrets.env"),
+    "model_directory": ('executable = "{exe}"\nmodel = "{base}/home/model"', "", 3, "vllm.model", "the model directory {base}/home/model"),
+    "cluster_ray": ('executable = "{exe}"\nmodel = "Qwen/Qwen3.6-27B-FP8"', '[cluster]\nrole = "worker"\nhead_address = "10.0.0.1"\nray = "{base}/home/venv/bin/ray"\n',
+                    11, "cluster.ray", "the program {base}/home/venv/bin/ray"),
+}
+
+
+@pytest.mark.parametrize("key", list(PATH_KEYS))
+def test_a_path_the_service_user_cannot_reach_is_named_as_such_with_the_ways_out(key: str, locked: Path, vllm_exe: Path) -> None:
+    vllm, tail, line, dotted, what = PATH_KEYS[key]
+    (vllm_exe.parent / "ray").write_text("#!/bin/sh\n")
+    (vllm_exe.parent / "ray").chmod(0o755)
+    shutil.copytree(vllm_exe.parent.parent, locked / "open" / "venv")
+    exe = locked / "open" / "venv" / "bin" / "vllm"
+    config = locked / "open" / "gb10d.toml"
+    config.write_text(unreachable_config(locked, vllm.format(base=locked, exe=exe), tail.format(base=locked)))
+    result = check_config(config, "--user", "nobody")
+    assert result.returncode == EXIT_CONFIG, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    cause = f"{what.format(base=locked)} exists, but {locked}/home is mode 0750 and the service user nobody may not enter it"
+    assert lines[0] == f"gb10d: {config}:{line}: {dotted}: {cause}", result.stderr
+    assert "does not exist" not in result.stderr and "Traceback" not in result.stderr
+    # The way out that keeps the service user: let it in through the home's group.
+    assert f"gb10d:   or keep the user nobody and let it enter {locked}/home as a member of the group" in result.stderr or \
+        f"gb10d:   keep the user nobody and let it enter {locked}/home as a member of the group" in result.stderr, result.stderr
+    assert "sudo usermod -aG" in result.stderr and lines[-1] == f"gb10d: then check again with: sudo gb10d check-config --config {config}"
+
+
+def test_the_same_paths_are_fine_for_their_owner(locked: Path) -> None:
+    config = locked / "open" / "gb10d.toml"
+    config.write_text(unreachable_config(locked, f'venv = "{locked}/home/venv"\nmodel = "{locked}/home/model"\nenv_file = "{locked}/home/secrets.env"'))
+    owner = subprocess.run(["getent", "passwd", str(LOCKED_UID)], capture_output=True, text=True).stdout.split(":")[0]
+    if not owner:
+        pytest.skip(f"no user with uid {LOCKED_UID} on this machine")
+    result = check_config(config, "--user", owner)
+    assert result.returncode == 0, result.stderr
+    assert f"paths checked as {owner} (--user)" in result.stdout
+
+
+def test_a_cache_the_service_must_write_in_but_cannot_is_named_with_its_variable(locked: Path, vllm_exe: Path) -> None:
+    config = locked / "open" / "gb10d.toml"
+    config.write_text(f'[vllm]\nexecutable = "{vllm_exe}"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n[vllm.env]\nHF_HOME = "{locked}/open/hf"\n'
+                      f'VLLM_CACHE_ROOT = "{locked}/home/.cache/vllm"\nTRITON_CACHE_DIR = "{locked}/open/triton"\n')
+    shutil.copytree(vllm_exe.parent.parent, locked / "open" / "venv")
+    config.write_text(config.read_text().replace(str(vllm_exe), str(locked / "open" / "venv" / "bin" / "vllm")))
+    result = check_config(config, "--user", "nobody")
+    assert result.returncode == EXIT_CONFIG
+    assert (f"gb10d: {config}:6: vllm.env.VLLM_CACHE_ROOT: vLLM writes its compile cache in {locked}/home/.cache/vllm, "
+            f"but {locked}/home is mode 0750 and the service user nobody may not enter it") in result.stderr, result.stderr
+
+
+def test_offline_without_the_model_in_the_cache_is_a_config_error(tmp_path: Path, vllm_exe: Path) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(GOOD_HEAD.format(exe=vllm_exe) + f'[vllm.env]\nHF_HUB_CACHE = "{tmp_path}/hub"\nHF_HUB_OFFLINE = "1"\n')
+    result = check_config(config)
+    assert result.returncode == EXIT_CONFIG
+    assert (f"vllm.env.HF_HUB_CACHE: Qwen/Qwen3.6-27B-FP8 is not in the Hugging Face cache {tmp_path}/hub (HF_HUB_CACHE from [vllm.env]), "
+            "and HF_HUB_OFFLINE=1 keeps vLLM from downloading it") in result.stderr, result.stderr

@@ -11,7 +11,7 @@ import pytest
 CORE = (
     "errors", "levels", "config", "command", "importscript", "events", "logparse", "phases", "facts", "lifecycle",
     "outcome", "policy", "memory", "devices", "liveness", "reload", "learned", "statefile", "status", "cluster",
-    "interfaces", "diagnose", "known", "kernel", "advice",
+    "interfaces", "diagnose", "known", "kernel", "advice", "migrate", "access", "hfcache", "host",
 )
 SHELL_LIBRARIES = ("httpx", "watchdog", "asyncio")
 

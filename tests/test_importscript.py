@@ -93,8 +93,9 @@ def test_reference_script_gives_venv_and_first_class_keys() -> None:
 def test_reference_script_explains_nohup_redirection_and_background(tmp_path: Path) -> None:
     imported = import_script((SCRIPTS / "reference.sh").read_text())
     notes = "\n".join(imported.notes)
-    assert "nohup" in notes
-    assert '> "$LOG_FILE" 2>&1 &' in notes and "journal" in notes
+    assert "line 5: nohup not needed" in notes
+    assert 'line 5: > "$LOG_FILE" 2>&1 not needed: vLLM\'s output goes to the journal now (journalctl -u gb10d)' in notes
+    assert "line 5: & not needed: systemd runs gb10d in the background" in notes
     assert imported.warnings == []
 
 
@@ -177,7 +178,7 @@ def test_unknown_commands_and_unset_variables_become_warnings_not_silence() -> N
     text = "\n".join(import_script(script).warnings)
     assert "line 1: 'ulimit -n 65536' is not reproduced" in text
     assert "line 2: 'docker pull something' is not understood" in text
-    assert "control flow (if)" in text
+    assert "if true" not in text  # a block of harmless commands is a note, not a warning
     assert "line 4: 'taskset -c 0-9' before vllm is not reproduced" in text
     assert "line 4: $MODEL_PATH is not set in the script" in text
     assert "line 4: $(pwd) cannot be evaluated" in text
@@ -255,3 +256,29 @@ def test_json_with_null_stays_a_string_and_escaped_dollar_is_literal(tmp_path: P
 def test_unset_variable_in_the_venv_path_is_reported() -> None:
     imported = import_script('source "${ENV_DIR}/bin/activate"\nvllm serve m\n')
     assert imported.warnings == ["line 1: $ENV_DIR is not set in the script; the value was kept as written, replace it"]
+
+
+def test_a_shell_block_gets_one_note_not_one_warning_per_keyword() -> None:
+    imported = import_script(
+        'LOG_FILE=/home/alice/vllm.log\nif [ -f "$LOG_FILE" ]; then rm "$LOG_FILE"; fi\n'
+        "for i in 1 2 3; do\n  echo waiting $i\n  sleep 1\ndone\n/usr/local/bin/vllm serve m > \"$LOG_FILE\" 2>&1 &\n"
+    )
+    assert imported.warnings == []
+    assert 'line 2: `if [ -f "$LOG_FILE" ]; then rm "$LOG_FILE"; fi` has no effect on vLLM under gb10d; ignored' in imported.notes
+    assert "lines 3-6: `for i in 1 2 3; do echo waiting $i; sleep 1; done` has no effect on vLLM under gb10d; ignored" in imported.notes
+    assert any(n.endswith("no longer to /home/alice/vllm.log") for n in imported.notes), imported.notes
+
+
+def test_a_block_with_a_command_gb10d_does_not_run_is_one_warning_naming_it() -> None:
+    imported = import_script("if ! nvidia-smi; then\n  modprobe nvidia\n  docker restart x\nfi\n/usr/local/bin/vllm serve m\n")
+    assert imported.warnings == [
+        "lines 1-4: `if ! nvidia-smi; then modprobe nvidia; docker restart x; fi` is not reproduced (modprobe, docker); "
+        "if vLLM depends on it, do it another way (e.g. ExecStartPre= in a systemd drop-in: systemctl edit gb10d)"
+    ]
+
+
+def test_the_vllm_command_inside_a_block_is_imported_and_the_condition_named() -> None:
+    imported = import_script('if [ -n "$DEBUG" ]; then\n  export VLLM_LOGGING_LEVEL=DEBUG\nfi\nif true; then\n  /usr/local/bin/vllm serve m --port 9000\nfi\n')
+    assert imported.data["vllm"]["port"] == 9000
+    assert imported.data["vllm"]["env"] == {"VLLM_LOGGING_LEVEL": "DEBUG"}
+    assert any(w.startswith("lines 4-6: the vLLM command is inside `if true; then /usr/local/bin/vllm serve m --port 9000; fi`") for w in imported.warnings)

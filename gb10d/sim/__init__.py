@@ -31,6 +31,13 @@ Knobs (environment):
   GB10; 0.01: ready in about 1.5 s).
 - `GB10D_SIM_SHARDS`: number of checkpoint shards (default 6, or the number
   of *.safetensors files when MODEL is a local folder).
+- `HF_HUB_CACHE`, `HUGGINGFACE_HUB_CACHE`, `HF_HOME` or `XDG_CACHE_HOME`
+  (or `--download-dir`): the Hugging Face cache a repository id is looked up
+  in, as huggingface_hub resolves it. A snapshot there loads silently; a miss
+  prints huggingface_hub's download bars and vLLM's `Time spent downloading
+  weights for ...` (shown, not stored); offline (`HF_HUB_OFFLINE`) a miss
+  fails the start. With none of them set the model loads as from a warm
+  cache (hub.py).
 - `GB10D_SIM_TOTAL_GIB` / `GB10D_SIM_FREE_GIB` (default 121.69 / 115), or
   `GB10D_SIM_MEMINFO`: a meminfo-format file whose MemTotal and MemFree are
   read at the moment of vLLM's free-memory check.

@@ -232,16 +232,47 @@ def format_shard_meter(desc: str, n: int, total: int, elapsed: float, rate: floa
     )
 
 
-def format_default_meter(desc: str, n: int, total: int, elapsed: float, rate: float | None) -> str:
-    """tqdm's default format with the 10-column bar it uses when the width is unknown (a pipe)."""
-    remaining, rate_fmt = _rate_parts(n, total, elapsed, rate)
-    frac = n / total if total else 0
+def _bar(frac: float) -> str:
+    """The 10-column bar tqdm draws when the width is unknown (a pipe)."""
     nsyms = len(_BAR_CHARS) - 1
     full, part = divmod(int(frac * 10 * nsyms), nsyms)
     bar = _BAR_CHARS[-1] * full
     if full < 10:
         bar += _BAR_CHARS[part] + _BAR_CHARS[0] * (10 - full - 1)
-    return f"{desc}: {frac * 100:3.0f}%|{bar}| {n}/{total} [{format_interval(elapsed)}<{remaining}, {rate_fmt}]"
+    return bar
+
+
+def format_default_meter(desc: str, n: int, total: int, elapsed: float, rate: float | None) -> str:
+    """tqdm's default format with the 10-column bar it uses when the width is unknown (a pipe)."""
+    remaining, rate_fmt = _rate_parts(n, total, elapsed, rate)
+    frac = n / total if total else 0
+    return f"{desc}: {frac * 100:3.0f}%|{_bar(frac)}| {n}/{total} [{format_interval(elapsed)}<{remaining}, {rate_fmt}]"
+
+
+def format_sizeof(num: float) -> str:
+    """tqdm.format_sizeof with divisor 1000: `1.53k`, `4.89G`, `79.5M`."""
+    for unit in ("", "k", "M", "G", "T", "P", "E", "Z"):
+        if abs(num) < 999.5:
+            if abs(num) < 99.95:
+                if abs(num) < 9.995:
+                    return f"{num:1.2f}{unit}"
+                return f"{num:2.1f}{unit}"
+            return f"{num:3.0f}{unit}"
+        num /= 1000
+    return f"{num:3.1f}Y"
+
+
+def format_bytes_meter(desc: str, n: int, total: int, elapsed: float, rate: float | None) -> str:
+    """A huggingface_hub download bar: tqdm's default format with unit="B", unit_scale=True."""
+    if rate is None and elapsed and n:
+        rate = n / elapsed
+    remaining = format_interval((total - n) / rate) if rate else "?"
+    rate_fmt = f"{format_sizeof(rate)}B/s" if rate else "?B/s"
+    frac = n / total if total else 0
+    return (
+        f"{desc}: {frac * 100:3.0f}%|{_bar(frac)}| {format_sizeof(n)}/{format_sizeof(total)} "
+        f"[{format_interval(elapsed)}<{remaining}, {rate_fmt}]"
+    )
 
 
 class _Ema:
@@ -271,11 +302,13 @@ class Bar:
 
     MININTERVAL_S = 0.1
 
-    def __init__(self, console: Console, desc: str, total: int, shard_format: bool) -> None:
+    def __init__(
+        self, console: Console, desc: str, total: int, shard_format: bool, meter: Callable[[str, int, int, float, float | None], str] | None = None
+    ) -> None:
         self.console = console
         self.desc = desc
         self.total = total
-        self.meter = format_shard_meter if shard_format else format_default_meter
+        self.meter = meter or (format_shard_meter if shard_format else format_default_meter)
         self.n = 0
         self._start = time.monotonic()
         self._last_print_t = self._start
@@ -294,9 +327,9 @@ class Bar:
         self.console.write(STDERR, "\r" + text + " " * max(self._last_len - len(text), 0))
         self._last_len = len(text)
 
-    def advance(self) -> None:
-        """One more item done; redraw if tqdm would."""
-        self.n += 1
+    def advance(self, by: int = 1) -> None:
+        """`by` more items (or bytes) done; redraw if tqdm would."""
+        self.n += by
         now = time.monotonic()
         dt = now - self._last_print_t
         if dt >= self.MININTERVAL_S:

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Iterator, NoReturn, Sequence
 
-from . import texts
+from . import hub, texts
 from .args import DEFAULT_MODEL, non_default_args, parse_serve_args
 from .engine import run_engine
 from .model import ModelFacts, describe_model
@@ -165,6 +165,11 @@ class ApiServer:
         if settings.scenario.model_not_found:
             self.settings.sleep(CONFIG_S)
             self.die(texts.model_not_found(args.model))
+        if hub.config_missing(settings, args):
+            if hub.refused_offline(settings):
+                self.settings.sleep(CONFIG_S)
+                self.die(texts.model_not_found(args.model))
+            hub.download_config(self.console, settings)
         self.settings.sleep(CONFIG_S)
         self.log("config/model.py:611", f"Resolved architecture: {self.model.architecture}")
         self.log("config/model.py:1745", f"Using max model len {self.model.max_model_len}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from . import texts
+from . import hub, texts
 from .model import ModelFacts
 from .output import Bar, Console
 from .settings import GIB, Memory, SimSettings
@@ -122,7 +122,11 @@ class GpuWorker:
         return SHARD_S if slow is None else slow
 
     def load_weights(self) -> None:
-        """The shard bar over N files (rank 0 only, as vLLM's tqdm), really reading bytes while each shard 'loads'."""
+        """The download a cold cache needs, then the shard bar over N files (rank 0 only, as vLLM's tqdm), really reading bytes while each shard 'loads'."""
+        if self.rank.rank == 0:
+            took = hub.download_weights(self.console, self.settings, self.args, self.model.weights_gib, self.model.shards)
+            if took is not None:
+                self.log(*hub.weights_line(self.args.model, took))
         available = self.settings.memory().available_bytes / GIB
         self.log("model_executor/model_loader/weight_utils.py:922", f"Filesystem type for checkpoints: EXT4. Checkpoint size: {self.model.weights_gib:.2f} GiB. Available RAM: {available:.2f} GiB.")
         strategy = self.args.safetensors_load_strategy

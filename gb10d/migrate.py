@@ -1,0 +1,139 @@
+"""From what a start script did to what the service will do: the second step of `gb10d import-script`.
+
+The first step reads an input form (a shell script today: gb10d.importscript)
+into gb10d.toml data. This step, the same for every form, looks at the
+machine the way the script found it and says what the service will do
+differently: it runs vLLM as the system user gb10d, not as the person who
+ran the script; the model that person already downloaded is used where it
+is (`HF_HUB_CACHE` pointing at their Hugging Face cache, `HF_HUB_OFFLINE=1`
+so vLLM never downloads, updates or writes there, nothing copied); vLLM's
+compile caches start cold once in /var/cache/gb10d, because vLLM, Triton
+and Inductor write to them while they run and the service may not write in
+a home directory (running the service as that person keeps them); and when
+the service user cannot reach the venv or the model (a home of mode 0750),
+which command lets it.
+
+`for_the_service` decides from `Surroundings`; `survey` is the I/O that
+fills them in.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import pwd
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from .access import Principal, Want, WayOut, advice, principal, reach, walk, ways_out
+from .hfcache import cached_snapshot, hub_cache, is_repo_id, weight_files
+from .importscript import Imported
+from .service import MAIN_UNIT, SYSTEM_USER
+
+_HUB_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+# What gb10d.service sets (units/gb10d.service): where the system user keeps models and compile caches.
+SERVICE_HF_HOME = "/var/cache/gb10d/huggingface"
+SERVICE_VLLM_CACHE = "/var/cache/gb10d/vllm"
+
+
+@dataclass(frozen=True)
+class Surroundings:
+    """What import-script found about the person who ran the script, and what the service user can reach of it."""
+
+    operator: str
+    home: str
+    hub: str
+    model_cached: bool
+    compile_cache: str
+    compile_cache_exists: bool
+    service_user: str = SYSTEM_USER
+    blocked: list[str] = field(default_factory=list)
+    ways: list[WayOut] = field(default_factory=list)
+
+
+def for_the_service(vllm: Mapping[str, Any], found: Surroundings) -> Imported:
+    """The [vllm.env] entries and the notes that carry the script's setup over to the service."""
+    env: dict[str, str] = {}
+    run_as = f"; to run it as {found.operator}, with {found.operator}'s caches: sudo gb10d service-user {found.operator}" if found.operator != "root" else ""
+    notes = [f"the service runs vLLM as the system user {found.service_user}, not as {found.operator} who ran this script{run_as}"]
+    warnings: list[str] = []
+    model = str(vllm.get("model", ""))
+    script_env: Mapping[str, str] = vllm.get("env", {})
+    set_by_script = [name for name in _HUB_VARIABLES if name in script_env]
+    if set_by_script:
+        notes.append(f"the script's {set_by_script[0]}={script_env[set_by_script[0]]} is kept: vLLM looks for the model in {found.hub}")
+    elif is_repo_id(model) and found.model_cached:
+        env["HF_HUB_CACHE"] = found.hub
+        if "HF_HUB_OFFLINE" not in script_env:
+            env["HF_HUB_OFFLINE"] = "1"
+        notes.append(
+            f"{model} is already in {found.operator}'s Hugging Face cache {found.hub}: vLLM reads it from there (HF_HUB_CACHE), "
+            "offline (HF_HUB_OFFLINE=1: it never downloads, updates or writes there); nothing is copied"
+        )
+    elif is_repo_id(model):
+        notes.append(
+            f"{model} is not in {found.operator}'s Hugging Face cache {found.hub}: the service downloads it at its first start, "
+            f"into {SERVICE_HF_HOME}"
+        )
+    if found.compile_cache_exists:
+        notes.append(
+            f"vLLM's compile caches start cold once, in {SERVICE_VLLM_CACHE}, and stay warm after that: {found.compile_cache} is not "
+            f"shared, since vLLM, Triton and Inductor write to it while they run and the service may not write in {found.home} "
+            f"(sudo gb10d service-user {found.operator} keeps using it)"
+        )
+    if found.blocked:
+        warnings.append(f"as things are, the service user {found.service_user} cannot use this: " + "; ".join(found.blocked))
+        warnings += [line.strip() for line in advice(found.ways)]
+    return Imported({"vllm": {"env": env}} if env else {}, notes, warnings)
+
+
+def merge(imported: Imported, adapted: Imported) -> Imported:
+    """The imported tables with the service's additions, and both sets of notes and warnings."""
+    data = {table: dict(values) for table, values in imported.data.items()}
+    for table, values in adapted.data.items():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                data.setdefault(table, {}).setdefault(key, {}).update(value)
+            else:
+                data.setdefault(table, {})[key] = value
+    return replace(imported, data=data, notes=imported.notes + adapted.notes, warnings=imported.warnings + adapted.warnings)
+
+
+# --- the shell ---------------------------------------------------------------------
+
+
+def survey(vllm: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Surroundings:
+    """Look at this machine as the script's author left it: their caches, and what the service user can reach."""
+    environ = os.environ if environ is None else environ
+    sudo_user = environ.get("SUDO_USER") if os.geteuid() == 0 else None
+    entry = pwd.getpwnam(sudo_user) if sudo_user else pwd.getpwuid(os.getuid())
+    # Under sudo this process's environment is root's; the script's author has only their home.
+    own_env = {} if sudo_user else dict(environ)
+    home = own_env.get("HOME") or entry.pw_dir
+    env = {**own_env, **vllm.get("env", {})}
+    hub = hub_cache(env, home)
+    model = str(vllm.get("model", ""))
+    snapshot = cached_snapshot(hub, model) if is_repo_id(model) else None
+    compile_cache = env.get("VLLM_CACHE_ROOT") or posixpath.join(env.get("XDG_CACHE_HOME") or posixpath.join(home, ".cache"), "vllm")
+    # Before the package is installed there is no gb10d user yet: a stranger has the same rights.
+    service = principal(SYSTEM_USER) or Principal(SYSTEM_USER, -1, frozenset())
+    program = Path(vllm["venv"]) / "bin" / "vllm" if "venv" in vllm else Path(vllm["executable"]) if "executable" in vllm else None
+    needed = [(program, Want.EXEC)] if program is not None else []
+    if snapshot is not None:
+        needed += [(file, Want.READ) for file in [snapshot / "config.json", *weight_files(snapshot)[:1]]]
+    elif model.startswith("/"):
+        needed.append((Path(model), Want.READ))
+    blocked: list[str] = []
+    ways: list[WayOut] = []
+    for path, want in needed:
+        walked = walk(str(path))
+        denial = reach(walked.chain, service, want) if walked.missing is None and walked.hidden is None else None
+        if denial is None:
+            continue
+        cause = denial.cause()
+        if cause not in blocked:
+            blocked.append(cause)
+        ways += [way for way in ways_out(denial, MAIN_UNIT) if way not in ways]
+    return Surroundings(entry.pw_name, home, hub, snapshot is not None, compile_cache, os.path.isdir(compile_cache),
+                        service.name, blocked, ways)

@@ -1,0 +1,73 @@
+"""import-script's second step: what the service will do differently from the script, and what it reuses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from gb10d.access import WayOut
+from gb10d.migrate import Surroundings, for_the_service
+from hub_support import populate_hub
+
+MODEL = "Qwen/Qwen3.6-27B-FP8"
+HUB = "/home/alice/.cache/huggingface/hub"
+
+
+def found(**changes: object) -> Surroundings:
+    values: dict[str, object] = dict(operator="alice", home="/home/alice", hub=HUB, model_cached=True,
+                                     compile_cache="/home/alice/.cache/vllm", compile_cache_exists=True)
+    values.update(changes)
+    return Surroundings(**values)  # type: ignore[arg-type]
+
+
+def test_a_model_already_downloaded_is_read_where_it_is_offline_and_not_copied() -> None:
+    adapted = for_the_service({"model": MODEL, "venv": "/home/alice/vllm-pip-env"}, found())
+    assert adapted.data == {"vllm": {"env": {"HF_HUB_CACHE": HUB, "HF_HUB_OFFLINE": "1"}}}
+    assert any(n.startswith(f"{MODEL} is already in alice's Hugging Face cache {HUB}") and "nothing is copied" in n for n in adapted.notes)
+
+
+def test_a_model_not_downloaded_yet_is_left_to_the_services_own_cache() -> None:
+    adapted = for_the_service({"model": MODEL}, found(model_cached=False))
+    assert adapted.data == {}
+    assert any("the service downloads it at its first start, into /var/cache/gb10d/huggingface" in n for n in adapted.notes)
+
+
+def test_a_cache_the_script_chose_itself_is_kept() -> None:
+    adapted = for_the_service({"model": MODEL, "env": {"HF_HOME": "/data/hf"}}, found(hub="/data/hf/hub"))
+    assert adapted.data == {}
+    assert any(n.startswith("the script's HF_HOME=/data/hf is kept") for n in adapted.notes)
+
+
+def test_the_notes_say_who_runs_vllm_and_where_the_compile_caches_are() -> None:
+    notes = for_the_service({"model": "/srv/models/q"}, found()).notes
+    assert notes[0] == ("the service runs vLLM as the system user gb10d, not as alice who ran this script; "
+                        "to run it as alice, with alice's caches: sudo gb10d service-user alice")
+    assert any(n.startswith("vLLM's compile caches start cold once, in /var/cache/gb10d/vllm") and "/home/alice/.cache/vllm is not shared" in n
+               for n in notes)
+
+
+def test_what_the_service_user_cannot_reach_is_a_warning_with_both_ways_out() -> None:
+    ways = [WayOut("run the service as alice", "sudo gb10d service-user alice"), WayOut("let gb10d in", "sudo usermod -aG alice gb10d")]
+    warnings = for_the_service({"model": MODEL}, found(blocked=["/home/alice is mode 0750 and the service user gb10d may not enter it"], ways=ways)).warnings
+    assert warnings == [
+        "as things are, the service user gb10d cannot use this: /home/alice is mode 0750 and the service user gb10d may not enter it",
+        "two ways out:",
+        "run the service as alice: sudo gb10d service-user alice",
+        "or let gb10d in: sudo usermod -aG alice gb10d",
+    ]
+
+
+def test_import_script_points_the_config_at_the_model_in_the_authors_cache(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    populate_hub(home / ".cache" / "huggingface" / "hub", MODEL)
+    script = tmp_path / "start.sh"
+    script.write_text(f'source /opt/vllm/bin/activate\nnohup vllm serve {MODEL} --port 8000 > "$HOME/vllm.log" 2>&1 &\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "XDG_", "SUDO_"))}
+    done = subprocess.run([sys.executable, "-m", "gb10d", "import-script", str(script)], capture_output=True, text=True,
+                          env={**env, "HOME": str(home)}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert tomllib.loads(done.stdout)["vllm"]["env"] == {"HF_HUB_CACHE": f"{home}/.cache/huggingface/hub", "HF_HUB_OFFLINE": "1"}
+    assert "# note: the service runs vLLM as the system user gb10d" in done.stdout
