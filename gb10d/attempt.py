@@ -189,6 +189,8 @@ class Attempt:
                 self.reporter.metrics.set_vllm_up(False)
             elif isinstance(action, lifecycle.LivenessFailed):
                 self.reporter.metrics.liveness_failure(action.label)
+            elif isinstance(action, lifecycle.XidSeen):
+                self.reporter.metrics.xid(action.xid)
             elif isinstance(action, lifecycle.Finish):
                 await self.kill()
                 outcome = action.outcome

@@ -302,6 +302,16 @@ class DaemonSection(_Table):
     apply_on_change: bool = False
     watch_config: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Where the NVIDIA driver's kernel messages (out of memory, Xid errors) are read: journald's kernel stream,
+    # /dev/kmsg, nowhere, or a file to follow.
+    kernel_log: str = "journal"
+
+    @field_validator("kernel_log")
+    @classmethod
+    def _kernel_log_source(cls, value: str) -> str:
+        if value in ("journal", "kmsg", "none") or value.startswith("/"):
+            return value
+        raise ValueError(f'must be "journal", "kmsg", "none" or the absolute path of a file to follow (got {value!r})')
 
 
 class ClusterSection(_Table):

@@ -22,6 +22,7 @@ from .errors import GiveUp
 from .facts import Edited
 from .journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal
 from .keeper import ConfigKeeper
+from .kernellog import KernelLog
 from .levels import PRIORITY_ERR
 from .loop import FactLoop
 from .metrics import Metrics
@@ -45,20 +46,24 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
     pair = Pair(config, reporter, loop) if config.cluster is not None else None
     preflight = Preflight(lambda: keeper.config, keeper.env, reporter)
     supervisor: Supervisor | None = None
+    kernel = KernelLog(config.daemon.kernel_log, loop.post, reporter)
     loop.install()
     reporter.serve_metrics()
     keeper.watch(asyncio.get_running_loop(), lambda: loop.post(Edited()))
+    kernel.start()
     try:
         preflight.gpu()
+        host = preflight.host()
         if pair is not None and pair.cluster.role == "worker":
             return await WorkerDaemon(keeper, reporter, loop, pair).serve()
-        supervisor = Supervisor(keeper, reporter, loop, preflight, LocalLauncher(), pair)
+        supervisor = Supervisor(keeper, reporter, loop, preflight, LocalLauncher(), pair, host)
         return await supervisor.supervise()
     except GiveUp as exc:
         reporter.gave_up(exc.reason, exc.exit_status)
         return exc.exit_status
     finally:
         keeper.close()
+        await kernel.close()
         if supervisor is not None:
             await supervisor.close()
         if pair is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from .cluster import View
-from .events import Event
+from .events import DriverOutOfMemory, Event, GpuXid
 
 REFUSED = "connection refused"
 
@@ -56,6 +56,13 @@ class Reload:
 @dataclass(frozen=True)
 class Edited:
     """The config file or a drop-in changed on disk (a burst of writes, debounced)."""
+
+
+@dataclass(frozen=True)
+class KernelSaid:
+    """The kernel logged a message of the NVIDIA driver's: it ran out of memory, or an Xid error."""
+
+    event: DriverOutOfMemory | GpuXid
 
 
 @dataclass(frozen=True)
@@ -119,5 +126,5 @@ class Tick:
     io_bytes: int | None
 
 
-Fact = Union[Stop, Reload, Edited, ClusterSeen, Parsed, ExitSeen, Exited, Probed]
+Fact = Union[Stop, Reload, Edited, KernelSaid, ClusterSeen, Parsed, ExitSeen, Exited, Probed]
 AttemptFact = Union[Parsed, ExitSeen, Exited, Probed, Tick]

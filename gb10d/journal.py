@@ -65,6 +65,16 @@ MESSAGE_IDS: dict[str, str] = {
     "ray_started": "23c321ba45e648de8156d74505d83cd8",
     "ray_exited": "fbafdec63f78484fae0de397fa3460ef",
     "ray_watch": "3c86849a36f141ceac4381f4f25f8fff",
+    "host": "199742f100b04de5a80cbd6bbd96b337",
+    "host_warning": "4e9ad9f9ce1b497fbf1e0f1e24f2a8cc",
+    "gpu_xid": "5540f0d2e67148758e4f82a520b4dbf1",
+    "driver_oom": "37fe2f3266a34f259795e9a6fc87221f",
+    "ptxas_sm121a": "5800808d9ab14290ad4a847d50e17813",
+    "unsupported_build": "d14965f215204b49929f8d856a1d6287",
+    "nccl_kho": "f99475afd80941859cab1b4ed3315341",
+    "ipc_removed": "8b9d65696cf540c88f01a1130f622502",
+    "shm_removed": "eb974528cdf74a88a20b334b880fb17f",
+    "kernel_log": "69a385c2f39548478c3bb694a441cfdd",
 }
 
 

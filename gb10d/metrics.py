@@ -84,6 +84,7 @@ class Metrics:
         self._attempts = counter("gb10d_start_attempts", "vLLM starts, by why the start happened.", "reason")
         self._restarts = counter("gb10d_restarts", "vLLM restarts, by the failure that caused them.", "cause")
         self._liveness = counter("gb10d_liveness_failures", "Failed liveness checks of a serving vLLM.", "cause")
+        self._xid = counter("gb10d_gpu_xid", "NVIDIA Xid errors the kernel logged, by Xid number.", "xid")
         self._startup = gauge("gb10d_last_startup_seconds", "Seconds the last successful start took until ready.")
         self._progress = gauge("gb10d_load_progress_ratio", "Checkpoint shards loaded, as a fraction of all.")
         self._utilization = gauge(
@@ -172,6 +173,9 @@ class Metrics:
 
     def liveness_failure(self, cause: str) -> None:
         self._liveness.labels(cause=cause).inc()
+
+    def xid(self, number: int) -> None:
+        self._xid.labels(xid=str(number)).inc()
 
     def set_startup_seconds(self, seconds: float) -> None:
         self._startup.set(seconds)

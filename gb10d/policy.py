@@ -243,6 +243,10 @@ def next_attempt(outcome: Failed, used: Tunables, history: History, config: Conf
     else:
         retry = Retry(used, backoff_delay(config, history.backoffs), "restarting with the same settings")
 
+    issue = issue_for(outcome.failure) if outcome.failure is not None else None
+    if issue is not None and issue.retry_helps and outcome.failure is not None and isinstance(retry, Retry):
+        # A retry may get past it, but the operator should know the lasting fix.
+        retry = Retry(retry.tunables, retry.delay_s, f"{advice.platform(outcome.failure)}; {retry.message}")
     if history.attempts >= config.restart.max_attempts:
         return GiveUp(advice.gave_up(history.attempts, describe(outcome)), EXIT_GAVE_UP)
     return retry
@@ -298,7 +302,7 @@ def describe(outcome: Failed) -> str:
     where = f" on the machine {failure.node}" if failure is not None and failure.node else ""
     issue = issue_for(failure) if failure is not None else None
     if issue is not None and outcome.cause.value == issue.name:
-        return issue.title
+        return issue.meaning
     if isinstance(failure, FreeMemoryShort):
         return (
             f"free memory {failure.free_gib:g} of {failure.total_gib:g} GiB{where} is below gpu_memory_utilization "

@@ -17,9 +17,11 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from . import shm
 from .command import Tunables
 from .config import Config
 from .devices import check_gpu_access
+from .host import HostFacts, read_host_facts, warnings
 from .errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, GiveUp
 from .levels import PRIORITY_INFO, PRIORITY_WARNING
 from .memory import MemInfo, PreflightRefused, evict_page_cache, memory_returned, preflight, read_meminfo, safetensors_files
@@ -47,6 +49,22 @@ class Preflight:
         problem = check_gpu_access(unit_name())
         if problem is not None:
             raise GiveUp(problem, EXIT_CONFIG)
+
+    def host(self) -> HostFacts:
+        """This machine's kernel, driver, CMA figures and CUDA toolkit ptxas: told once, kept for `gb10d status`,
+        and checked against the combinations known to fail."""
+        facts = read_host_facts(self._config().memory.meminfo_path, self._env())
+        self.reporter.host = facts.summary()
+        self.reporter.say("host", f"this machine: {facts.summary()}", PRIORITY_INFO)
+        for warning in warnings(facts):
+            self.reporter.say("host_warning", warning, PRIORITY_WARNING)
+        return facts
+
+    def clear_shm(self) -> None:
+        """Remove what dead vLLM processes left in /dev/shm; only called while no process of this instance lives."""
+        removed = shm.remove(shm.leftovers(shm.scan(), os.geteuid(), shm.in_use()))
+        if removed:
+            self.reporter.say("shm_removed", shm.describe(removed), PRIORITY_INFO, bytes_freed=sum(s.size for s in removed))
 
     def meminfo(self) -> MemInfo | None:
         """/proc/meminfo now (also for the metrics), or None when it cannot be read (checks skipped)."""

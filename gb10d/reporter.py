@@ -18,9 +18,10 @@ from dataclasses import replace
 
 from .command import Tunables
 from .config import Config
-from .events import Event
+from .events import DriverOutOfMemory, Event, GpuXid
 from .journal import Journal
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
+from .lifecycle import Say, XidSeen, kernel_said
 from .memory import MemInfo
 from .metrics import Metrics
 from .notify import Notifier
@@ -44,6 +45,7 @@ class Reporter:
         self.ready_at: float | None = None
         self.last_failure: LastFailure | None = None
         self.cluster: ClusterRecord | None = None
+        self.host: str | None = None  # this machine's kernel, driver and CMA, for `gb10d status`
         self.status_text = ""
         # What the state file shows of the attempt in progress (None between attempts).
         self._number = 0
@@ -211,11 +213,20 @@ class Reporter:
             status_text=self.status_text,
             metrics_url=f"http://{self.config.metrics.listen}/metrics" if self.config.metrics.listen else None,
             cluster=self.cluster,
+            host=self.host,
         )
         if self.cluster is not None and self.cluster.role == "worker":
             # vLLM and its API run on the head: here there is only Ray, ready once joined.
             record = replace(record, ready_at=self.ready_at, url=None, phase=None, attempt=None, gpu_memory_utilization=None)
         return record
+
+    def kernel(self, event: DriverOutOfMemory | GpuXid) -> None:
+        """A driver message of the kernel's while no vLLM runs: told and counted, nothing to stop."""
+        for action in kernel_said(event):
+            if isinstance(action, Say):
+                self.say(action.kind, action.message, action.priority, **dict(action.fields))
+            elif isinstance(action, XidSeen):
+                self.metrics.xid(action.xid)
 
     # --- metrics ------------------------------------------------------------
 

@@ -155,6 +155,7 @@ class StateRecord:
     status_text: str | None = None
     metrics_url: str | None = None
     cluster: ClusterRecord | None = None
+    host: str | None = None  # kernel, NVIDIA driver, CMA figures
     extra: Mapping[str, Any] = field(default_factory=dict)  # fields of another gb10d version, passed through
 
     def to_json(self) -> dict[str, Any]:
@@ -193,6 +194,7 @@ class StateRecord:
             status_text=_text(data, "status_text"),
             metrics_url=_text(data, "metrics_url"),
             cluster=_cluster(data.get("cluster")),
+            host=_text(data, "host"),
             extra={k: v for k, v in data.items() if k not in known},
         )
 

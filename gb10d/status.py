@@ -166,6 +166,7 @@ def render(state: StateRecord | None, now: float, alive: bool) -> str:
         strategy = f", load strategy {state.load_strategy}" if state.load_strategy else ""
         rows.append(("GPU memory", f"gpu_memory_utilization {state.gpu_memory_utilization:g}{strategy}"))
     rows.append(("Memory", _memory_line(state)))
+    rows.append(("Host", state.host))
     if state.pid is not None:
         rows.append(("PID", f"{state.pid} (gb10d)" + (f", {state.vllm_pid} (vLLM)" if state.vllm_pid is not None else "")))
     failure = state.last_failure

@@ -18,7 +18,8 @@ from .attempt import Attempt
 from .cluster import vllm_flags
 from .command import Tunables, build_argv
 from .errors import EXIT_OK, GiveUp
-from .facts import ClusterSeen, Edited, Exited, Fact, Reload, Stop
+from .facts import ClusterSeen, Edited, Exited, Fact, KernelSaid, Parsed, Reload, Stop
+from .host import HostFacts
 from .keeper import ConfigKeeper
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from .lifecycle import EXTEND_MARGIN_S
@@ -35,7 +36,14 @@ class Supervisor:
     """Runs vLLM under one config until stopped or given up; `supervise()` returns the exit status."""
 
     def __init__(
-        self, keeper: ConfigKeeper, reporter: Reporter, loop: FactLoop, preflight: Preflight, launcher: Launcher, pair: Pair | None
+        self,
+        keeper: ConfigKeeper,
+        reporter: Reporter,
+        loop: FactLoop,
+        preflight: Preflight,
+        launcher: Launcher,
+        pair: Pair | None,
+        host: HostFacts | None = None,
     ) -> None:
         self.keeper = keeper
         self.reporter = reporter
@@ -43,6 +51,7 @@ class Supervisor:
         self.preflight = preflight
         self.launcher = launcher
         self.pair = pair
+        self.host = host
         self.attempt: Attempt | None = None
         # Facts name the attempt by this serial, never by its budget number, which restarts at 1 after ready.
         self._serial = 0
@@ -61,6 +70,7 @@ class Supervisor:
                 return await self._stop()
             if self._fresh_start:
                 self._fresh_start, tunables, history = False, self.keeper.starting_tunables(), History()
+            self.preflight.clear_shm()
             tunables, correction = self.preflight.fit(tunables)
             if correction:
                 self.keeper.correction = correction
@@ -87,7 +97,7 @@ class Supervisor:
                 if await self.preflight.memory_back(baseline, self._pause):
                     return await self._stop()
                 continue
-            history, decision = policy.after_failure(ended, tunables, history, self.keeper.config)
+            history, decision = policy.after_failure(ended, tunables, history, self.keeper.config, self.host)
             self._tell_failure(ended, decision, history)
             await self.close()
             if isinstance(decision, policy.GiveUp):
@@ -120,6 +130,8 @@ class Supervisor:
                 return Stopped(fact.signame)
             elif isinstance(fact, (Reload, Edited)):
                 ended = await self._config_change(attempt, requested=isinstance(fact, Reload))
+            elif isinstance(fact, KernelSaid):
+                ended = await attempt.handle(Parsed(attempt.serial, fact.event))
             elif isinstance(fact, ClusterSeen):
                 ended = self.pair.on_view(fact.view, attempt.start_view, attempt.runtime.pid, attempt.ready) if self.pair else None
                 if ended is not None:
@@ -194,6 +206,8 @@ class Supervisor:
                 self._fresh_start = True
         elif isinstance(fact, ClusterSeen) and self.pair is not None:
             self.pair.seen(fact.view)
+        elif isinstance(fact, KernelSaid):
+            self.reporter.kernel(fact.event)
         return False
 
     async def _pause(self, seconds: float) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .cluster import View, has_joined, lost_text, view_text
 from .errors import EXIT_OK
-from .facts import ClusterSeen, Edited, Fact, Reload, Stop
+from .facts import ClusterSeen, Edited, Fact, KernelSaid, Reload, Stop
 from .keeper import ConfigKeeper
 from .levels import PRIORITY_INFO, PRIORITY_WARNING
 from .loop import FactLoop
@@ -39,6 +39,8 @@ class WorkerDaemon:
             self.keeper.take(requested=isinstance(fact, Reload))
         elif isinstance(fact, ClusterSeen):
             self.pair.seen(fact.view)
+        elif isinstance(fact, KernelSaid):
+            self.reporter.kernel(fact.event)
         return False
 
     async def serve(self) -> int:

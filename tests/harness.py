@@ -179,6 +179,8 @@ class Setup:
                 "state_file": str(self.state_file),
                 "learned_file": str(self.root / "lib" / "state.toml"),
                 "watch_config": False,
+                # The machine's kernel log is not the test's: tests that need one give a file to follow.
+                "kernel_log": "none",
             },
         }
         for dotted, value in self.extra.items():

@@ -165,6 +165,7 @@ _ENGINE: list[tuple[str, str, Any, dict[str, Any]]] = [
     ("disable-log-stats", BOOL, False, {}),
     ("enable-log-requests", BOOL, False, {}),
     ("max-cudagraph-capture-size", INT, None, {}),
+    ("enable-flashinfer-autotune", BOOL, None, {}),
 ]
 
 _TYPES: dict[str, Callable[[str], Any]] = {STR: str, INT: int, FLOAT: float, JSON: json_value, HINT: human_int}
