@@ -89,7 +89,8 @@ def in_use(directory: Path = SHM) -> set[tuple[int, int]]:
         except OSError:
             maps = ""
         for line in maps.splitlines():
-            path = line.split(None, 5)[5] if line.count(" ") >= 5 else ""
+            fields = line.split(None, 5)  # address perms offset dev inode [path]
+            path = fields[5] if len(fields) == 6 else ""
             if path.startswith(prefix):
                 _add(used, path.removesuffix(" (deleted)"))
         try:

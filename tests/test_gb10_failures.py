@@ -1,0 +1,221 @@
+"""GB10's own failures, end to end: `gb10d run` against gb10d.sim failing with each text as vLLM and Triton print it.
+
+The kernel's messages reach gb10d through the interface it uses in
+production, a source it follows line by line (`daemon.kernel_log`); here
+the source is a file the test appends the driver's lines to.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import signal
+import stat
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from gb10d.errors import EXIT_CONFIG, EXIT_MEMORY_NOT_RETURNED
+from gb10d.process import group_alive
+from gb10d.statefile import read_state
+
+from harness import Daemon, NotifySocket, Setup, free_port, vllm_groups, wait_until
+
+pytestmark = pytest.mark.slow
+
+NVRM_OOM = (
+    "NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051) returned from "
+    "_memdescAllocInternal(pMemDesc) @ mem_desc.c:1359"
+)
+
+
+def run(setup: Setup, notify: NotifySocket, daemons: list[Daemon]) -> Daemon:
+    daemon = Daemon(setup, notify)
+    daemons.append(daemon)
+    return daemon
+
+
+def ready(notify: NotifySocket, since: int = 0) -> None:
+    notify.wait_for(lambda m: m.get("READY") == "1", 90, since=since)
+
+
+def starts(daemon: Daemon) -> list[str]:
+    return [line for line in daemon.own_lines() if "started vLLM as pid" in line]
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def cuda_toolkit(root: Path) -> Path:
+    """A CUDA toolkit's bin/ptxas that knows sm_121a: a program that answers --version as CUDA 13's does."""
+    ptxas = root / "cuda" / "bin" / "ptxas"
+    ptxas.parent.mkdir(parents=True)
+    ptxas.write_text("#!/bin/sh\necho 'ptxas: NVIDIA (R) Ptx optimizing assembler'\necho 'Cuda compilation tools, release 13.0, V13.0.48'\n")
+    ptxas.chmod(0o755)
+    return ptxas
+
+
+def test_triton_ptxas_failure_restarts_once_with_the_toolkits_ptxas_and_learns_it(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    ptxas = cuda_toolkit(tmp_path)
+    setup = Setup(tmp_path, scenario="ptxas", extra={"vllm.env.CUDA_HOME": str(ptxas.parent.parent)})
+    daemon = run(setup, notify, daemons)
+    ready(notify)
+    line = daemon.wait_line(r"gb10d: the ptxas that Triton bundles")
+    assert line.string.endswith(
+        "gb10d: the ptxas that Triton bundles is older than GB10's GPU (sm_121a) and cannot compile kernels for it; "
+        f"restarting with TRITON_PTXAS_PATH={ptxas}, the CUDA toolkit's ptxas (attempt 2/3)"
+    ), line.string
+    first, second = (int(re.search(r"as pid (\d+)", s).group(1)) for s in starts(daemon))  # type: ignore[union-attr]
+    assert environ(second)["TRITON_PTXAS_PATH"] == str(ptxas)
+    assert daemon.stop() == 0
+
+    # The next time gb10d starts, vLLM has the variable from the first start on.
+    again = run(setup, notify, daemons)
+    ready(notify, since=len(notify.messages))
+    assert len(starts(again)) == 1
+    assert any("starting from the settings learned for this config" in l and f"TRITON_PTXAS_PATH={ptxas}" in l for l in again.own_lines())
+    assert environ(next(vllm_groups(again.lines)))["TRITON_PTXAS_PATH"] == str(ptxas)
+    assert again.stop() == 0
+
+
+def test_a_build_without_kernels_for_this_gpu_is_not_retried(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    daemon = run(Setup(tmp_path, scenario="no_kernel_image"), notify, daemons)
+    assert daemon.wait_exit(90) == EXIT_CONFIG
+    assert len(starts(daemon)) == 1
+    line = daemon.wait_line(r"gb10d: this vLLM or PyTorch build has no kernels")
+    assert line.string.endswith(
+        "gb10d: this vLLM or PyTorch build has no kernels for GB10's GPU (sm_121); no retry can help; install builds made "
+        "for CUDA 13 on aarch64 (pip install torch --index-url https://download.pytorch.org/whl/cu130, then vllm) in the "
+        "venv vllm.venv names, or run NVIDIA's vLLM image (nvcr.io/nvidia/vllm)"
+    ), line.string
+    assert notify.wait_for(lambda m: m.get("STATUS", "").startswith("failed: this vLLM or PyTorch build"))
+
+
+def test_the_drivers_out_of_memory_stops_vllm_at_once_and_the_next_start_is_lower_with_the_workaround(
+    tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]
+) -> None:
+    kernel_log = tmp_path / "kern.log"
+    kernel_log.write_text("")
+    setup = Setup(tmp_path, extra={"daemon.kernel_log": str(kernel_log), "vllm.args": {"max_model_len": 2048, "enable_flashinfer_autotune": True}})
+    daemon = run(setup, notify, daemons)
+    ready(notify)
+    first = next(vllm_groups(daemon.lines))
+    since, notified = len(daemon.lines), len(notify.messages)
+    with kernel_log.open("a") as log:
+        log.write(NVRM_OOM + "\n")
+    written = time.monotonic()
+    daemon.wait_line(r"gb10d: the NVIDIA driver ran out of memory .*: stopping vLLM at once", since=since)
+    wait_until(lambda: not group_alive(first), 10, "vLLM's process group killed")
+    assert time.monotonic() - written < 1.0
+    line = daemon.wait_line(r"gb10d: the NVIDIA driver in the kernel ran out of memory", since=since)
+    assert line.string.endswith(
+        "restarting with gpu_memory_utilization 0.75, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False and without "
+        "--enable-flashinfer-autotune (attempt 2/3)"
+    ), line.string
+    ready(notify, since=notified)
+    second = starts(daemon)[1]
+    assert "--gpu-memory-utilization 0.75" in second and "--enable-flashinfer-autotune" not in second
+    assert environ(list(vllm_groups(daemon.lines))[1])["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+
+    # Again, with the workaround in place: not the same failure a third time.
+    with kernel_log.open("a") as log:
+        log.write(NVRM_OOM + "\n")
+    assert daemon.wait_exit(60) == EXIT_MEMORY_NOT_RETURNED
+    daemon.wait_line(r"gb10d: .*the NVIDIA driver ran out of memory again with gpu_memory_utilization 0.75")
+
+
+def test_an_xid_in_the_kernel_log_is_told_and_counted(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    kernel_log = tmp_path / "kern.log"
+    kernel_log.write_text("")
+    port = free_port()
+    setup = Setup(tmp_path, extra={"daemon.kernel_log": str(kernel_log), "metrics.listen": f"127.0.0.1:{port}"})
+    daemon = run(setup, notify, daemons)
+    ready(notify)
+    with kernel_log.open("a") as log:
+        log.write("[ 8123.456789] NVRM: Xid (PCI:0000:01:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x404600=0x80000004\n")
+    line = daemon.wait_line(r"gb10d: NVIDIA Xid 13")
+    assert "graphics engine exception" in line.string
+    import httpx
+
+    wait_until(lambda: 'gb10d_gpu_xid_total{xid="13"} 1.0' in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, 30, "the Xid counted")
+    assert daemon.proc.poll() is None and len(starts(daemon)) == 1
+    assert daemon.stop() == 0
+
+
+def test_vllm_023s_hidden_init_failure_says_which_version_shows_the_cause(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    setup = Setup(tmp_path, scenario="hidden_init_failure", sim_env={"GB10D_SIM_VERSION": "0.23.0"}, extra={"restart.max_attempts": 2})
+    daemon = run(setup, notify, daemons)
+    line = daemon.wait_line(r"gb10d: vLLM 0.23 ended the engine's start without printing why")
+    assert "(vLLM 0.24 and later print the root cause)" in line.string
+    assert "upgrade vLLM to 0.24 or later" in line.string
+    assert daemon.wait_exit(90) != 0
+
+
+def test_leaked_shared_memory_is_removed_before_a_start_and_nothing_else(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a segment of another user")
+    tag = uuid.uuid4().hex[:10]
+    shm = Path("/dev/shm")
+    dead = shm / f"psm_gb10dtest{tag}"
+    dead.write_bytes(b"\0" * (1 << 20))
+    theirs = shm / f"psm_gb10dtest{tag}other"
+    theirs.write_bytes(b"\0" * 4096)
+    nobody = pwd.getpwnam("nobody")
+    os.chown(theirs, nobody.pw_uid, nobody.pw_gid)
+    used = shm / f"psm_gb10dtest{tag}used"
+    used.write_bytes(b"\0" * 4096)
+    holder = os.open(used, os.O_RDONLY)  # a living process (this test) has it open
+    unrelated = shm / f"gb10dtest{tag}-cache"
+    unrelated.write_bytes(b"\0" * 4096)
+    try:
+        daemon = run(Setup(tmp_path), notify, daemons)
+        ready(notify)
+        line = daemon.wait_line(r"gb10d: removed \d+ shared memory segments? ")
+        assert dead.name in line.string
+        assert not dead.exists()
+        assert theirs.exists() and stat.S_ISREG(theirs.stat().st_mode)
+        assert used.exists() and unrelated.exists()
+        assert daemon.stop() == 0
+    finally:
+        os.close(holder)
+        for path in (dead, theirs, used, unrelated):
+            path.unlink(missing_ok=True)
+
+
+def test_this_machines_facts_are_in_the_journal_and_in_status(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    setup = Setup(tmp_path)
+    setup.meminfo.write_text(setup.meminfo.read_text() + "CmaTotal:        1048576 kB\nCmaFree:         1040000 kB\n")
+    daemon = run(setup, notify, daemons)
+    ready(notify)
+    line = daemon.wait_line(r"gb10d: this machine: kernel ")
+    assert f"kernel {os.uname().release}" in line.string and "CMA 1024 MiB total, 1015 MiB free" in line.string
+    record = read_state(setup.state_file)
+    assert record is not None and record.host is not None and record.host.startswith(f"kernel {os.uname().release}")
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+
+
+def test_a_real_kernel_message_reaches_gb10d_through_the_kernels_own_log(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    # The real mechanism: a line in the kernel's ring buffer (/dev/kmsg), read back with dmesg --follow-new.
+    if os.geteuid() != 0 or not os.access("/dev/kmsg", os.W_OK):
+        pytest.skip("needs root to write to the kernel's log")
+    daemon = run(Setup(tmp_path, extra={"daemon.kernel_log": "kmsg"}), notify, daemons)
+    ready(notify)
+    name = f"gb10dtest{uuid.uuid4().hex[:8]}"
+    # dmesg starts following a moment after READY; the line is written until gb10d reports it.
+    deadline = time.monotonic() + 30
+    while True:
+        with open("/dev/kmsg", "w") as kmsg:
+            kmsg.write(f"<4>NVRM: Xid (PCI:0000:01:00): 43, pid=4242, name={name}, Ch 00000008\n")
+        try:
+            line = daemon.wait_line(rf"gb10d: NVIDIA Xid 43 .*name={name}", timeout=2)
+            break
+        except AssertionError:
+            assert time.monotonic() < deadline, daemon.tail()
+    assert "GPU stopped processing" in line.string
+    assert daemon.stop() == 0
