@@ -187,3 +187,17 @@ def test_a_node_the_kernels_device_cgroup_denies_is_reported_as_the_device_polic
         assert check_gpu_access("gb10d", paths=(node,)) is None
     finally:
         cgroup.rmdir()
+
+
+def test_the_device_groups_seen_on_a_machine_with_driver_580_are_all_allowed_and_opened() -> None:
+    # tests/gpu/check_devices.py, run on a machine with an NVIDIA GPU and driver 580.159.04 (not GB10: no systemd there).
+    import json
+
+    seen = json.loads((REPO / "tests" / "fixtures" / "gpu-devices-580" / "devices.json").read_text())
+    names = {name for _, name in seen["nvidia_groups"]}
+    assert {"nvidia", "nvidiactl", "nvidia-uvm"} <= names and "nvidia-frontend" not in names
+    for unit in ("gb10d.service", "gb10d@.service"):
+        assert all(allowed(device_allow(unit), name) for name in names), unit
+    assert seen["check_as_root"] is None and seen["check_as_nobody"] == "None"
+    assert [path for path, error, *_ in seen["nodes"] if error is None] == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia0"]
+    assert "NVIDIA driver 580.159.04" in seen["host"]
