@@ -60,7 +60,8 @@ from .events import (
 from .kernel import describe as kernel_describe
 from .kernel import xid_meaning
 from .known import ISSUES, by_name, issue_for
-from .logparse import PRIORITY_ERR, Classifier, EventScanner, Kind, LineFramer
+from .levels import PRIORITY_ERR
+from .logparse import Classifier, EventScanner, Kind, LineFramer
 from .phases import Phase, StartupState, advance
 from .outcome import Cause, Failed
 from .policy import GiveUp, History, Retry, next_attempt

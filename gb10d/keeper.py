@@ -10,7 +10,7 @@ a corrected start learned for this very config.
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Callable
 
@@ -129,7 +129,7 @@ class ConfigKeeper:
 
     def remember(self, tunables: Tunables) -> None:
         """After a corrected start reached ready, keep what worked for the next boot."""
-        entry = learned.remember(self.config, tunables, self.correction or "a corrected start", datetime.now(timezone.utc))
+        entry = learned.remember(self.config, tunables, self.correction or "a corrected start", datetime.now(UTC))
         if entry is None:
             return
         try:

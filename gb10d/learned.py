@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Mapping
 
 

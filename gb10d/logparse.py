@@ -360,7 +360,7 @@ class Classifier:
                 return Record(Kind.UVICORN, _LEVEL_PRIORITY[level], u.group("msg"), name, uvicorn_pid, level)
         tag: str | None = None
         pid: int | None = None
-        node: str | None = None
+        node = None
         message = text
         if text.startswith("("):
             t = _TAG_STR.match(text)
@@ -1133,7 +1133,7 @@ class EventScanner:
             self._held = [msg]
             return [e for e in events if not isinstance(e, Failure)]
         failures = [e for e in events if isinstance(e, Failure)]
-        if self._wrapped and (failures and all(isinstance(e, ExceptionRaised) for e in failures)
+        if self._wrapped and ((failures and all(isinstance(e, ExceptionRaised) for e in failures))
                               or (not failures and _PASTE_HOLD.search(msg) is not None)):
             # A pasted exception line may have been wrapped before the words that name its cause.
             self._generic = [msg]

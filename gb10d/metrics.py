@@ -299,7 +299,7 @@ def _handler_for(metrics: Metrics) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         """GET /metrics answers the exposition; anything else is 404."""
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_GET(self) -> None:
             if self.path.split("?", 1)[0] != "/metrics":
                 self.send_error(404, "gb10d serves /metrics only")
                 return
@@ -310,7 +310,7 @@ def _handler_for(metrics: Metrics) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             # Scrapes every 15 s would bury the journal; errors reach the scraper.
             pass
 

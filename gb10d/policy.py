@@ -11,7 +11,7 @@ carries out the answer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 from . import advice
@@ -151,7 +151,7 @@ class History:
 def backoff_delay(config: Config, backoffs: int) -> float:
     """Exponential back-off: initial, doubled per consecutive uncorrectable failure, capped."""
     r = config.restart
-    return min(r.backoff_initial_s * (2 ** max(0, backoffs)), r.backoff_max_s)
+    return float(min(r.backoff_initial_s * (2 ** max(0, backoffs)), r.backoff_max_s))
 
 
 def _lower_utilization(current: float, target: float, config: Config, why: str, machine: str | None = None) -> Retry | GiveUp:

@@ -114,7 +114,7 @@ def become_subreaper() -> bool:
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
 
@@ -150,7 +150,7 @@ async def _any_exit(pids: list[int], timeout_s: float) -> None:
         except OSError:  # already gone
             return
         fds.append(fd)
-        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+        loop.add_reader(fd, _settle, exited)
     try:
         await asyncio.wait_for(exited, timeout_s)
     except asyncio.TimeoutError:
@@ -159,6 +159,11 @@ async def _any_exit(pids: list[int], timeout_s: float) -> None:
         for fd in fds:
             loop.remove_reader(fd)
             os.close(fd)
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _is_zombie(pid: int) -> bool:

@@ -55,7 +55,7 @@ def link() -> Iterator[tuple[str, str]]:
             _ip("-n", ns, "link", "set", dev, "up")
         for ns, dev in ((head, "gb10c-h"), (worker, "gb10c-w")):
             # A veth reports its carrier a moment after both ends are up.
-            wait_until(lambda: "LOWER_UP" in _ip("-n", ns, "link", "show", dev), 30, f"{dev} to come up")
+            wait_until(lambda ns=ns, dev=dev: "LOWER_UP" in _ip("-n", ns, "link", "show", dev), 30, f"{dev} to come up")
         yield head, worker
     finally:
         for ns in (head, worker):

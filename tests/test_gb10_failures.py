@@ -70,7 +70,7 @@ def test_triton_ptxas_failure_restarts_once_with_the_toolkits_ptxas_and_learns_i
         "gb10d: the ptxas that Triton bundles is older than GB10's GPU (sm_121a) and cannot compile kernels for it; "
         f"restarting with TRITON_PTXAS_PATH={ptxas}, the CUDA toolkit's ptxas (attempt 2/3)"
     ), line.string
-    first, second = (int(re.search(r"as pid (\d+)", s).group(1)) for s in starts(daemon))  # type: ignore[union-attr]
+    _, second = (int(re.search(r"as pid (\d+)", s).group(1)) for s in starts(daemon))  # type: ignore[union-attr]
     assert environ(second)["TRITON_PTXAS_PATH"] == str(ptxas)
     assert daemon.stop() == 0
 
@@ -78,7 +78,7 @@ def test_triton_ptxas_failure_restarts_once_with_the_toolkits_ptxas_and_learns_i
     again = run(setup, notify, daemons)
     ready(notify, since=len(notify.messages))
     assert len(starts(again)) == 1
-    assert any("starting from the settings learned for this config" in l and f"TRITON_PTXAS_PATH={ptxas}" in l for l in again.own_lines())
+    assert any("starting from the settings learned for this config" in line and f"TRITON_PTXAS_PATH={ptxas}" in line for line in again.own_lines())
     assert environ(next(vllm_groups(again.lines)))["TRITON_PTXAS_PATH"] == str(ptxas)
     assert again.stop() == 0
 

@@ -12,7 +12,7 @@ import stat
 import subprocess
 import sys
 import tomllib
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,7 +24,7 @@ from gb10d.config import Config, parse_config
 from gb10d.learned import LearnedEntry, LearnedState, applicable, fingerprint, merge, remember
 from gb10d.learnedfile import LearnedFileError, forget, load, save
 
-AT = datetime(2026, 12, 2, 3, 14, 15, tzinfo=timezone.utc)
+AT = datetime(2026, 12, 2, 3, 14, 15, tzinfo=UTC)
 WHY = "free memory 103.45 of 121.69 GiB below 0.92 requested"
 
 

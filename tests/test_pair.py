@@ -153,7 +153,7 @@ def test_killing_the_workers_ray_stops_vllm_on_the_head_and_serving_comes_back(p
     assert lost.group(1).startswith(f"the worker {WORKER_IP} left the Ray cluster"), lost.group(0)
     w.wait_line(r"gb10d: Ray on this machine was killed by SIGKILL .*; starting it again in", DEADLINE_S)
     w.wait_line(rf"gb10d: this machine \({WORKER_IP}\) is no longer in the Ray cluster: .*; Ray here is restarted until it joins again", DEADLINE_S)
-    w.wait_line(r"gb10d: joined the Ray cluster at", DEADLINE_S, since=w.lines.index(next(l for l in w.lines if "is no longer in the Ray cluster" in l)))
+    w.wait_line(r"gb10d: joined the Ray cluster at", DEADLINE_S, since=w.lines.index(next(line for line in w.lines if "is no longer in the Ray cluster" in line)))
     h.wait_line(r"gb10d: the Ray cluster is whole \(2 of 2 machines with a GPU up", DEADLINE_S, since=head_mark)
     head.notify.wait_for(ready, DEADLINE_S, since=head_notes)
     starts = [line for line in h.own_lines() if "started vLLM as pid" in line]

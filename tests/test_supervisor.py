@@ -41,7 +41,7 @@ def starts(daemon: Daemon) -> list[str]:
 
 def assert_no_vllm_left(daemon: Daemon) -> None:
     for pgid in vllm_groups(daemon.lines):
-        wait_until(lambda: not group_alive(pgid), 30, f"vLLM process group {pgid} gone")
+        wait_until(lambda pgid=pgid: not group_alive(pgid), 30, f"vLLM process group {pgid} gone")
 
 
 def test_healthy_start_sends_ready_once_after_health_and_served_name(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from gb10d.statefile import DaemonState, read_state
 
-from harness import Daemon, NotifySocket, Setup, free_port, vllm_groups, wait_until
+from harness import Daemon, NotifySocket, Setup, free_port, vllm_groups
 
 pytestmark = pytest.mark.slow
 
@@ -145,6 +145,6 @@ def test_a_killed_vllm_is_reported_by_its_signal_not_as_a_dead_engine(tmp_path: 
     assert "crash: vLLM was killed by SIGKILL (out of memory? see journalctl -k);" in line.string
     assert line.string.endswith("restarting with the same settings in 0.2 s (attempt 2/5)"), line.string
     assert time.monotonic() - killed_at < 30
-    assert not [l for l in daemon.lines[since:] if "engine is dead" in l or "engine_dead" in l]
+    assert not [line for line in daemon.lines[since:] if "engine is dead" in line or "engine_dead" in line]
     ready(notify, 1)
     assert daemon.stop() == 0

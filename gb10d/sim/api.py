@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from . import texts
 from .output import STDOUT, Console
@@ -105,7 +105,7 @@ def render_metrics(m: Metrics, model_name: str, running: int, kv_usage: float, s
     base = {"engine": "0", "model_name": model_name}
     out: list[str] = []
 
-    def family(name: str, kind: str, help_text: str, samples: list[tuple[str, dict[str, str], float]]) -> None:
+    def family(name: str, kind: str, help_text: str, samples: Sequence[tuple[str, dict[str, str], float]]) -> None:
         # prometheus_client names a counter family after its _total sample and
         # exposes the _created samples as a gauge family of their own.
         head = f"{name}_total" if kind == "counter" else name
@@ -124,7 +124,7 @@ def render_metrics(m: Metrics, model_name: str, running: int, kv_usage: float, s
         return [("_total", {}, value), ("_created", {}, m.created)]
 
     def histogram(name: str, help_text: str, h: Histogram) -> None:
-        samples = [("_bucket", {"le": repr(b)}, c) for b, c in zip(h.buckets, h.counts)]
+        samples: list[tuple[str, dict[str, str], float]] = [("_bucket", {"le": repr(b)}, c) for b, c in zip(h.buckets, h.counts)]
         samples += [("_bucket", {"le": "+Inf"}, h.count), ("_count", {}, h.count), ("_sum", {}, h.total), ("_created", {}, m.created)]
         family(name, "histogram", help_text, samples)
 
@@ -359,7 +359,7 @@ class Handler(BaseHTTPRequestHandler):
     def version_string(self) -> str:
         return "uvicorn"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - BaseHTTPRequestHandler's signature
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
@@ -393,13 +393,13 @@ class Handler(BaseHTTPRequestHandler):
             return True
         return self.headers.get("authorization", "") in {f"Bearer {k}" for k in keys}
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         self._route("GET")
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._route("HEAD")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self._route("POST")
 
     def _route(self, method: str) -> None:
@@ -521,7 +521,7 @@ class Handler(BaseHTTPRequestHandler):
         usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(pieces), "completion_tokens": len(pieces), "prompt_tokens_details": None}
         created = int(time.time())
         if chat:
-            message = {"role": "assistant", "content": text.strip(), "refusal": None, "annotations": None, "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}
+            message: dict[str, object] = {"role": "assistant", "content": text.strip(), "refusal": None, "annotations": None, "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason, "stop_reason": None, "token_ids": None}
             result = {"id": ident, "object": "chat.completion", "created": created, "model": name, "choices": [choice], "service_tier": None, "system_fingerprint": None, "usage": usage, "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None}
         else:

@@ -243,7 +243,7 @@ def build_parser(minor: int) -> ServeArgumentParser:
 def parse_serve_args(words: Sequence[str], minor: int) -> argparse.Namespace:
     """Parse the words after `serve`; argparse exits 2 with a usage error on bad input."""
     parser = build_parser(minor)
-    args = parser.parse_args(list(words))
+    args: argparse.Namespace = parser.parse_args(list(words))
     if args.model_tag is not None:
         args.model = args.model_tag
     return args

@@ -119,8 +119,10 @@ class EngineFailure(Exception):
 class Executor(Protocol):
     """What the EngineCore needs of vLLM's executor: run a worker method on every rank, and watch the ranks."""
 
-    # How often check_health() is due while serving; None: never.
-    health_interval_s: float | None
+    @property
+    def health_interval_s(self) -> float | None:
+        """How often check_health() is due while serving; None: never."""
+        ...
 
     def collective_rpc(self, method: str) -> None:
         """Run a GpuWorker method on every rank; raises EngineFailure."""
@@ -411,10 +413,10 @@ class EngineCore:
             if requests:
                 deadlines.append(max(next_step, min(r.ready_at for r in requests.values())))
             timeout = max(min(deadlines) - now, 0) if deadlines else None
-            readable, _, _ = select.select([self.conn, self._wakeup], [], [], timeout)
+            readable, _, _ = select.select([self.conn.fileno(), self._wakeup], [], [], timeout)
             if self._wakeup in readable:
                 os.read(self._wakeup, 512)
-            if self.conn in readable:
+            if self.conn.fileno() in readable:
                 messages = self._messages()
                 if messages is None:
                     # The API server died; vLLM's EngineCore does not notice and stays.
@@ -480,6 +482,6 @@ def run_engine(settings: SimSettings, args: argparse.Namespace, model: ModelFact
         # E.g. the meminfo file vanished between attempts: say so in one line.
         os.write(2, f"gb10d.sim: {exc}\n".encode())
         os._exit(2)
-    except BaseException:  # noqa: BLE001 - a forked child must never return into the parent's code
+    except BaseException:
         traceback.print_exc()
         os._exit(1)

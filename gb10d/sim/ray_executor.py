@@ -166,7 +166,7 @@ class RayExecutor:
         """ray.init on RAY_ADDRESS (or `auto`), then the GPU count check."""
         try:
             ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
-        except Exception as error:  # noqa: BLE001 - whatever Ray raises is what vLLM's traceback ends in
+        except Exception as error:
             raise EngineFailure(texts.RAY_ENGINE_FRAMES["connect"] + ray_frames(error), exception_line(error)) from None
         # ray.init made SIGTERM a SystemExit; the EngineCore dies of it while starting, as without Ray.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -172,7 +172,7 @@ class SimSettings:
             return
         out = []
         for line in lines:
-            name, sep, rest = line.partition(":")
+            name, _, rest = line.partition(":")
             words = rest.split()
             if name in ("MemFree", "MemAvailable") and words and words[0].isdigit():
                 line = f"{name}:{' ' * max(1, 15 - len(name))}{max(int(words[0]) - leaked_kb, 0)} kB\n"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gb10d.devices import NVIDIA_NODES, check_gpu_access, matches, parse_proc_devices, probe_nodes  # noqa: E402
-from gb10d.host import read_host_facts  # noqa: E402
+from gb10d.devices import NVIDIA_NODES, check_gpu_access, matches, parse_proc_devices, probe_nodes
+from gb10d.host import read_host_facts
 
 UNITS = Path(__file__).resolve().parents[2] / "units"
 

@@ -252,7 +252,7 @@ def main() -> int:
 
     try:
         # Checks 1 and 2: phases, readiness, and the free-memory failure recovered by one retry.
-        i1, pid1 = run.started(-1, 60)
+        i1, _ = run.started(-1, 60)
         index, _, m = journal.wait(r"gb10d: free memory ([\d.]+) of ([\d.]+) GiB is below gpu_memory_utilization 0.9 .*restarting with ([\d.]+)", 400, i1)
         note("free-memory failure read from the real error", line=m.group(0))
         i2, pid2 = run.started(index, 60)
@@ -292,7 +292,7 @@ def main() -> int:
         os.kill(engine[0], signal.SIGKILL)
         killed_at = time.monotonic()
         _, seen_at, m = journal.wait(r"gb10d: .*(restarting|giving up)", 60, i3)
-        i4, pid4 = run.started(i3, 120)
+        run.started(i3, 120)
         report["checks"]["4_engine_killed"] = {"engine_pid": engine[0], "noticed_after_s": round(seen_at - killed_at, 2), "journal": m.group(0)}
         run.ready(3, 400)
         note("recovered after EngineCore SIGKILL", ready=ready_count())

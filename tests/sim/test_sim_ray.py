@@ -73,7 +73,7 @@ def _wait_alive(head: RayHead) -> None:
         assert head.process.poll() is None, Path(head.tmpdir, "head.log").read_text(errors="replace")
         try:
             nodes = GcsClient(address=head.address).get_all_node_info(timeout=2)
-        except Exception:  # noqa: BLE001 - RpcError and friends while the GCS starts
+        except Exception:
             continue
         if any(node.state == gcs_pb2.GcsNodeInfo.ALIVE for node in nodes.values()):
             return
