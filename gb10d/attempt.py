@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from . import lifecycle
@@ -73,28 +73,39 @@ class OutputStream:
         self._journal.flush()
 
 
+@dataclass(frozen=True)
+class Start:
+    """One start of vLLM as the supervisor decided it: which, with what, why, and what it saw before."""
+
+    serial: int  # names this attempt's facts
+    number: int  # its place in the restart budget
+    tunables: Tunables
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    reason: str  # why it starts: initial, reload, or the cause it retries after
+    baseline: MemInfo | None  # /proc/meminfo before it started, for the memory gate
+    start_view: View | None  # on a pair: the machines vLLM is placed on
+
+
 class Attempt:
     """One start of vLLM; `handle` and `tick` return its `Failed` outcome once it is over."""
 
     def __init__(
         self,
-        serial: int,
+        start: Start,
         state: AttemptState,
         runtime: Runtime,
         config: Config,
         reporter: Reporter,
         post: Callable[[Fact], None],
         on_ready: Callable[[Tunables], None],
-        baseline: MemInfo | None,
-        start_view: View | None,
     ) -> None:
-        self.serial = serial
+        self.start = start
+        self.serial = start.serial
         self.state = state
         self.runtime = runtime
         self.config = config
         self.reporter = reporter
-        self.baseline = baseline
-        self.start_view = start_view  # on a pair: the machines vLLM was placed on
         self._post = post
         self._on_ready = on_ready
         v = config.vllm
@@ -106,22 +117,10 @@ class Attempt:
 
     @classmethod
     async def launch(
-        cls,
-        serial: int,
-        number: int,
-        tunables: Tunables,
-        argv: Sequence[str],
-        env: Mapping[str, str],
-        launcher: Launcher,
-        config: Config,
-        reporter: Reporter,
-        post: Callable[[Fact], None],
-        on_ready: Callable[[Tunables], None],
-        baseline: MemInfo | None,
-        start_view: View | None,
-        reason: str,
+        cls, start: Start, launcher: Launcher, config: Config, reporter: Reporter, post: Callable[[Fact], None], on_ready: Callable[[Tunables], None]
     ) -> Attempt:
         """Start vLLM and the tasks that follow it; a program that cannot start at all is a GiveUp."""
+        number, tunables, argv, env, baseline = start.number, start.tunables, start.argv, start.env, start.baseline
         try:
             runtime = await launcher.launch(argv, env)
         except SpawnError as exc:
@@ -137,11 +136,11 @@ class Attempt:
             load_strategy=tunables.load_strategy,
             mem_available_bytes=baseline.available if baseline else None,
         )
-        reporter.attempt_started(number, tunables, runtime.pid, baseline, reason)
+        reporter.attempt_started(number, tunables, runtime.pid, baseline, start.reason)
         if config.metrics.proxy_vllm:
             reporter.metrics.set_vllm_target(base_url(config.vllm.host, config.vllm.port) + "/metrics")
         state, actions = lifecycle.begin(number, tunables, time.monotonic(), config)
-        attempt = cls(serial, state, runtime, config, reporter, post, on_ready, baseline, start_view)
+        attempt = cls(start, state, runtime, config, reporter, post, on_ready)
         attempt._tasks.append(asyncio.create_task(attempt._follow_output()))
         attempt._poller = asyncio.create_task(
             poll_until_healthy(attempt.prober, config.startup.health_poll_interval_s, attempt._awaiting_health, attempt._post_probe)

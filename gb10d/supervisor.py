@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from . import policy
-from .attempt import Attempt
+from .attempt import Attempt, Start
 from .cluster import vllm_flags
 from .command import Tunables, build_argv
 from .errors import EXIT_OK, GiveUp
@@ -87,7 +87,7 @@ class Supervisor:
                 if confirmed is None:
                     return await self._stop()
                 ended = confirmed
-            baseline = self.attempt.baseline if self.attempt else None
+            baseline = self.attempt.start.baseline if self.attempt else None
             if isinstance(ended, NodeLost):
                 # Not vLLM's failure: the same settings start again, uncounted, once the cluster is whole.
                 await self.close()
@@ -117,10 +117,8 @@ class Supervisor:
         argv = build_argv(config.vllm, tunables, vllm_flags(config.cluster) if config.cluster else ())
         env = {**self.keeper.env(tunables), **(self.pair.env() if self.pair else {})}
         self._serial += 1
-        self.attempt = attempt = await Attempt.launch(
-            self._serial, number, tunables, argv, env, self.launcher, config, self.reporter, self.loop.post,
-            self.keeper.remember, self.preflight.meminfo(), self.pair.view if self.pair else None, reason,
-        )
+        start = Start(self._serial, number, tunables, argv, env, reason, self.preflight.meminfo(), self.pair.view if self.pair else None)
+        self.attempt = attempt = await Attempt.launch(start, self.launcher, config, self.reporter, self.loop.post, self.keeper.remember)
         while True:
             fact = await self.loop.next(attempt.deadline())
             ended: Ended | None
@@ -133,7 +131,7 @@ class Supervisor:
             elif isinstance(fact, KernelSaid):
                 ended = await attempt.handle(Parsed(attempt.serial, fact.event))
             elif isinstance(fact, ClusterSeen):
-                ended = self.pair.on_view(fact.view, attempt.start_view, attempt.runtime.pid, attempt.ready) if self.pair else None
+                ended = self.pair.on_view(fact.view, attempt.start.start_view, attempt.runtime.pid, attempt.ready) if self.pair else None
                 if ended is not None:
                     await attempt.kill()
             elif fact.attempt != attempt.serial:
@@ -141,13 +139,13 @@ class Supervisor:
             else:
                 ended = await attempt.handle(fact)
                 if isinstance(ended, Failed) and isinstance(fact, Exited) and self.pair is not None:
-                    ended = self.pair.explain_exit(ended, attempt.start_view, attempt.runtime.pid)
+                    ended = self.pair.explain_exit(ended, attempt.start.start_view, attempt.runtime.pid)
             if ended is not None:
                 return ended
 
     async def _confirm_node_loss(self, outcome: Failed) -> Failed | NodeLost | None:
         assert self.pair is not None and self.attempt is not None
-        return await self.pair.confirm_node_loss(outcome, self.attempt.start_view, self.attempt.runtime.pid, self._between)
+        return await self.pair.confirm_node_loss(outcome, self.attempt.start.start_view, self.attempt.runtime.pid, self._between)
 
     async def _config_change(self, attempt: Attempt, requested: bool) -> Reloaded | None:
         """SIGHUP or an edit on disk during an attempt: apply in place, or restart vLLM if its command changed.
