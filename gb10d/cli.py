@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from . import __version__
 from .cluster import cluster_env, ray_argv, vllm_flags
-from .command import REDACTED, build_argv, env_additions, redact_setting, runnable_problems, shell_line
+from .command import REDACTED, build_argv, container_argv, env_additions, is_secret_name, redact_setting, runnable_problems, shell_line
 from .config import (
     CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
@@ -60,7 +60,7 @@ def _toml_value(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _explain(loaded: LoadedConfig, prefix: str = "") -> None:
+def _explain(loaded: LoadedConfig, prefix: str | tuple[str, ...] = "") -> None:
     """Print each effective value with the file it came from; secrets stay hidden."""
     print("files: " + ", ".join(str(f) for f in loaded.files))
     rows = [r for r in loaded.explain() if r[0].startswith(prefix)]
@@ -74,14 +74,21 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate the config and what can be checked offline; print OK and a summary."""
     loaded = _load(args)
     problems = runnable_problems(loaded)
+    v = loaded.config.vllm
+    using = f"using {v.program}"
+    if v.image is not None:
+        from .container import engine_problems
+
+        engine, engine_problems_found = engine_problems(loaded)
+        problems += engine_problems_found
+        using = f"from the image {v.image} with {engine.kind}"
     if problems:
         raise ConfigError(problems)
-    v = loaded.config.vllm
     dropins = len(loaded.files) - 1
     print("OK")
     print(
         f"{loaded.files[0]}{f' + {dropins} drop-in(s)' if dropins else ''}: serve {v.model} as {', '.join(v.served_names)} "
-        f"on {v.host}:{v.port} with gpu_memory_utilization {v.gpu_memory_utilization:g} using {v.program}"
+        f"on {v.host}:{v.port} with gpu_memory_utilization {v.gpu_memory_utilization:g} {using}"
     )
     if args.explain:
         _explain(loaded)
@@ -98,13 +105,34 @@ def cmd_print_command(args: argparse.Namespace) -> int:
     if cluster is not None and cluster.role == "worker":
         return EXIT_OK
     argv = build_argv(vllm, cluster_flags=vllm_flags(cluster) if cluster else ())
-    if args.env:
+    if vllm.image is not None:
+        _print_container_command(loaded, argv, args.env)
+    elif args.env:
         print(shell_line(argv, {**env_additions(vllm), **needed}, path_prefix=vllm.venv / "bin" if vllm.venv else None))
     else:
         print(shell_line(argv, needed))
     if args.explain:
-        _explain(loaded, prefix="vllm.")
+        _explain(loaded, prefix=("vllm.", "container."))
     return EXIT_OK
+
+
+def _print_container_command(loaded: LoadedConfig, argv: list[str], with_env: bool) -> None:
+    """Print the `docker run` / `podman run` line; which engine and the pull gb10d does first go to stderr."""
+    from .container import choose_engine
+
+    config = loaded.config
+    assert config.vllm.image is not None
+    engine, problem = choose_engine(config.container)
+    if problem is not None:
+        print(f"gb10d: {problem}; showing the {engine.kind} command", file=sys.stderr)
+    if config.container.pull != "never":
+        when = "before every start" if config.container.pull == "always" else "when it is missing"
+        print(f"gb10d: gb10d pulls the image {when} (container.pull = \"{config.container.pull}\"): "
+              f"{shell_line([*engine.client, 'pull', config.vllm.image])}", file=sys.stderr)
+    env = env_additions(config.vllm)
+    # Secrets are passed by name (-e NAME); their values come from the environment of whoever runs the line.
+    secrets = {k: v for k, v in env.items() if is_secret_name(k)} if with_env else {}
+    print(shell_line(container_argv(config, loaded.files[0].absolute(), engine, argv, env), secrets))
 
 
 def _print_ray_command(cluster: ClusterSection, vllm: VllmSection) -> dict[str, str]:

@@ -71,7 +71,7 @@ BROKEN = [
     Broken("missing_model", '[vllm]\nexecutable = "{exe}"\n', "vllm.model", "is required", 1),
     Broken("missing_vllm_table", "[startup]\nwarmup = false\n", "vllm", "the [vllm] table is missing"),
     Broken("both_executable_and_venv", GOOD_HEAD + 'venv = "/opt/vllm-env"\n', "vllm", "set only one of vllm.executable and vllm.venv", 1),
-    Broken("neither_executable_nor_venv", '[vllm]\nmodel = "m"\n', "vllm", "set either vllm.executable", 1),
+    Broken("neither_executable_nor_venv", '[vllm]\nmodel = "m"\n', "vllm", "set one of vllm.executable (path of the vllm program), vllm.venv (a virtualenv with vLLM) or vllm.image", 1),
     Broken("relative_venv", '[vllm]\nvenv = "venv"\nmodel = "m"\n', "vllm.venv", "must be an absolute path (got 'venv')", 2),
     Broken("empty_model", '[vllm]\nexecutable = "{exe}"\nmodel = " "\n', "vllm.model", "must name a Hugging Face repository", 3),
     Broken("served_name_wrong_type", GOOD_HEAD + "served_model_name = 5\n", "vllm.served_model_name", "must be a string or a list (got 5)", 4),

@@ -1,0 +1,512 @@
+"""vLLM in a container, against real engines: the launcher and runtime gb10d drives, with gb10d.sim as the image's vllm.
+
+Each test runs under docker and under rootful podman (and the lifecycle ones
+also through podman's API socket, the way a gb10d that is not root reaches
+it). What is asserted is what an operator sees: the container's output and
+exit status through the client, the port on the host, the engine's own list
+of containers, the cgroup's counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from containers import (
+    Registry,
+    SlowLink,
+    container_exists,
+    container_running,
+    engine_or_skip,
+    engine_run,
+    ensure_sim_image,
+    registries_conf,
+    remove_image,
+    run_args_for,
+    sigterm_ignoring_program,
+    start_registry,
+)
+from gb10d.command import Engine, EngineKind, build_argv
+from gb10d.config import Config
+from gb10d.container import ContainerLauncher, ContainerRuntime, EngineUnavailable
+from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP, SpawnError
+from gb10d.image import PullFailed, PullProgress
+from harness import DEADLINE_S, free_port, live_pids, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+# What a registry may hold for a tag: docker's and OCI's manifests (and their lists).
+MANIFEST_TYPES = ", ".join([
+    "application/vnd.docker.distribution.manifest.v2+json", "application/vnd.docker.distribution.manifest.list.v2+json",
+    "application/vnd.oci.image.manifest.v1+json", "application/vnd.oci.image.index.v1+json",
+])
+# The sim at 1/50 of GB10's pace: serving about three seconds after its container starts.
+SIM_SPEED = "0.02"
+
+
+@pytest.fixture(scope="module", params=["docker", "podman"])
+def engine(request: pytest.FixtureRequest) -> Engine:
+    kind: EngineKind = request.param
+    return engine_or_skip(kind)
+
+
+@pytest.fixture(scope="module")
+def podman_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Rootful podman's API service on a socket of the test's own, as podman.socket provides it to a gb10d that is not root."""
+    engine_or_skip("podman")
+    sock = tmp_path_factory.mktemp("podman") / "podman.sock"
+    service = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{sock}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until(sock.exists, DEADLINE_S, f"podman's API socket {sock}")
+    yield sock
+    service.terminate()
+    service.wait(timeout=60)
+
+
+@pytest.fixture(scope="module", params=["docker", "podman", "podman-remote"])
+def any_engine(request: pytest.FixtureRequest) -> Engine:
+    """Each engine, and podman through its API socket."""
+    if request.param == "podman-remote":
+        return engine_or_skip("podman", request.getfixturevalue("podman_service"))
+    kind: EngineKind = request.param
+    return engine_or_skip(kind)
+
+
+def sim_config(engine: Engine, tmp_path: Path, image: str, scenario: str = "healthy", **container: Any) -> Config:
+    """A config that runs the sim image on a free port, without a GPU, under a container name of this test's own."""
+    socket_path = engine.client[engine.client.index("--url") + 1].removeprefix("unix://") if "--url" in engine.client else None
+    table: dict[str, Any] = {
+        "engine": engine.kind,
+        "gpu": "none",
+        "cache_dir": str(tmp_path / "cache"),
+        "name": f"gb10d-test-{os.getpid()}-{tmp_path.name[-24:]}".replace("_", "-"),
+        "run_args": run_args_for(engine.kind),
+        "pull": "never",
+        **({"socket": socket_path} if socket_path else {}),
+        **container,
+    }
+    return Config.model_validate({
+        "vllm": {"image": image, "model": "Qwen/Qwen3.6-27B-FP8", "port": free_port(),
+                 "env": {"GB10D_SIM_SPEED": SIM_SPEED, "GB10D_SIM_SCENARIO": scenario}},
+        "daemon": {"stop_timeout_s": 10},
+        "container": table,
+    })
+
+
+class Output:
+    """What the container printed, as the client hands it over, with a wait for a text to appear."""
+
+    def __init__(self) -> None:
+        self.text = b""
+        self.stderr = b""
+        self._changed = asyncio.Event()
+
+    def on_stdout(self, chunk: bytes) -> None:
+        self.text += chunk
+        self._changed.set()
+
+    def on_stderr(self, chunk: bytes) -> None:
+        self.stderr += chunk
+        self.text += chunk
+        self._changed.set()
+
+    async def wait_for(self, needle: bytes, timeout_s: float = DEADLINE_S) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while needle not in self.text:
+            self._changed.clear()
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                raise AssertionError(f"{needle!r} not printed within {timeout_s} s; got:\n{self.text[-3000:].decode(errors='replace')}")
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+
+class Started:
+    """A launched container with its output being read."""
+
+    def __init__(self, runtime: ContainerRuntime, output: Output, readers: list[asyncio.Task[None]]) -> None:
+        self.runtime = runtime
+        self.output = output
+        self.readers = readers
+
+
+async def start(launcher: ContainerLauncher, argv: list[str] | None = None) -> Started:
+    vllm = launcher.config.vllm
+    runtime = await launcher.launch(argv or build_argv(vllm), launcher.environment(vllm))
+    output = Output()
+    readers = [asyncio.ensure_future(r) for r in runtime.readers(output.on_stdout, output.on_stderr)]
+    return Started(runtime, output, readers)
+
+
+async def serving(port: int, timeout_s: float = DEADLINE_S) -> None:
+    """Wait until vLLM's /health on the host's port answers 200."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with httpx.AsyncClient() as client:
+        while True:
+            try:
+                if (await client.get(f"http://127.0.0.1:{port}/health", timeout=2)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"nothing served /health on port {port} within {timeout_s} s")
+            await asyncio.sleep(0.1)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture
+def cleanup(engine: Engine) -> Iterator[list[str]]:
+    """Container names a test used; whatever happened, none of them outlives it."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        engine_run(engine, "rm", "--force", name, check=False)
+
+
+def test_healthy_sim_serves_on_the_hosts_port_and_stop_leaves_nothing(any_engine: Engine, tmp_path: Path) -> None:
+    config = sim_config(any_engine, tmp_path, ensure_sim_image(any_engine))
+    launcher = ContainerLauncher(config, tmp_path / "gb10d.toml", any_engine)
+
+    async def scenario() -> None:
+        started = await start(launcher)
+        runtime = started.runtime
+        try:
+            await serving(config.vllm.port)
+            assert runtime.alive() and runtime.members(), "the container's processes are seen from the host"
+            assert container_running(any_engine, launcher.name)
+            await started.output.wait_for(b"Starting vLLM server on http://0.0.0.0:")
+            began = time.monotonic()
+            assert await runtime.stop(config.daemon.stop_timeout_s) is True
+            assert time.monotonic() - began < config.daemon.stop_timeout_s, "vLLM drained on SIGTERM; no escalation was needed"
+            assert await runtime.wait() == 0
+            await asyncio.gather(*started.readers)
+            assert b"[shutdown] API server: shutdown triggered" in started.output.text
+        finally:
+            await runtime.kill()
+        assert not runtime.alive()
+        assert not container_exists(any_engine, launcher.name), "stop removes the container"
+        assert not port_open(config.vllm.port)
+
+    asyncio.run(scenario())
+
+
+def test_vllms_exit_status_and_error_reach_gb10d_through_the_client(engine: Engine, tmp_path: Path, cleanup: list[str]) -> None:
+    config = sim_config(engine, tmp_path, ensure_sim_image(engine), scenario="model_not_found")
+    launcher = ContainerLauncher(config, tmp_path / "gb10d.toml", engine)
+    cleanup.append(launcher.name)
+
+    async def scenario() -> None:
+        started = await start(launcher)
+        assert await started.runtime.wait() == 1
+        await asyncio.gather(*started.readers)
+        assert b"Qwen/Qwen3.6-27B-FP8" in started.output.stderr and b"Traceback" in started.output.stderr
+        # An exited container stays until removed, so gb10d can read how it ended; kill() removes it.
+        assert container_exists(engine, launcher.name)
+        assert await started.runtime.kill() is True
+        assert not container_exists(engine, launcher.name)
+
+    asyncio.run(scenario())
+
+
+def test_stop_escalates_to_sigkill_when_vllm_ignores_sigterm(engine: Engine, tmp_path: Path, cleanup: list[str]) -> None:
+    config = sim_config(engine, tmp_path, ensure_sim_image(engine))
+    launcher = ContainerLauncher(config, tmp_path / "gb10d.toml", engine)
+    cleanup.append(launcher.name)
+    escalated: list[list[int]] = []
+
+    async def scenario() -> None:
+        started = await start(launcher, sigterm_ignoring_program())
+        await started.output.wait_for(b"ignoring SIGTERM")
+        began = time.monotonic()
+        assert await started.runtime.stop(1.0, escalated.append) is True
+        assert 1.0 <= time.monotonic() - began < 30
+        assert await started.runtime.wait() == -signal.SIGKILL
+
+    asyncio.run(scenario())
+    assert escalated and escalated[0], "the escalation names the processes it kills"
+    assert not container_exists(engine, launcher.name)
+
+
+def test_sigkill_of_the_client_leaves_the_container_running_and_the_next_start_removes_it(any_engine: Engine, tmp_path: Path) -> None:
+    config = sim_config(any_engine, tmp_path, ensure_sim_image(any_engine))
+    launcher = ContainerLauncher(config, tmp_path / "gb10d.toml", any_engine)
+
+    async def first_gb10d() -> int:
+        started = await start(launcher)
+        await serving(config.vllm.port)
+        return started.runtime.pid
+
+    try:
+        client = asyncio.run(first_gb10d())
+        os.kill(client, signal.SIGKILL)  # as when gb10d and its client die together (SIGKILL of the unit's main process)
+        wait_until(lambda: not live_pids(lambda entry, _f: entry.name == str(client)), DEADLINE_S, "the client to be gone")
+        assert container_running(any_engine, launcher.name), "the engine keeps the container running without its client"
+        assert port_open(config.vllm.port)
+
+        removed = asyncio.run(ContainerLauncher(config, tmp_path / "gb10d.toml", any_engine).clear_leftovers())
+        assert removed is not None and removed.startswith(f"removed the container {launcher.name} (") and "earlier gb10d" in removed
+        assert not container_exists(any_engine, launcher.name)
+        wait_until(lambda: not port_open(config.vllm.port), DEADLINE_S, "vLLM's port to close")
+        assert asyncio.run(launcher.clear_leftovers()) is None, "nothing is left to remove the second time"
+    finally:
+        engine_run(any_engine, "rm", "--force", launcher.name, check=False)
+
+
+def test_a_container_gb10d_did_not_start_is_left_alone(engine: Engine, tmp_path: Path, cleanup: list[str]) -> None:
+    config = sim_config(engine, tmp_path, ensure_sim_image(engine))
+    launcher = ContainerLauncher(config, tmp_path / "gb10d.toml", engine)
+    cleanup.append(launcher.name)
+    engine_run(engine, "create", "--name", launcher.name, *run_args_for(engine.kind), config.vllm.image or "", "python3")
+    with pytest.raises(SpawnError) as refused:
+        asyncio.run(launcher.clear_leftovers())
+    assert f"a container named {launcher.name} exists that something other than gb10d started" in str(refused.value)
+    assert f"{engine.kind} rm -f {launcher.name}" in str(refused.value)
+    assert container_exists(engine, launcher.name)
+
+
+def test_io_bytes_grow_while_the_sim_loads_and_stay_flat_while_it_hangs(engine: Engine, tmp_path: Path, cleanup: list[str]) -> None:
+    # Two shards of about two seconds each, really reading, then the loader hangs as on GB10's mmap stall.
+    config = sim_config(engine, tmp_path, ensure_sim_image(engine), scenario="slow_shards=100,stall_at=2")
+    launcher = ContainerLauncher(config, tmp_path / "gb10d.toml", engine)
+    cleanup.append(launcher.name)
+
+    async def scenario() -> tuple[int, int, int, int]:
+        started = await start(launcher)
+        runtime = started.runtime
+        await started.output.wait_for(b"0/6 [")
+        loading = runtime.io_bytes()
+        await started.output.wait_for(b"1/6 [")
+        loaded = runtime.io_bytes()
+        await started.output.wait_for(b"2/6 [")
+        await asyncio.sleep(0.5)  # the loader is asleep in its hang from here on
+        hung = runtime.io_bytes()
+        await asyncio.sleep(3.0)  # a span to measure over, not a synchronisation
+        still = runtime.io_bytes()
+        await runtime.kill()
+        assert loading is not None and loaded is not None and hung is not None and still is not None
+        return loading, loaded, hung, still
+
+    loading, loaded, hung, still = asyncio.run(scenario())
+    assert loaded - loading >= 1 << 20, f"a loading shard moved the count by {loaded - loading} bytes only"
+    assert still - hung < 1 << 20, f"a hung loader moved the count by {still - hung} bytes"
+
+
+def test_engine_that_cannot_give_the_gpu_is_a_spawn_error_that_says_what_to_install(engine: Engine, tmp_path: Path, cleanup: list[str]) -> None:
+    # No CDI description of an NVIDIA GPU exists on the test machines, so the engine refuses before vLLM runs.
+    config = sim_config(engine, tmp_path, ensure_sim_image(engine), gpu="cdi")
+    launcher = ContainerLauncher(config, tmp_path / "gb10d.toml", engine)
+    cleanup.append(launcher.name)
+    with pytest.raises(EngineUnavailable) as refused:
+        asyncio.run(start(launcher))
+    message = str(refused.value)
+    assert message.startswith(f"{engine.kind} could not start the container of {config.vllm.image}: ")
+    assert "there is no CDI description of the GPU: sudo nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml" in message
+    assert refused.value.exit_status == EXIT_CONFIG
+    assert not container_exists(engine, launcher.name), "nothing of the refused start is left"
+
+
+def test_an_image_without_vllm_fails_like_a_vllm_that_cannot_start(engine: Engine, tmp_path: Path, cleanup: list[str]) -> None:
+    # With --init the container starts (its init runs) and init reports that it cannot run vllm: docker's tini
+    # exits 127, podman's catatonit 1, each with its reason on stderr, which reaches the journal.
+    config = sim_config(engine, tmp_path, ensure_sim_image(engine))
+    launcher = ContainerLauncher(config, tmp_path / "gb10d.toml", engine)
+    cleanup.append(launcher.name)
+
+    async def scenario() -> None:
+        started = await start(launcher, ["vllm-missing", "serve", "m"])
+        assert await started.runtime.wait() == {"docker": 127, "podman": 1}[engine.kind]
+        await asyncio.gather(*started.readers)
+        assert b"No such file or directory" in started.output.stderr
+        assert await started.runtime.kill() is True
+
+    asyncio.run(scenario())
+    assert not container_exists(engine, launcher.name)
+
+
+# --- pulling -------------------------------------------------------------------------------------------
+
+
+def prepare(launcher: ContainerLauncher) -> tuple[Any, list[PullProgress]]:
+    facts: list[PullProgress] = []
+    prepared = asyncio.run(launcher.prepare(facts.append))
+    return prepared, facts
+
+
+def test_missing_image_with_pull_never_is_a_clear_error(engine: Engine, tmp_path: Path) -> None:
+    config = sim_config(engine, tmp_path, "localhost/gb10d-test/absent:1", pull="never")
+    with pytest.raises(PullFailed) as failed:
+        prepare(ContainerLauncher(config, tmp_path / "gb10d.toml", engine))
+    assert str(failed.value) == (
+        f'the image localhost/gb10d-test/absent:1 is not present in {engine.kind} and container.pull is "never"; '
+        f'load it ({engine.kind} pull localhost/gb10d-test/absent:1, or {engine.kind} load -i FILE) or set container.pull = "missing"'
+    )
+    assert failed.value.exit_status == EXIT_CONFIG and failed.value.retry_worthy is False
+
+
+def test_pull_from_an_unreachable_registry_fails_quickly_and_says_so(engine: Engine, tmp_path: Path) -> None:
+    image = f"127.0.0.1:{free_port()}/gb10d/absent:1"
+    config = sim_config(engine, tmp_path, image, pull="missing")
+    began = time.monotonic()
+    with pytest.raises(PullFailed) as failed:
+        prepare(ContainerLauncher(config, tmp_path / "gb10d.toml", engine))
+    assert time.monotonic() - began < 60
+    assert failed.value.kind == "unreachable", str(failed.value)
+    assert str(failed.value).startswith(f"cannot pull {image}: ")
+    assert "connection refused" in str(failed.value).lower()
+    assert f"127.0.0.1:{image.split(':')[1].split('/')[0]} cannot be reached from this machine" in str(failed.value)
+    assert failed.value.exit_status == EXIT_GAVE_UP
+
+
+@pytest.fixture
+def registry(tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Iterator[Registry]:
+    """A local registry this test's engine may use over plain HTTP."""
+    started = start_registry(tmp_path / "registry")
+    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registries_conf(tmp_path, started.address, started.address.replace("127.0.0.1", "localhost"))))
+    yield started
+    started.stop()
+
+
+def push_random_image(engine: Engine, tmp_path: Path, reference: str, size_mib: int = 64) -> str:
+    """A one-layer image of random bytes (so no layer is present already), pushed as `reference`; the registry's digest of it.
+
+    The digest is asked of the registry: podman converts the image on push,
+    so its local digest is not the one a pull will find.
+    """
+    root = tmp_path / f"layer-{time.monotonic_ns()}"
+    root.mkdir()
+    (root / "blob").write_bytes(os.urandom(size_mib << 20))
+    archive = tmp_path / f"{root.name}.tar"
+    subprocess.run(["tar", "-C", str(root), "-cf", str(archive), "."], check=True)
+    engine_run(engine, "import", str(archive), reference)
+    engine_run(engine, "push", *(["--tls-verify=false"] if engine.kind == "podman" else []), reference)
+    remove_image(engine, reference)
+    registry, _, rest = reference.partition("/")
+    repository, _, tag = rest.rpartition(":")
+    request = urllib.request.Request(f"http://{registry}/v2/{repository}/manifests/{tag}", method="HEAD", headers={"Accept": MANIFEST_TYPES})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return str(answer.headers["Docker-Content-Digest"])
+
+
+def test_missing_image_is_pulled_with_progress_and_its_digest_is_known(engine: Engine, tmp_path: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Over a link of 8 MB/s the 32 MiB layer takes seconds, so the engine reports its bytes as they arrive.
+    digest = push_random_image(engine, tmp_path, f"{registry.address}/gb10d/random:1", size_mib=32)
+    link = SlowLink(registry.address, rate_bps=8 << 20)
+    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registries_conf(tmp_path, link.address)))
+    image = f"{link.address}/gb10d/random:1"
+    launcher = ContainerLauncher(sim_config(engine, tmp_path, image, pull="missing"), tmp_path / "gb10d.toml", engine)
+    try:
+        prepared, facts = prepare(launcher)
+    finally:
+        link.close()
+        remove_image(engine, image)
+    assert prepared.pulled and prepared.previous is None and prepared.moved is None
+    assert prepared.info.repo_digest == digest and prepared.info.identity == digest
+    assert facts[0].layers_total == 0, "the pull is announced before the registry answers"
+    downloading = [f.downloaded_bytes for f in facts if 0 < f.downloaded_bytes < f.total_bytes]
+    assert len(downloading) >= 3 and downloading == sorted(downloading), [f.describe() for f in facts]
+    last = facts[-1]
+    assert last.layers_done == last.layers_total == 1
+    assert last.downloaded_bytes == last.total_bytes >= 32 << 20
+    assert last.describe() == f"pulling {image}: {last.total_bytes / 1e9:.2f} of {last.total_bytes / 1e9:.2f} GB downloaded, {last.unpacked_bytes / 1e9:.2f} GB unpacked (1 of 1 layers)"
+
+
+def test_present_image_is_not_pulled_again_with_pull_missing(engine: Engine, tmp_path: Path) -> None:
+    image = ensure_sim_image(engine)
+    launcher = ContainerLauncher(sim_config(engine, tmp_path, image, pull="missing"), tmp_path / "gb10d.toml", engine)
+    prepared, facts = prepare(launcher)
+    assert not prepared.pulled and facts == [] and prepared.moved is None
+    assert prepared.info.identity.startswith("sha256:")
+    assert prepare(launcher)[0].info == prepared.info, "the same image is the same identity at the next start"
+
+
+def test_a_tag_that_moved_is_noticed_by_pull_always(engine: Engine, tmp_path: Path, registry: Registry) -> None:
+    image = f"{registry.address}/gb10d/moving:1"
+    first = push_random_image(engine, tmp_path, image, size_mib=1)
+    launcher = ContainerLauncher(sim_config(engine, tmp_path, image, pull="always"), tmp_path / "gb10d.toml", engine)
+    try:
+        before, _ = prepare(launcher)
+        # Re-pushed under the registry's other name, so the image pulled before stays here, as on a machine that pulled last month.
+        second = push_random_image(engine, tmp_path, image.replace("127.0.0.1", "localhost"), size_mib=1)
+        after, _ = prepare(launcher)
+    finally:
+        remove_image(engine, image)
+    assert before.info.identity == first and after.info.identity == second != first
+    assert after.previous == before.info
+    assert after.moved == (
+        f"the tag {image} now points to another image: {second} (was {first}); "
+        "settings learned with the old image are not applied until this one has started"
+    )
+
+
+def test_unknown_tag_is_a_config_error_naming_the_registry(engine: Engine, tmp_path: Path, registry: Registry) -> None:
+    image = f"{registry.address}/gb10d/random:no-such-tag"
+    with pytest.raises(PullFailed) as failed:
+        prepare(ContainerLauncher(sim_config(engine, tmp_path, image, pull="missing"), tmp_path / "gb10d.toml", engine))
+    assert failed.value.kind == "not_found", str(failed.value)
+    assert f"{registry.address} has no image {image}; check the repository and tag of vllm.image" in str(failed.value)
+    assert failed.value.exit_status == EXIT_CONFIG
+
+
+def test_refused_credentials_say_how_to_log_in(engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    guarded = start_registry(tmp_path / "guarded", auth=True)
+    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registries_conf(tmp_path, guarded.address)))
+    image = f"{guarded.address}/gb10d/private:1"
+    try:
+        with pytest.raises(PullFailed) as failed:
+            prepare(ContainerLauncher(sim_config(engine, tmp_path, image, pull="missing"), tmp_path / "gb10d.toml", engine))
+    finally:
+        guarded.stop()
+    assert failed.value.kind == "unauthorized", str(failed.value)
+    assert f"log in as that user (sudo -u gb10d {engine.kind} login {guarded.address})" in str(failed.value)
+    assert failed.value.exit_status == EXIT_CONFIG
+
+
+def test_a_stalled_pull_stops_reporting_progress_and_ends_when_cancelled(engine: Engine, tmp_path: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The link delivers 4 MiB of the layer and then nothing, holding the connection open, as a stalled download does.
+    push_random_image(engine, tmp_path, f"{registry.address}/gb10d/stalled:1", size_mib=32)
+    link = SlowLink(registry.address, rate_bps=8 << 20, stall_after=4 << 20)
+    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registries_conf(tmp_path, link.address)))
+    image = f"{link.address}/gb10d/stalled:1"
+    launcher = ContainerLauncher(sim_config(engine, tmp_path, image, pull="missing"), tmp_path / "gb10d.toml", engine)
+    facts: list[PullProgress] = []
+
+    def pulling() -> list[int]:
+        return live_pids(lambda entry, _f: image.encode() in (entry / "cmdline").read_bytes())
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(launcher.prepare(facts.append))
+        deadline = asyncio.get_running_loop().time() + DEADLINE_S
+        while not any(f.downloaded_bytes for f in facts):
+            assert asyncio.get_running_loop().time() < deadline, "no bytes were reported before the stall"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)  # the last bytes before the stall arrive
+        reported = len(facts)
+        await asyncio.sleep(3.0)  # a span without progress, as the stall timer sees it
+        assert len(facts) == reported, "nothing moved, so nothing is reported"
+        assert not task.done() and pulling(), "the pull neither failed nor finished"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        link.close()
+        remove_image(engine, image)
+    assert 0 < max(f.downloaded_bytes for f in facts) < 32 << 20
+    assert not pulling(), "cancelling the pull ends the engine's client"
