@@ -38,7 +38,20 @@ from containers import (
 )
 from gb10d.command import Engine, EngineKind, build_argv
 from gb10d.config import Config
-from gb10d.container import ContainerLauncher, ContainerRuntime, EngineUnavailable
+from gb10d.container import (
+    ContainerCgroup,
+    ContainerLauncher,
+    ContainerRuntime,
+    EngineUnavailable,
+    blkio_bytes,
+    cgroup_files,
+    cgroup_mounts,
+    io_stat_bytes,
+    paged_in_bytes,
+    run_failure,
+    signal_status,
+    unreachable_advice,
+)
 from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP, SpawnError
 from gb10d.image import PullFailed, PullProgress
 from harness import DEADLINE_S, free_port, live_pids, wait_until
@@ -52,6 +65,95 @@ MANIFEST_TYPES = ", ".join([
 ])
 # The sim at 1/50 of GB10's pace: serving about three seconds after its container starts.
 SIM_SPEED = "0.02"
+
+
+# --- what the engine's words and the cgroup files mean (plain functions) --------------------------------
+
+DOCKER = Engine("docker", ("docker",))
+PODMAN = Engine("podman", ("podman", "--remote", "--url", "unix:///run/podman/podman.sock"))
+
+
+@pytest.mark.parametrize(
+    ("engine", "text", "advice"),
+    [
+        (DOCKER, 'permission denied while trying to connect to the Docker daemon socket at unix:///var/run/docker.sock: Get '
+         '"http://%2Fvar%2Frun%2Fdocker.sock/v1.50/version": dial unix /var/run/docker.sock: connect: permission denied',
+         "the user gb10d may not use docker's socket /var/run/docker.sock; add it to the docker group (sudo usermod -aG docker gb10d, "
+         "then restart gb10d). Membership of the docker group is as good as root on this machine"),
+        (DOCKER, "Cannot connect to the Docker daemon at unix:///var/run/docker.sock. Is the docker daemon running?",
+         "docker's daemon is not running (nothing answers on /var/run/docker.sock); start it: sudo systemctl enable --now docker"),
+        (PODMAN, 'Error: unable to connect to Podman socket: Get "http://d/v4.3.1/libpod/_ping": dial unix /run/podman/podman.sock: connect: no such file or directory',
+         "podman's API service is not running (nothing answers on /run/podman/podman.sock); start it: sudo systemctl enable --now podman.socket"),
+        (PODMAN, 'Error: unable to connect to Podman socket: Get "http://d/v4.3.1/libpod/_ping": dial unix /run/podman/podman.sock: connect: permission denied',
+         "the user gb10d may not use podman's socket /run/podman/podman.sock; let its group in (sudo systemctl edit podman.socket: "
+         "[Socket] SocketGroup=gb10d, then sudo systemctl restart podman.socket). Access to the socket is as good as root on this machine"),
+        (DOCKER, 'Error response from daemon: Get "http://127.0.0.1:5000/v2/": dial tcp 127.0.0.1:5000: connect: connection refused', None),
+    ],
+)
+def test_an_unreachable_engine_is_explained_with_the_fix(engine: Engine, text: str, advice: str | None) -> None:
+    assert unreachable_advice(engine, text, "gb10d") == advice
+
+
+@pytest.mark.parametrize(
+    ("text", "advice"),
+    [
+        ('docker: Error response from daemon: could not select device driver "" with capabilities: [[gpu]].',
+         "docker cannot give the container the GPU: install the NVIDIA Container Toolkit"),
+        ("Error: setting up CDI devices: unresolvable CDI devices nvidia.com/gpu=all", "sudo nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml"),
+        ("docker: Error response from daemon: No such image: nvcr.io/nvidia/vllm:26.05-py3.", 'set container.pull = "missing"'),
+        ('docker: Error response from daemon: Conflict. The container name "/gb10d" is already in use by container "b4b0".', "remove it (docker rm -f NAME) or set container.name"),
+        ("Error: runc: runc create failed: unable to start container process: error during container init: error setting rlimits for ready process",
+         "give them in container.run_args (--ulimit NAME=SOFT:HARD)"),
+    ],
+)
+def test_an_engine_that_refuses_to_start_the_container_says_what_to_do(text: str, advice: str) -> None:
+    message = run_failure(DOCKER, "nvcr.io/nvidia/vllm:26.05-py3", text, 125)
+    assert message.startswith("docker could not start the container of nvcr.io/nvidia/vllm:26.05-py3: ")
+    assert advice in message
+
+
+@pytest.mark.parametrize(("status", "reported"), [(0, 0), (1, 1), (127, 127), (130, -signal.SIGINT), (137, -signal.SIGKILL), (143, -signal.SIGTERM), (255, 255)])
+def test_a_container_killed_by_a_signal_is_reported_like_a_process(status: int, reported: int) -> None:
+    assert signal_status(status) == reported
+
+
+HYBRID = """31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+38 31 0:35 / /sys/fs/cgroup/blkio rw,relatime - cgroup cgroup rw,blkio
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+"""
+V2 = "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate,memory_recursiveprot\n"
+# A booted container with its own cgroup namespace root: the host's docker cgroups lie outside it.
+NAMESPACED = "30 23 0:26 /machine.slice/gb10d-test /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+DOCKER_CGROUP = "0::/system.slice/docker-0123abcd.scope\n"
+
+
+def test_cgroup_v2_counts_block_io_in_io_stat() -> None:
+    files = cgroup_files(DOCKER_CGROUP, cgroup_mounts(V2))
+    assert files == ContainerCgroup(Path("/sys/fs/cgroup/system.slice/docker-0123abcd.scope"),
+                                    io_stat=Path("/sys/fs/cgroup/system.slice/docker-0123abcd.scope/io.stat"))
+
+
+def test_hybrid_cgroups_count_blkio_and_the_pages_the_memory_cgroup_took_in() -> None:
+    proc = "9:name=systemd:/docker/0123abcd\n7:blkio:/docker/0123abcd\n4:memory:/docker/0123abcd\n1:cpu,cpuacct:/docker/0123abcd\n0::/docker/0123abcd\n"
+    assert cgroup_files(proc, cgroup_mounts(HYBRID)) == ContainerCgroup(
+        Path("/sys/fs/cgroup/memory/docker/0123abcd"),
+        blkio=Path("/sys/fs/cgroup/blkio/docker/0123abcd/blkio.throttle.io_service_bytes_recursive"),
+        memory_stat=Path("/sys/fs/cgroup/memory/docker/0123abcd/memory.stat"),
+    )
+
+
+def test_a_cgroup_outside_this_namespace_is_not_guessed_at() -> None:
+    assert cgroup_files("0::/../../system.slice/docker-0123abcd.scope\n", cgroup_mounts(NAMESPACED)) is None
+
+
+def test_cgroup_counters_are_summed_over_devices() -> None:
+    assert io_stat_bytes("259:0 rbytes=1048576 wbytes=4096 rios=10 wios=1 dbytes=0 dios=0\n8:0 rbytes=10 wbytes=0 rios=1 wios=0 dbytes=0 dios=0\n") == 1048576 + 4096 + 10
+    assert blkio_bytes("8:0 Read 100\n8:0 Write 20\n8:0 Sync 120\n8:0 Async 0\n8:0 Discard 0\n8:0 Total 120\nTotal 120\n") == 120
+    assert paged_in_bytes("cache 348160\npgpgin 6876\npgpgout 6791\ntotal_pgpgin 7000\n", 4096) == 7000 * 4096
+    assert paged_in_bytes("cache 0\npgpgin 12\n", 4096) == 12 * 4096
 
 
 @pytest.fixture(scope="module", params=["docker", "podman"])
