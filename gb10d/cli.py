@@ -158,6 +158,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the supervisor in the foreground (what the systemd unit starts)."""
     from .supervisor import run_daemon
 
+    loaded = _load(args)
+    if loaded.config.vllm.image is not None:
+        # The supervisor does not drive a container yet; running `vllm` from the host's PATH instead would be wrong.
+        raise ConfigError([loaded.problem("vllm.image", "gb10d run does not supervise vLLM in a container yet; until it does, run vLLM from "
+                                          "vllm.venv or vllm.executable (gb10d print-command shows the container's run line)")])
     return run_daemon(_config_path(args))
 
 

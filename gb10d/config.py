@@ -22,7 +22,7 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Address
 from pathlib import Path
-from typing import Any, Iterator, Literal, get_args
+from typing import Any, Iterator, Literal, Sequence, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
@@ -529,7 +529,7 @@ _MANAGED_FLAGS = {
 _FLAG_NAME = re.compile(r"[a-z0-9][a-z0-9-]*(\.[A-Za-z0-9_-]+)*")
 
 
-def _raise_keyed(problems: list[tuple[str | tuple[str, ...], str]]) -> None:
+def _raise_keyed(problems: Sequence[tuple[str | tuple[str, ...], str]]) -> None:
     """Report problems of several keys of one table at once, each located at its own key."""
     if problems:
         raise PydanticCustomError("keyed", "{summary}", {"summary": "; ".join(m for _, m in problems), "problems": problems})

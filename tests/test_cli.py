@@ -222,27 +222,23 @@ def test_check_config_with_pull_never_and_no_image_says_how_to_load_it(kind: Any
             f"load it ({kind} pull localhost/gb10d-test/absent:1") in result.stderr
 
 
-def test_check_config_says_how_to_start_a_docker_daemon_that_is_not_running(tmp_path: Path) -> None:
-    if shutil.which("docker") is None:
-        pytest.skip("the docker client is not installed")
+@pytest.mark.parametrize(
+    ("kind", "advice"),
+    [
+        ("docker", "docker's daemon is not running (nothing answers on {sock}); start it: sudo systemctl enable --now docker"),
+        ("podman", "podman's API service is not running (nothing answers on {sock}); start it: sudo systemctl enable --now podman.socket"),
+    ],
+)
+def test_check_config_says_how_to_start_an_engine_that_does_not_answer(kind: str, advice: str, tmp_path: Path) -> None:
+    if shutil.which(kind) is None:
+        pytest.skip(f"the {kind} client is not installed")
+    sock = tmp_path / f"{kind}.sock"
     config = tmp_path / "gb10d.toml"
-    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine="docker", socket=str(tmp_path / "docker.sock")))
+    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine=kind, socket=str(sock)))
     result = cli("check-config", "--config", str(config))
     assert result.returncode == EXIT_CONFIG
-    assert (f"gb10d: {config}:6: container.engine: docker version failed: Cannot connect to the Docker daemon at unix://{tmp_path}/docker.sock. "
-            f"Is the docker daemon running?; docker's daemon is not running (nothing answers on {tmp_path}/docker.sock); "
-            "start it: sudo systemctl enable --now docker") in result.stderr.splitlines()
-
-
-def test_check_config_says_how_to_start_podmans_service_when_its_socket_is_missing(tmp_path: Path) -> None:
-    if shutil.which("podman") is None:
-        pytest.skip("podman is not installed")
-    config = tmp_path / "gb10d.toml"
-    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine="podman", socket=str(tmp_path / "podman.sock")))
-    result = cli("check-config", "--config", str(config))
-    assert result.returncode == EXIT_CONFIG
-    assert (f"podman's API service is not running (nothing answers on {tmp_path}/podman.sock); "
-            "start it: sudo systemctl enable --now podman.socket") in result.stderr
+    problem = result.stderr.splitlines()[0]
+    assert problem.startswith(f"gb10d: {config}:6: container.engine: {kind} ") and problem.endswith("; " + advice.format(sock=sock)), problem
 
 
 def test_check_config_as_a_user_outside_the_docker_group_says_to_add_it_and_what_that_means(tmp_path: Path) -> None:
@@ -287,3 +283,11 @@ def test_print_command_of_an_image_is_the_exact_run_line_and_names_the_pull_firs
     assert shlex.split(result.stdout) == ["HF_TOKEN=***", *expected]
     assert "hf_live" not in result.stdout + result.stderr
     assert result.stderr == 'gb10d: gb10d pulls the image when it is missing (container.pull = "missing"): docker pull nvcr.io/nvidia/vllm:26.05-py3\n'
+
+
+def test_run_refuses_an_image_until_the_supervisor_drives_containers(tmp_path: Path) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3"))
+    result = cli("run", "--config", str(config))
+    assert result.returncode == EXIT_CONFIG and result.stdout == ""
+    assert result.stderr.startswith(f"gb10d: {config}:2: vllm.image: gb10d run does not supervise vLLM in a container yet")

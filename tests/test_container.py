@@ -41,7 +41,6 @@ from gb10d.config import Config
 from gb10d.container import (
     ContainerCgroup,
     ContainerLauncher,
-    ContainerRuntime,
     EngineUnavailable,
     blkio_bytes,
     cgroup_files,
@@ -54,6 +53,7 @@ from gb10d.container import (
 )
 from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP, SpawnError
 from gb10d.image import PullFailed, PullProgress
+from gb10d.runtime import Launcher, Runtime
 from harness import DEADLINE_S, free_port, live_pids, wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -237,15 +237,17 @@ class Output:
 class Started:
     """A launched container with its output being read."""
 
-    def __init__(self, runtime: ContainerRuntime, output: Output, readers: list[asyncio.Task[None]]) -> None:
+    def __init__(self, runtime: Runtime, output: Output, readers: list[asyncio.Task[None]]) -> None:
         self.runtime = runtime
         self.output = output
         self.readers = readers
 
 
 async def start(launcher: ContainerLauncher, argv: list[str] | None = None) -> Started:
+    """Launch as an attempt does, through the Launcher and Runtime interfaces only (mypy checks the container fits them)."""
     vllm = launcher.config.vllm
-    runtime = await launcher.launch(argv or build_argv(vllm), launcher.environment(vllm))
+    attempt: Launcher = launcher
+    runtime = await attempt.launch(argv or build_argv(vllm), attempt.environment(vllm))
     output = Output()
     readers = [asyncio.ensure_future(r) for r in runtime.readers(output.on_stdout, output.on_stderr)]
     return Started(runtime, output, readers)
