@@ -129,7 +129,12 @@ def _print_container_command(loaded: LoadedConfig, argv: list[str], with_env: bo
         when = "before every start" if config.container.pull == "always" else "when it is missing"
         print(f"gb10d: gb10d pulls the image {when} (container.pull = \"{config.container.pull}\"): "
               f"{shell_line([*engine.client, 'pull', config.vllm.image])}", file=sys.stderr)
-    env = env_additions(config.vllm)
+    try:
+        env = env_additions(config.vllm)
+    except ConfigError as exc:
+        # Only the names matter for this line; the file is often readable by root and gb10d alone.
+        print(f"gb10d: {exc.problems[0]}; its variables are left out of this line", file=sys.stderr)
+        env = env_additions(config.vllm.model_copy(update={"env_file": None}))
     # Secrets are passed by name (-e NAME); their values come from the environment of whoever runs the line.
     secrets = {k: v for k, v in env.items() if is_secret_name(k)} if with_env else {}
     print(shell_line(container_argv(config, loaded.files[0].absolute(), engine, argv, env), secrets))
@@ -272,11 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
         "turn a vllm serve start script into gb10d.toml",
         "Read an existing shell script that starts vllm serve and write the equivalent gb10d.toml to stdout. "
         "Variables, quoting, backslash continuations, 'source VENV/bin/activate', nohup, exec, redirections "
-        "and '&' are understood; anything else is kept as a '# warning:' comment, never dropped silently. "
+        "and '&' are understood, and so is 'docker run [options] IMAGE vllm serve MODEL flags' (or podman run), "
+        "which becomes [vllm] image and [container]. A docker compose file is not supported as such: the answer is "
+        "the config equivalent to its vLLM service. Anything else is kept as a '# warning:' comment, never dropped silently. "
         "Nothing is written to disk: redirect stdout to a new file, then run check-config on it.",
         config=False,
     )
-    p.add_argument("script", metavar="FILE", type=Path, help="the shell script that runs vllm serve ('-' reads stdin)")
+    p.add_argument("script", metavar="FILE", type=Path, help="the shell script that runs vllm serve, or a compose file ('-' reads stdin)")
     add(
         "run",
         cmd_run,

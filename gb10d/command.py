@@ -239,8 +239,10 @@ def container_argv(config: Config, config_path: Path, engine: Engine, vllm_argv:
     argv += gpu_options(engine.kind, c.gpu)
     argv += ["--stop-timeout", str(math.ceil(config.daemon.stop_timeout_s)), "--log-driver", "none"]
     argv += ["-v", f"{c.cache_dir}:{CONTAINER_CACHE}"]
-    if vllm.model.startswith("/"):
-        # A local model directory is seen at the same path inside, so the config means the same in both places.
+    inside = [m.split(":")[1] for m in c.mounts]
+    if vllm.model.startswith("/") and not any(vllm.model == d or vllm.model.startswith(d.rstrip("/") + "/") for d in inside):
+        # A local model directory is seen at the same path inside, so the config means the same in both places;
+        # a model in a directory mounted by container.mounts is a path inside the container already.
         argv += ["-v", f"{vllm.model}:{vllm.model}:ro"]
     for mount in c.mounts:
         argv += ["-v", mount]

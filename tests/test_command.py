@@ -221,6 +221,11 @@ def test_a_local_model_directory_is_mounted_read_only_at_its_own_path() -> None:
     assert argv[argv.index(IMAGE) + 3] == "/srv/models/Qwen3.6-27B-FP8"
 
 
+def test_a_model_in_a_mounted_directory_is_a_path_inside_the_container() -> None:
+    argv = run_line(image_config({"mounts": ["/srv/models:/models:ro"]}, model="/models/Qwen3-8B"))
+    assert [w for w in argv if w.startswith("/srv/models") or w.startswith("/models")] == ["/srv/models:/models:ro", "/models/Qwen3-8B"]
+
+
 def test_secrets_are_passed_by_name_only_and_never_appear_in_the_argv(tmp_path: Path) -> None:
     secrets = tmp_path / "secrets.env"
     secrets.write_text("HF_TOKEN=hf_live\n")
