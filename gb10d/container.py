@@ -21,6 +21,7 @@ import fcntl
 import json
 import os
 import pty
+import pwd
 import re
 import signal
 import struct
@@ -256,8 +257,7 @@ class EngineResult:
 
 
 def _user() -> str:
-    import pwd
-
+    """The name of the user gb10d runs as, for advice such as `usermod -aG docker gb10d`."""
     try:
         return pwd.getpwuid(os.geteuid()).pw_name
     except KeyError:
@@ -537,9 +537,14 @@ class ContainerRuntime:
         return await self.kill(on_escalate)
 
     async def kill(self, on_escalate: Escalation | None = None) -> bool:
-        """SIGKILL the container and remove it (`rm -f`); True when nothing of it is left."""
+        """SIGKILL the container and remove it; True when nothing of it is left.
+
+        The SIGKILL goes first because podman's `rm -f` would give the container
+        its stop timeout again before killing it.
+        """
         if on_escalate is not None:
             on_escalate(self.members())
+        await engine_call(self._engine, "kill", "--signal", "KILL", self.name, env=self._env)
         return await self._remove()
 
     async def _ended(self, timeout_s: float) -> bool:

@@ -338,7 +338,7 @@ def test_stop_escalates_to_sigkill_when_vllm_ignores_sigterm(engine: Engine, tmp
         await started.output.wait_for(b"ignoring SIGTERM")
         began = time.monotonic()
         assert await started.runtime.stop(1.0, escalated.append) is True
-        assert 1.0 <= time.monotonic() - began < 30
+        assert 1.0 <= time.monotonic() - began < 1.0 + 5, "SIGKILL follows the grace at once"
         assert await started.runtime.wait() == -signal.SIGKILL
 
     asyncio.run(scenario())
