@@ -516,14 +516,14 @@ class ContainerRuntime:
 
     def alive(self) -> bool:
         """Whether the client or any process of the container is left."""
-        return self._client.alive() or bool(self.members_of_container())
+        return self._client.alive() or bool(self._container_pids())
 
-    def members_of_container(self) -> list[int]:
+    def _container_pids(self) -> list[int]:
         return self._cgroup.procs() if self._cgroup is not None else []
 
     def members(self) -> list[int]:
         """The container's processes (host pids) and the client, while they last."""
-        return self.members_of_container() + ([self._client.pid] if self._client.alive() else [])
+        return self._container_pids() + ([self._client.pid] if self._client.alive() else [])
 
     def io_bytes(self) -> int | None:
         """The container's I/O count from its cgroup (see ContainerCgroup)."""
@@ -531,7 +531,7 @@ class ContainerRuntime:
 
     async def stop(self, grace_s: float, on_escalate: Escalation | None = None) -> bool:
         """SIGTERM through the engine, `grace_s` for vLLM to drain, then SIGKILL; remove the container; True when nothing is left."""
-        await engine_call(self._engine, "kill", "--signal", "TERM", self.name, env=self._env)
+        await self._tell("kill", "--signal", "TERM", self.name)
         if await self._ended(grace_s):
             return await self._remove()
         return await self.kill(on_escalate)
@@ -544,8 +544,15 @@ class ContainerRuntime:
         """
         if on_escalate is not None:
             on_escalate(self.members())
-        await engine_call(self._engine, "kill", "--signal", "KILL", self.name, env=self._env)
+        await self._tell("kill", "--signal", "KILL", self.name)
         return await self._remove()
+
+    async def _tell(self, *args: str) -> EngineResult | None:
+        """One engine command on the way to stopping; None when the engine did not answer (the caller then finds the container still there)."""
+        try:
+            return await engine_call(self._engine, *args, env=self._env)
+        except EngineUnavailable:
+            return None
 
     async def _ended(self, timeout_s: float) -> bool:
         """Wait for the container's main process to exit, at most `timeout_s`: on the client, or on the engine once the client is gone."""
@@ -560,14 +567,14 @@ class ContainerRuntime:
 
     async def _remove(self) -> bool:
         """`rm -f` the container, then wait for the client to exit; True when neither is left."""
-        await engine_call(self._engine, "rm", "--force", self.name, env=self._env)
+        await self._tell("rm", "--force", self.name)
         if self._client.alive():
             try:
                 await asyncio.wait_for(self._client.wait(), ENGINE_TIMEOUT_S)
             except asyncio.TimeoutError:
                 await self._client.kill()
-        gone = await engine_call(self._engine, "container", "inspect", "--format", "{{.Id}}", self.name, env=self._env)
-        return gone.status != 0 and not self.alive()
+        gone = await self._tell("container", "inspect", "--format", "{{.Id}}", self.name)
+        return gone is not None and gone.status != 0 and not self.alive()
 
 
 class ContainerLauncher:

@@ -150,6 +150,8 @@ def test_a_cgroup_outside_this_namespace_is_not_guessed_at() -> None:
 
 
 def test_cgroup_counters_are_summed_over_devices() -> None:
+    # io.stat as a cgroup v2 kernel (6.18) wrote it after 300 reads of 40 KiB past the page cache, and with a second device.
+    assert io_stat_bytes("254:0 rbytes=12288000 wbytes=0 rios=300 wios=0 dbytes=0 dios=0\n") == 12288000
     assert io_stat_bytes("259:0 rbytes=1048576 wbytes=4096 rios=10 wios=1 dbytes=0 dios=0\n8:0 rbytes=10 wbytes=0 rios=1 wios=0 dbytes=0 dios=0\n") == 1048576 + 4096 + 10
     assert blkio_bytes("8:0 Read 100\n8:0 Write 20\n8:0 Sync 120\n8:0 Async 0\n8:0 Discard 0\n8:0 Total 120\nTotal 120\n") == 120
     assert paged_in_bytes("cache 348160\npgpgin 6876\npgpgout 6791\ntotal_pgpgin 7000\n", 4096) == 7000 * 4096
