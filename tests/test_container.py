@@ -544,13 +544,16 @@ def test_a_tag_that_moved_is_noticed_by_pull_always(engine: Engine, tmp_path: Pa
     image = f"{registry.address}/gb10d/moving:1"
     first = push_random_image(engine, tmp_path, image, size_mib=1)
     launcher = ContainerLauncher(sim_config(engine, tmp_path, image, pull="always"), tmp_path / "gb10d.toml", engine)
+    pulled: list[str] = []
     try:
         before, _ = prepare(launcher)
+        pulled.append(before.info.image_id)
         # Re-pushed under the registry's other name, so the image pulled before stays here, as on a machine that pulled last month.
         second = push_random_image(engine, tmp_path, image.replace("127.0.0.1", "localhost"), size_mib=1)
         after, _ = prepare(launcher)
     finally:
-        remove_image(engine, image)
+        for leftover in [image, *pulled]:
+            remove_image(engine, leftover)
     assert before.info.identity == first and after.info.identity == second != first
     assert after.previous == before.info
     assert after.moved == (
