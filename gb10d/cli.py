@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from . import __version__
 from .cluster import cluster_env, ray_argv, vllm_flags
-from .command import REDACTED, build_argv, env_additions, redact_setting, shell_line
+from .command import REDACTED, build_argv, container_argv, env_additions, is_secret_name, redact_setting, shell_line
 from .config import (
     CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
@@ -61,7 +61,7 @@ def _toml_value(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _explain(loaded: LoadedConfig, prefix: str = "") -> None:
+def _explain(loaded: LoadedConfig, prefix: str | tuple[str, ...] = "") -> None:
     """Print each effective value with the file it came from; secrets stay hidden."""
     print("files: " + ", ".join(str(f) for f in loaded.files))
     rows = [r for r in loaded.explain() if r[0].startswith(prefix)]
@@ -85,11 +85,19 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     if report.problems:
         raise PathsUnreachable(report)
     v = loaded.config.vllm
+    using = f"using {v.program}"
+    if v.image is not None:
+        from .container import engine_problems
+
+        engine, problems = engine_problems(loaded)
+        if problems:
+            raise ConfigError(problems)
+        using = f"from the image {v.image} with {engine.kind}"
     dropins = len(loaded.files) - 1
     print("OK")
     print(
         f"{loaded.files[0]}{f' + {dropins} drop-in(s)' if dropins else ''}: serve {v.model} as {', '.join(v.served_names)} "
-        f"on {v.host}:{v.port} with gpu_memory_utilization {v.gpu_memory_utilization:g} using {v.program}"
+        f"on {v.host}:{v.port} with gpu_memory_utilization {v.gpu_memory_utilization:g} {using}"
     )
     print(f"paths checked as {context.describe()}")
     if args.explain:
@@ -134,13 +142,39 @@ def cmd_print_command(args: argparse.Namespace) -> int:
     if cluster is not None and cluster.role == "worker":
         return EXIT_OK
     argv = build_argv(vllm, cluster_flags=vllm_flags(cluster) if cluster else ())
-    if args.env:
+    if vllm.image is not None:
+        _print_container_command(loaded, argv, args.env)
+    elif args.env:
         print(shell_line(argv, {**env_additions(vllm), **needed}, path_prefix=vllm.venv / "bin" if vllm.venv else None))
     else:
         print(shell_line(argv, needed))
     if args.explain:
-        _explain(loaded, prefix="vllm.")
+        _explain(loaded, prefix=("vllm.", "container."))
     return EXIT_OK
+
+
+def _print_container_command(loaded: LoadedConfig, argv: list[str], with_env: bool) -> None:
+    """Print the `docker run` / `podman run` line; which engine and the pull gb10d does first go to stderr."""
+    from .container import choose_engine
+
+    config = loaded.config
+    assert config.vllm.image is not None
+    engine, problem = choose_engine(config.container)
+    if problem is not None:
+        print(f"gb10d: {problem}; showing the {engine.kind} command", file=sys.stderr)
+    if config.container.pull != "never":
+        when = "before every start" if config.container.pull == "always" else "when it is missing"
+        print(f"gb10d: gb10d pulls the image {when} (container.pull = \"{config.container.pull}\"): "
+              f"{shell_line([*engine.client, 'pull', config.vllm.image])}", file=sys.stderr)
+    try:
+        env = env_additions(config.vllm)
+    except ConfigError as exc:
+        # Only the names matter for this line; the file is often readable by root and gb10d alone.
+        print(f"gb10d: {exc.problems[0]}; its variables are left out of this line", file=sys.stderr)
+        env = env_additions(config.vllm.model_copy(update={"env_file": None}))
+    # Secrets are passed by name (-e NAME); their values come from the environment of whoever runs the line.
+    secrets = {k: v for k, v in env.items() if is_secret_name(k)} if with_env else {}
+    print(shell_line(container_argv(config, loaded.files[0].absolute(), engine, argv, env), secrets))
 
 
 def _print_ray_command(cluster: ClusterSection, vllm: VllmSection) -> dict[str, str]:
@@ -172,7 +206,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .pathcheck import PathsUnreachable, check_paths
     from .service import this_process, unit_for_config
 
-    report = check_paths(_load(args), this_process(unit_for_config(_config_path(args))), caches=False)
+    loaded = _load(args)
+    if loaded.config.vllm.image is not None:
+        # The supervisor does not drive a container yet; running `vllm` from the host's PATH instead would be wrong.
+        raise ConfigError([loaded.problem("vllm.image", "gb10d run does not supervise vLLM in a container yet; until it does, run vLLM from "
+                                          "vllm.venv or vllm.executable (gb10d print-command shows the container's run line)")])
+    report = check_paths(loaded, this_process(unit_for_config(_config_path(args))), caches=False)
     if report.problems:
         raise PathsUnreachable(report)
     return run_daemon(_config_path(args))
@@ -303,11 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
         "turn a vllm serve start script into gb10d.toml",
         "Read an existing shell script that starts vllm serve and write the equivalent gb10d.toml to stdout. "
         "Variables, quoting, backslash continuations, 'source VENV/bin/activate', nohup, exec, redirections "
-        "and '&' are understood; anything else is kept as a '# warning:' comment, never dropped silently. "
+        "and '&' are understood, and so is 'docker run [options] IMAGE vllm serve MODEL flags' (or podman run), "
+        "which becomes [vllm] image and [container]. A docker compose file is not supported as such: the answer is "
+        "the config equivalent to its vLLM service. Anything else is kept as a '# warning:' comment, never dropped silently. "
         "Nothing is written to disk: redirect stdout to a new file, then run check-config on it.",
         config=False,
     )
-    p.add_argument("script", metavar="FILE", type=Path, help="the shell script that runs vllm serve ('-' reads stdin)")
+    p.add_argument("script", metavar="FILE", type=Path, help="the shell script that runs vllm serve, or a compose file ('-' reads stdin)")
     add(
         "run",
         cmd_run,

@@ -8,14 +8,15 @@ written. Nothing here touches the system except `read_env_file`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
-from .config import VllmSection, normalize_flag
+from .config import DEFAULT_CONFIG_PATH, Config, ContainerSection, VllmSection, normalize_flag
 from .errors import ConfigError, ConfigProblem
 
 # Variables that belong to gb10d's own contract with systemd; vLLM must never see them.
@@ -23,6 +24,22 @@ _SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
 
 # What REFERENCE.md advises for a supervised child: unbuffered, uncoloured, one-line banner.
 CHILD_DEFAULTS = {"PYTHONUNBUFFERED": "1", "NO_COLOR": "1", "VLLM_DISABLE_LOG_LOGO": "1"}
+
+# In a container, the mounted cache directory is /root/.cache, where the image's programs look by
+# default; the variables send Triton, Inductor and CUDA there too, in the layout the unit gives a venv.
+CONTAINER_CACHE = "/root/.cache"
+CONTAINER_CACHE_ENV = {
+    "HF_HOME": f"{CONTAINER_CACHE}/huggingface",
+    "VLLM_CACHE_ROOT": f"{CONTAINER_CACHE}/vllm",
+    "TRITON_CACHE_DIR": f"{CONTAINER_CACHE}/triton",
+    "TORCHINDUCTOR_CACHE_DIR": f"{CONTAINER_CACHE}/torchinductor",
+    "CUDA_CACHE_PATH": f"{CONTAINER_CACHE}/nv",
+    "XDG_CACHE_HOME": CONTAINER_CACHE,
+}
+# The label that tells gb10d's own container from any other: the config it was started from.
+CONTAINER_LABEL = "gb10d.config"
+# podman's API socket as podman.socket creates it, for a gb10d that does not run as root.
+PODMAN_SOCKET = Path("/run/podman/podman.sock")
 
 _SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 _SECRET_FLAGS = {"api-key", "hf-token"}
@@ -153,11 +170,15 @@ def env_additions(vllm: VllmSection) -> dict[str, str]:
     """What gb10d sets on top of its own environment: defaults, VIRTUAL_ENV, env_file, then [vllm.env].
 
     PATH is left out: it is gb10d's own PATH with the venv's bin in front
-    (see `build_env`), so it has no fixed value to show.
+    (see `build_env`), so it has no fixed value to show. In a container this
+    is the whole environment gb10d gives vLLM, with the cache variables in
+    place of VIRTUAL_ENV: the image brings its own PATH and the rest.
     """
     env = dict(CHILD_DEFAULTS)
     if vllm.venv is not None:
         env["VIRTUAL_ENV"] = str(vllm.venv)
+    if vllm.image is not None:
+        env.update(CONTAINER_CACHE_ENV)
     if vllm.env_file is not None:
         env.update(read_env_file(vllm.env_file))
     env.update(vllm.env)
@@ -178,6 +199,85 @@ def build_env(vllm: VllmSection, base: Mapping[str, str] | None = None, added: S
     env.update(configured)
     env.update((name, value) for name, value in added if name not in configured)
     return env
+
+
+EngineKind = Literal["docker", "podman"]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A container engine and the client command that reaches it (`docker`, `podman --remote --url ...`)."""
+
+    kind: EngineKind
+    client: tuple[str, ...]
+
+
+def engine_client(kind: EngineKind, socket: Path | None, as_root: bool) -> Engine:
+    """The client command for `kind`: its own default socket, the configured one, or podman's service for non-root.
+
+    podman without a socket runs containers of the user that calls it; a
+    gb10d that is not root would get rootless containers with their own
+    image store, so it talks to the rootful service (podman.socket) instead.
+    """
+    if kind == "docker":
+        return Engine(kind, ("docker", "-H", f"unix://{socket}") if socket is not None else ("docker",))
+    if socket is None and as_root:
+        return Engine(kind, ("podman",))
+    return Engine(kind, ("podman", "--remote", "--url", f"unix://{socket or PODMAN_SOCKET}"))
+
+
+def container_name(container: ContainerSection, config_path: Path) -> str:
+    """`container.name`, else "gb10d" for /etc/gb10d.toml and "gb10d-NAME" for any NAME.toml."""
+    if container.name is not None:
+        return container.name
+    if config_path == DEFAULT_CONFIG_PATH:
+        return "gb10d"
+    stem = re.sub(r"[^a-zA-Z0-9_.-]", "-", config_path.stem).strip("-.") or "config"
+    return f"gb10d-{stem}"
+
+
+def gpu_options(engine: EngineKind, gpu: str) -> list[str]:
+    """docker's NVIDIA Container Toolkit flag or the CDI device (podman's way, and docker's with CDI enabled)."""
+    if gpu == "none":
+        return []
+    if gpu == "toolkit" or (gpu == "auto" and engine == "docker"):
+        return ["--gpus", "all"]
+    return ["--device", "nvidia.com/gpu=all"]
+
+
+def container_argv(config: Config, config_path: Path, engine: Engine, vllm_argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """The exact `docker run` / `podman run` that runs `vllm_argv` in the configured image.
+
+    Attached (no -d), so the client's stdout, stderr and exit status are the
+    container's; named and labelled after the config, so gb10d finds its own
+    container again; without --rm, so gb10d can read how it ended before it
+    removes it. The image is pulled beforehand (with progress), so the run
+    itself never pulls. Secret variables are passed by name only: their
+    values reach the client through its environment, never its argv, which
+    any user can read in /proc.
+    """
+    c = config.container
+    vllm = config.vllm
+    assert vllm.image is not None
+    argv = [*engine.client, "run", "--name", container_name(c, config_path), "--label", f"{CONTAINER_LABEL}={config_path}"]
+    argv += ["--pull", "never", "--network", "host"]
+    argv += ["--shm-size", c.shm_size] if c.shm_size else ["--ipc", "host"]
+    argv += ["--init"] if c.init else []
+    argv += gpu_options(engine.kind, c.gpu)
+    argv += ["--stop-timeout", str(math.ceil(config.daemon.stop_timeout_s)), "--log-driver", "none"]
+    argv += ["-v", f"{c.cache_dir}:{CONTAINER_CACHE}"]
+    inside = [m.split(":")[1] for m in c.mounts]
+    if vllm.model.startswith("/") and not any(vllm.model == d or vllm.model.startswith(d.rstrip("/") + "/") for d in inside):
+        # A local model directory is seen at the same path inside, so the config means the same in both places;
+        # a model in a directory mounted by container.mounts is a path inside the container already.
+        argv += ["-v", f"{vllm.model}:{vllm.model}:ro"]
+    for mount in c.mounts:
+        argv += ["-v", mount]
+    for name, value in env.items():
+        argv += ["-e", name if is_secret_name(name) else f"{name}={value}"]
+    argv += c.run_args
+    argv += [vllm.image, *vllm_argv]
+    return argv
 
 
 def redact_argv(argv: list[str]) -> list[str]:

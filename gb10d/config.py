@@ -28,12 +28,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from .errors import ConfigError, ConfigProblem
+from .image import parse_reference
 
 DEFAULT_CONFIG_PATH = Path("/etc/gb10d.toml")
 CONFIG_ENV = "GB10D_CONFIG"
 DEFAULT_SOURCE = "default"
 
 LOAD_STRATEGIES = ("eager", "lazy", "prefetch", "torchao")
+# The three ways to say what runs vLLM; exactly one is set.
+PROGRAM_KEYS = ("executable", "venv", "image")
 LoadStrategy = Literal["eager", "lazy", "prefetch", "torchao"]
 
 
@@ -62,6 +65,8 @@ class VllmSection(_Table):
     # Path fields take TOML strings; strict mode alone would demand Path objects.
     executable: Path | None = Field(default=None, strict=False)
     venv: Path | None = Field(default=None, strict=False)
+    # A container image whose `vllm` runs under docker or podman ([container] says how).
+    image: str | None = None
     model: str
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -73,6 +78,13 @@ class VllmSection(_Table):
     env_file: Path | None = Field(default=None, strict=False)
 
     absolute_paths = field_validator("executable", "venv", "env_file")(_absolute)
+
+    @field_validator("image")
+    @classmethod
+    def _image_reference(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_reference(value)
+        return value
 
     @field_validator("model")
     @classmethod
@@ -160,10 +172,14 @@ class VllmSection(_Table):
 
     @model_validator(mode="after")
     def _one_program(self) -> VllmSection:
-        if self.executable is None and self.venv is None:
-            raise ValueError("set either vllm.executable (path of the vllm program) or vllm.venv (a virtualenv with vLLM)")
-        if self.executable is not None and self.venv is not None:
-            raise ValueError("set only one of vllm.executable and vllm.venv, not both")
+        chosen = [key for key in PROGRAM_KEYS if getattr(self, key) is not None]
+        if not chosen:
+            raise ValueError(
+                "set one of vllm.executable (path of the vllm program), vllm.venv (a virtualenv with vLLM) "
+                'or vllm.image (a container image with vLLM, e.g. "nvcr.io/nvidia/vllm:26.05-py3")'
+            )
+        if len(chosen) > 1:
+            raise ValueError(f"set only one of {' and '.join(f'vllm.{k}' for k in chosen)}, not {'both' if len(chosen) == 2 else 'all three'}")
         in_args = {normalize_flag(k) for k in self.args}
         twice = [w for w in self.extra_args if w.startswith("--") and normalize_flag(w.partition("=")[0]) in in_args]
         if twice:
@@ -172,9 +188,11 @@ class VllmSection(_Table):
 
     @property
     def program(self) -> Path:
-        """The `vllm` executable this config runs."""
+        """The `vllm` executable this config runs; in a container image, the `vllm` on the image's PATH."""
         if self.executable is not None:
             return self.executable
+        if self.image is not None:
+            return Path("vllm")
         assert self.venv is not None
         return self.venv / "bin" / "vllm"
 
@@ -314,6 +332,98 @@ class DaemonSection(_Table):
         raise ValueError(f'must be "journal", "kmsg", "none" or the absolute path of a file to follow (got {value!r})')
 
 
+# `docker run` / `podman run` options gb10d sets itself from [container], [vllm] and [daemon]; another
+# value in run_args would contradict what gb10d believes (the name it removes, the port it probes).
+CONTAINER_OWNED_OPTIONS = {
+    "--name": "gb10d names the container after its config (container.name)",
+    "--rm": "gb10d removes the container itself, after reading how it ended",
+    "-d": "gb10d stays attached to read vLLM's output", "--detach": "gb10d stays attached to read vLLM's output",
+    "-i": "vLLM reads no input", "--interactive": "vLLM reads no input",
+    "-t": "a terminal would mix vLLM's two streams", "--tty": "a terminal would mix vLLM's two streams",
+    "-a": "gb10d attaches stdout and stderr", "--attach": "gb10d attaches stdout and stderr",
+    "--network": "the container uses the host's network, so vllm.port is the host's port",
+    "--net": "the container uses the host's network, so vllm.port is the host's port",
+    "-p": "the container uses the host's network: vllm.port is already the host's port",
+    "--publish": "the container uses the host's network: vllm.port is already the host's port",
+    "-P": "the container uses the host's network: vllm.port is already the host's port",
+    "--publish-all": "the container uses the host's network: vllm.port is already the host's port",
+    "--ipc": "set container.shm_size instead of the default --ipc=host",
+    "--shm-size": "set container.shm_size",
+    "--init": "set container.init",
+    "--gpus": "set container.gpu",
+    "--pull": "set container.pull",
+    "--stop-timeout": "set daemon.stop_timeout_s",
+    "--log-driver": "vLLM's output goes to the journal through gb10d",
+}
+_CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}")
+_SHM_SIZE = re.compile(r"[1-9][0-9]*[bkmgBKMG]?")
+
+
+class ContainerSection(_Table):
+    """`[container]`: how vLLM runs when `vllm.image` is set (docker or podman, GPU, mounts, pulling)."""
+
+    # "auto": docker if its daemon answers, else podman.
+    engine: Literal["auto", "docker", "podman"] = "auto"
+    # The engine's API socket; empty: docker's own default (or $DOCKER_HOST), podman without a
+    # service as root and /run/podman/podman.sock (podman.socket) for any other user.
+    socket: Path | None = Field(default=None, strict=False)
+    # "auto": docker --gpus all (NVIDIA Container Toolkit), podman --device nvidia.com/gpu=all (CDI).
+    gpu: Literal["auto", "toolkit", "cdi", "none"] = "auto"
+    # Mounted at /root/.cache, where the image keeps Hugging Face downloads and vLLM's, Triton's
+    # and Inductor's compile caches, so they survive every new container.
+    cache_dir: Path = Field(default=Path("/var/cache/gb10d"), strict=False)
+    mounts: list[str] = Field(default_factory=list)
+    # Empty: --ipc=host, as vLLM advises (its processes share memory through /dev/shm).
+    shm_size: str | None = None
+    init: bool = True
+    run_args: list[str] = Field(default_factory=list)
+    pull: Literal["never", "missing", "always"] = "missing"
+    # Empty: "gb10d" for /etc/gb10d.toml, "gb10d-NAME" for NAME.toml.
+    name: str | None = None
+
+    absolute_paths = field_validator("socket", "cache_dir")(_absolute)
+
+    @field_validator("mounts")
+    @classmethod
+    def _mount_form(cls, value: list[str]) -> list[str]:
+        problems: list[tuple[str | tuple[str, ...], str]] = []
+        for index, mount in enumerate(value):
+            parts = mount.split(":")
+            if len(parts) not in (2, 3) or not all(parts[:2]):
+                problems.append((str(index), f'must be "HOST:CONTAINER" or "HOST:CONTAINER:OPTIONS", e.g. "/srv/models:/models:ro" (got {mount!r})'))
+            elif not (parts[0].startswith("/") and parts[1].startswith("/")):
+                problems.append((str(index), f"both paths must be absolute (got {mount!r}); gb10d runs from / under systemd"))
+        _raise_keyed(problems)
+        return value
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm_size_form(cls, value: str | None) -> str | None:
+        if value is not None and not _SHM_SIZE.fullmatch(value):
+            raise ValueError(f'must be a size such as "16g" or "512m" (got {value!r}); leave it out for --ipc=host')
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name_form(cls, value: str | None) -> str | None:
+        if value is not None and not _CONTAINER_NAME.fullmatch(value):
+            raise ValueError(f"must be a container name: letters, digits, '_', '.' and '-', starting with a letter or digit (got {value!r})")
+        return value
+
+    @field_validator("run_args")
+    @classmethod
+    def _run_args_unmanaged(cls, value: list[str]) -> list[str]:
+        problems: list[tuple[str | tuple[str, ...], str]] = []
+        for index, word in enumerate(value):
+            option = word.partition("=")[0]
+            if option in CONTAINER_OWNED_OPTIONS:
+                problems.append((str(index), f"{option} is gb10d's to decide: {CONTAINER_OWNED_OPTIONS[option]}; remove it from container.run_args"))
+            elif option in ("--device", "--label", "-l") and "=" in word and ("nvidia.com/gpu" in word or "gb10d." in word):
+                problems.append((str(index), f"{word} is set by gb10d from container.gpu and the config's path; remove it"))
+        _raise_keyed(problems)
+        return value
+
+
 class ClusterSection(_Table):
     """`[cluster]`: this machine's part in a pair of GB10s that serve one model through Ray.
 
@@ -372,14 +482,25 @@ class Config(_Table):
     liveness: LivenessSection = Field(default_factory=LivenessSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     daemon: DaemonSection = Field(default_factory=DaemonSection)
+    container: ContainerSection = Field(default_factory=ContainerSection)
     cluster: ClusterSection | None = None
 
     def tables(self) -> Iterator[tuple[str, _Table]]:
-        """(name, table) in schema order, skipping an optional table the file leaves out ([cluster])."""
+        """(name, table) in schema order, skipping a table that does not apply ([cluster] left out, [container] without an image)."""
         for name in type(self).model_fields:
             table = getattr(self, name)
-            if table is not None:
+            if table is not None and (name != "container" or self.vllm.image is not None):
                 yield name, table
+
+    @model_validator(mode="after")
+    def _container_needs_an_image(self) -> Config:
+        """[container] says how to run an image; without one it would be silently ignored."""
+        if self.vllm.image is None and "container" in self.model_fields_set:
+            _raise_keyed([(("container",), 'applies only to vLLM from a container image: set vllm.image, or remove the [container] table')])
+        if self.vllm.image is not None and self.cluster is not None:
+            _raise_keyed([(("vllm", "image"), "vLLM from a container image is not supported on a two-machine pair ([cluster]); "
+                           "use vllm.venv or vllm.executable on both machines, or remove [cluster] to serve from this machine alone")])
+        return self
 
     @model_validator(mode="after")
     def _cluster_owns_parallelism(self) -> Config:
@@ -571,7 +692,7 @@ def _describe(error: ErrorDetails) -> str:
     got = f" (got {_shown(value)})" if not isinstance(value, dict) else ""
     if kind == "missing":
         if tuple(error["loc"]) == ("vllm",):
-            return "the [vllm] table is missing; it needs at least model and venv or executable"
+            return "the [vllm] table is missing; it needs at least model and one of venv, executable or image"
         return "is required"
     if kind == "extra_forbidden":
         if len(error["loc"]) == 1 and isinstance(value, dict):
@@ -682,12 +803,12 @@ class _Layers:
                 for old in earlier:
                     del base[old]
                     self._forget(path + (old,))
-            if path == ("vllm",) and key in ("executable", "venv"):
-                # Choosing the program in a drop-in replaces the other way of choosing it.
-                other = "venv" if key == "executable" else "executable"
-                if other not in overlay and other in base:
-                    del base[other]
-                    self._forget(path + (other,))
+            if path == ("vllm",) and key in PROGRAM_KEYS:
+                # Choosing the program in a drop-in replaces the other ways of choosing it.
+                for other in PROGRAM_KEYS:
+                    if other != key and other not in overlay and other in base:
+                        del base[other]
+                        self._forget(path + (other,))
             is_arg_value = path == ("vllm", "args")
             if isinstance(value, dict) and not is_arg_value:
                 if not isinstance(base.get(key), dict):
@@ -778,7 +899,7 @@ def parse_config(data: dict[str, Any], shown: str = "<config>", text: str = "") 
 
 def _validate(layers: _Layers) -> Config:
     if not layers.data:
-        raise ConfigError([ConfigProblem(str(layers.files[0]), "", "is empty; it needs at least a [vllm] table with model and executable or venv")])
+        raise ConfigError([ConfigProblem(str(layers.files[0]), "", "is empty; it needs at least a [vllm] table with model and one of venv, executable or image")])
     try:
         return Config.model_validate(layers.data)
     except ValidationError as exc:

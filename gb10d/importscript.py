@@ -24,6 +24,7 @@ from typing import Any
 
 import tomli_w
 
+from .command import CHILD_DEFAULTS, CONTAINER_CACHE_ENV
 from .config import normalize_flag
 from .errors import ConfigError, ConfigProblem
 
@@ -408,6 +409,7 @@ class _Import:
     venv: str | None = None
     cwd: str | None = None
     found: int = 0
+    container: dict[str, Any] = field(default_factory=dict)
 
     def absolute(self, path: str, line: int, what: str) -> str:
         """An absolute path, resolved against the script's `cd` when needed and possible."""
@@ -459,6 +461,13 @@ def _interpret(shell: _Shell, command: _Command, result: _Import) -> None:
         result.cwd = result.absolute(target, line, "cd") if target.startswith("/") or result.cwd else None
         if result.cwd is None:
             result.warnings.append(f"line {line}: cd {target!r} cannot be followed; relative paths after it are not resolved")
+        return
+    engine_at = next((k for k, f in enumerate(fields) if posixpath.basename(f) in _ENGINES and fields[k + 1 : k + 2] == ["run"]), None)
+    if engine_at is not None:
+        if "sudo" in fields[:engine_at]:
+            result.notes.append(f"line {line}: sudo not needed: the gb10d user is allowed on the engine's socket instead (see the README, \"vLLM in a container\")")
+        _wrappers([w for w in fields[:engine_at] if w != "sudo"], line, result)
+        _container_command(shell, fields[engine_at:], command, result)
         return
     start = _vllm_start(fields)
     if start is not None:
@@ -555,7 +564,7 @@ def _program(fields: list[str], line: int, result: _Import) -> list[str]:
                 return rest
             result.vllm["executable"] = path
             result.venv = None
-        elif result.venv is None:
+        elif result.venv is None and "image" not in result.vllm:
             result.warnings.append(
                 "the script runs 'vllm' from PATH; set vllm.executable to its full path (see: command -v vllm) or vllm.venv"
             )
@@ -759,6 +768,282 @@ def _block(shell: _Shell, block: _Block, result: _Import) -> None:
         result.notes.append(f"{lines}: `{shown}` has no effect on vLLM under gb10d; ignored")
 
 
+# --- vLLM from a container image: `docker run [options] IMAGE vllm serve MODEL flags` -------------------
+
+_ENGINES = ("docker", "podman")
+# `docker run` options that take a value (as `-e X=1` or `--env=X=1`); any other option is a switch.
+_VALUED_OPTIONS = {
+    "-a", "--attach", "-c", "--cpu-shares", "-e", "--env", "--env-file", "-h", "--hostname", "-l", "--label", "--label-file",
+    "-m", "--memory", "-p", "--publish", "-u", "--user", "-v", "--volume", "-w", "--workdir", "--add-host", "--cap-add",
+    "--cap-drop", "--cgroupns", "--cidfile", "--cpus", "--cpuset-cpus", "--device", "--dns", "--entrypoint", "--gpus",
+    "--group-add", "--ipc", "--log-driver", "--log-opt", "--memory-swap", "--mount", "--name", "--network", "--net",
+    "--pid", "--platform", "--pull", "--restart", "--runtime", "--security-opt", "--shm-size", "--stop-signal",
+    "--stop-timeout", "--tmpfs", "--ulimit", "--userns", "--uts", "--health-cmd", "--pids-limit",
+}
+_SHORT_SWITCHES = set("itdP")
+# What a gb10d-made line carries for gb10d's own bookkeeping; reading it back changes nothing.
+_OWN_LABEL = "gb10d.config="
+
+
+def _engine_options(words: list[str]) -> tuple[list[tuple[str, str | None]], list[str]]:
+    """(option, value) pairs up to the image, and the words from the image on; `-it` is `-i`, `-t`."""
+    options: list[tuple[str, str | None]] = []
+    index = 0
+    while index < len(words) and words[index].startswith("-") and words[index] != "-":
+        word = words[index]
+        index += 1
+        name, eq, value = word.partition("=")
+        if not name.startswith("--") and len(name) > 2 and set(name[1:]) <= _SHORT_SWITCHES:
+            options += [(f"-{c}", None) for c in name[1:]]
+        elif not name.startswith("--") and len(name) > 2 and name[:2] in _VALUED_OPTIONS:
+            options.append((name[:2], word[2:]))  # -p8000:8000
+        elif name in _VALUED_OPTIONS and not eq:
+            options.append((name, words[index] if index < len(words) else ""))
+            index += 1
+        else:
+            options.append((name, value if eq else None))
+    return options, words[index:]
+
+
+def _container_command(shell: _Shell, fields: list[str], command: _Command, result: _Import) -> None:
+    """`docker run ... IMAGE [vllm serve] MODEL flags`: [vllm] image and [container], then the vllm command as usual."""
+    line = command.line
+    engine = posixpath.basename(fields[0])
+    options, rest = _engine_options(fields[2:])
+    if not rest:
+        result.warnings.append(f"line {line}: {engine} run names no image; set vllm.image")
+        return
+    image, rest = rest[0], rest[1:]
+    result.vllm["image"] = image
+    if engine == "podman":
+        result.container["engine"] = "podman"
+    published: list[str] = []
+    for option, value in options:
+        _engine_option(shell, engine, option, value or "", line, result, published)
+    if rest[:2] == ["vllm", "serve"] or (rest[:1] and (_is_vllm(rest[0]) or _is_python(rest[0]))):
+        _vllm_command(_Shell(), rest, [], command, result)
+    else:
+        result.notes.append(f"line {line}: no command after the image: its entrypoint is taken to run `vllm serve` with the words that follow")
+        _vllm_command(_Shell(), ["vllm", "serve", *rest], [], command, result)
+    port = str(result.vllm.get("port", 8000))
+    for mapping in published:
+        host, _, inside = mapping.rpartition(":")
+        host = host.rpartition(":")[2]  # 127.0.0.1:8000:8000
+        if inside.split("/")[0] == port and host.isdigit() and host != port:
+            result.vllm["port"] = int(host)
+            result.notes.append(f"line {line}: -p {mapping}: the container uses the host's network under gb10d, so vLLM listens on {host} itself")
+        else:
+            result.notes.append(f"line {line}: -p {mapping} not needed: the container uses the host's network, so vllm.port is the host's port")
+
+
+def _engine_option(shell: _Shell, engine: str, option: str, value: str, line: int, result: _Import, published: list[str]) -> None:
+    """One `docker run` option: a [container] key, an environment variable, a note that gb10d does it, or run_args."""
+    c = result.container
+    gb10d_does = {
+        "--name": "gb10d names the container after its config (container.name)",
+        "--rm": "gb10d removes the container itself once it has read how it ended",
+        "-i": "vLLM reads no input", "--interactive": "vLLM reads no input", "-t": "gb10d reads vLLM's output through pipes",
+        "--tty": "gb10d reads vLLM's output through pipes", "-d": "systemd keeps gb10d running and gb10d stays attached",
+        "--detach": "systemd keeps gb10d running and gb10d stays attached", "--restart": "gb10d restarts vLLM with corrected settings, and systemd restarts gb10d",
+        "--init": "gb10d adds --init (container.init)", "--log-driver": "gb10d sends vLLM's output to the journal",
+        "--stop-timeout": "gb10d stops the container after [daemon] stop_timeout_s", "--network": "gb10d uses the host's network",
+        "--net": "gb10d uses the host's network",
+    }
+    if option in gb10d_does:
+        result.notes.append(f"line {line}: {option} not needed: {gb10d_does[option]}")
+    elif option in ("-e", "--env"):
+        name, eq, text = value.partition("=")
+        if name in CHILD_DEFAULTS or name in CONTAINER_CACHE_ENV:
+            return  # gb10d sets these itself
+        if not eq:
+            text = shell.variables.get(name, f"${name}")
+            if name not in shell.variables:
+                result.warnings.append(f"line {line}: -e {name} passes the script's {name}, which it does not set; put {name}=... in vllm.env_file")
+        result.env[name] = text
+    elif option == "--env-file":
+        result.vllm["env_file"] = result.absolute(value, line, "--env-file")
+    elif option in ("-v", "--volume"):
+        _mount(value, line, result)
+    elif option in ("-p", "--publish"):
+        published.append(value)
+    elif option == "--gpus" or (option == "--runtime" and value == "nvidia"):
+        if value.strip("\"'") not in ("all", "nvidia"):
+            result.warnings.append(f"line {line}: {option} {value}: gb10d gives the container all GPUs (a GB10 has one); set container.gpu to change how")
+    elif option == "--device" and value.startswith("nvidia.com/gpu"):
+        if engine == "docker":
+            c["gpu"] = "cdi"
+    elif option == "--ipc":
+        if value != "host":
+            result.warnings.append(f"line {line}: --ipc {value}: gb10d uses --ipc=host, or a private /dev/shm of container.shm_size")
+    elif option == "--shm-size":
+        c["shm_size"] = value
+    elif option == "--pull":
+        if value in ("missing", "always"):
+            c["pull"] = value
+        else:
+            result.notes.append(f"line {line}: --pull {value}: gb10d pulls before it runs, as container.pull says (\"missing\" by default)")
+    elif option in ("-l", "--label") and value.startswith(_OWN_LABEL):
+        return
+    else:
+        if option not in ("--ulimit", "--user", "-u", "--cap-add", "--security-opt", "--device", "--tmpfs", "--privileged", "--runtime"):
+            result.warnings.append(f"line {line}: {option} is not a setting gb10d knows; kept in container.run_args, check it")
+        c.setdefault("run_args", []).extend([option] if value == "" and option not in _VALUED_OPTIONS else [f"{option}={value}"])
+
+
+def _mount(value: str, line: int, result: _Import) -> None:
+    """`-v HOST:CONTAINER[:OPTIONS]`: a mount, except over gb10d's own cache directory or the local model's."""
+    host, _, inside = value.partition(":")
+    inside_path = inside.partition(":")[0]
+    if inside_path == "/root/.cache" or inside_path.startswith("/root/.cache/"):
+        if host in ("/var/cache/gb10d", ""):
+            return
+        if not host.startswith("/"):
+            result.warnings.append(
+                f"line {line}: -v {value}: the script's cache is not mounted; gb10d keeps the Hugging Face and compile caches in "
+                f"/var/cache/gb10d (mounted at /root/.cache): move the downloaded models there, or mount the cache by its absolute path in container.mounts"
+            )
+            return
+    if inside_path == result.vllm.get("model") and inside_path == host:
+        return  # gb10d mounts a local model directory itself
+    if not host.startswith("/"):
+        result.warnings.append(f"line {line}: -v {value}: {host!r} is not an absolute path (a named volume, ~ or a relative path); write the host's absolute path in container.mounts")
+    result.container.setdefault("mounts", []).append(value)
+
+
+# --- docker compose files ----------------------------------------------------------------------------
+
+_COMPOSE_RUN_OPTIONS = {
+    "container_name": "--name", "ipc": "--ipc", "shm_size": "--shm-size", "network_mode": "--network", "restart": "--restart",
+    "runtime": "--runtime", "user": "--user", "pull_policy": "--pull",
+}
+_COMPOSE_LISTS = {"environment": "-e", "volumes": "-v", "ports": "-p", "env_file": "--env-file", "devices": "--device"}
+
+
+def looks_like_compose(text: str) -> bool:
+    """A docker compose file: YAML with a top-level `services:` mapping."""
+    return re.search(r"^services:\s*(#.*)?$", text, re.MULTILINE) is not None
+
+
+def _yaml_scalar(text: str) -> Any:
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    if text.startswith("[") and text.endswith("]"):
+        return [_yaml_scalar(item) for item in text[1:-1].split(",") if item.strip()]
+    if text.startswith("{") and text.endswith("}"):
+        return {k.strip(): _yaml_scalar(v) for k, _, v in (item.partition(":") for item in text[1:-1].split(",")) if k.strip()}
+    return text
+
+
+def _yaml_lines(text: str) -> list[tuple[int, str]]:
+    """(indent, content) of the lines that carry something, comments removed."""
+    lines = []
+    for raw in text.splitlines():
+        content = re.sub(r"(^|\s)#.*$", "", raw).rstrip()
+        if content.strip() and content.strip() != "---":
+            lines.append((len(content) - len(content.lstrip()), content.strip()))
+    return lines
+
+
+def _yaml_block(lines: list[tuple[int, str]], start: int, indent: int) -> tuple[Any, int]:
+    """The mapping or list whose lines start at `start` with this indentation (the subset compose files use)."""
+    if start < len(lines) and lines[start][1].startswith("- "):
+        items: list[Any] = []
+        index = start
+        while index < len(lines) and lines[index][0] == indent and lines[index][1].startswith("- "):
+            body = lines[index][1][2:]
+            if re.match(r"^[\w.-]+:(\s|$)", body):
+                # `- driver: nvidia` opens a mapping whose further keys sit under the first one.
+                nested = [(indent + 2, body)] + [(i, c) for i, c in lines[index + 1 :]]
+                value, used = _yaml_block(nested, 0, indent + 2)
+                items.append(value)
+                index += used
+            else:
+                items.append(_yaml_scalar(body))
+                index += 1
+        return items, index - start
+    mapping: dict[str, Any] = {}
+    index = start
+    while index < len(lines) and lines[index][0] == indent:
+        key, _, rest = lines[index][1].partition(":")
+        index += 1
+        rest = rest.strip()
+        if rest in ("|", ">", "|-", ">-"):
+            block = []
+            while index < len(lines) and lines[index][0] > indent:
+                block.append(lines[index][1])
+                index += 1
+            mapping[key.strip()] = " ".join(block)
+        elif rest:
+            mapping[key.strip()] = _yaml_scalar(rest)
+        elif index < len(lines) and lines[index][0] > indent:
+            mapping[key.strip()], used = _yaml_block(lines, index, lines[index][0])
+            index += used
+        else:
+            mapping[key.strip()] = None
+    return mapping, index - start
+
+
+def _compose_run(service: dict[str, Any], warnings: list[str]) -> list[str]:
+    """The `docker run` words equivalent to one compose service, as far as gb10d has settings for them."""
+    words = ["docker", "run"]
+    for key, value in service.items():
+        if key in _COMPOSE_RUN_OPTIONS:
+            words += [_COMPOSE_RUN_OPTIONS[key], str(value)]
+        elif key in _COMPOSE_LISTS:
+            entries = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else value if isinstance(value, list) else [value]
+            for entry in entries:
+                if isinstance(entry, dict):
+                    warnings.append(f"{key}: the long form {entry} is not read; write it as a short HOST:CONTAINER[:OPTIONS] entry")
+                else:
+                    words += [_COMPOSE_LISTS[key], str(entry)]
+        elif key == "init" and str(value) == "true":
+            words.append("--init")
+        elif key == "ulimits" and isinstance(value, dict):
+            for name, limit in value.items():
+                bound = f"{limit.get('soft')}:{limit.get('hard')}" if isinstance(limit, dict) else str(limit)
+                words += ["--ulimit", f"{name}={bound}"]
+        elif key == "deploy" and "nvidia" in str(value) and "gpu" in str(value):
+            words += ["--gpus", "all"]
+        elif key not in ("image", "command"):
+            warnings.append(f"{key}: not read; gb10d has no setting for it")
+    image = str(service.get("image", ""))
+    command = service.get("command")
+    words.append(image)
+    if isinstance(command, list):
+        words += [str(w) for w in command]
+    elif command:
+        words += shlex.split(str(command))
+    return words
+
+
+def import_compose(text: str, shown: str) -> Imported:
+    """A compose file is not imported as such; the answer is the config equivalent to its vLLM service."""
+    services, _ = _yaml_block(_yaml_lines(text), 0, 0)
+    found = services.get("services") if isinstance(services, dict) else None
+    if not isinstance(found, dict) or not found:
+        raise ConfigError([ConfigProblem(shown, "", "a docker compose file without services; nothing to import")])
+    name, service = next(((n, s) for n, s in found.items() if "vllm" in str(s)), next(iter(found.items())))
+    if not isinstance(service, dict) or not service.get("image"):
+        raise ConfigError([ConfigProblem(shown, "", f"the compose service {name!r} names no image; gb10d runs vLLM from an image, a venv or an executable")])
+    warnings = [
+        f"docker compose files are not supported: gb10d runs, restarts and stops the container itself (a compose restart "
+        f"policy would restart it behind gb10d's back). Stop the compose project (docker compose down), then use this "
+        f"config, the equivalent of its service {name!r}"
+    ]
+    words = _compose_run(service, warnings)
+    if len(found) > 1:
+        warnings.append(f"only the service {name!r} was read; gb10d runs one vLLM per config ({', '.join(n for n in found if n != name)} left out)")
+    if "${" in text:
+        warnings.append("compose fills ${...} from its .env file or environment; the text was kept as written, replace it (secrets in vllm.env_file)")
+    result = _Import()
+    _container_command(_Shell(), words, _Command(0, words), result)
+    imported = import_script_result(result)
+    where = f"service {name}: "
+    return Imported(imported.data, [n.replace("line 0: ", where) for n in imported.notes],
+                    warnings + [w.replace("line 0: ", where) for w in imported.warnings])
+
+
 @dataclass(frozen=True)
 class Imported:
     """The gb10d.toml tables read from a script, and what the operator must know about them."""
@@ -775,6 +1060,8 @@ def import_script(text: str, shown: str = "<script>") -> Imported:
     if "\r\n" in text:
         # bash would pass each \r on to vLLM as part of the last word; the intent is plain newlines.
         result.notes.append("the script has Windows line endings (CRLF); read as if it had plain newlines")
+    if looks_like_compose(text):
+        return import_compose(text, shown)
     for item in _blocks(_commands(text.replace("\r\n", "\n"))):
         if isinstance(item, _Block):
             _block(shell, item, result)
@@ -782,6 +1069,11 @@ def import_script(text: str, shown: str = "<script>") -> Imported:
             _interpret(shell, item, result)
     if not result.found:
         raise ConfigError([ConfigProblem(shown, "", "no vllm serve (or python -m vllm.entrypoints.openai.api_server) command found; nothing to import")])
+    return import_script_result(result)
+
+
+def import_script_result(result: _Import) -> Imported:
+    """The gb10d.toml tables of what was read, with the notes and warnings collected on the way."""
     vllm: dict[str, Any] = {}
     for key in ("model", "served_model_name"):
         if key in result.vllm:
@@ -790,6 +1082,8 @@ def import_script(text: str, shown: str = "<script>") -> Imported:
         vllm["venv"] = result.venv
     elif "executable" in result.vllm:
         vllm["executable"] = result.vllm["executable"]
+    elif "image" in result.vllm:
+        vllm["image"] = result.vllm["image"]
     for key in ("host", "port", "gpu_memory_utilization"):
         if key in result.vllm:
             vllm[key] = result.vllm[key]
@@ -801,10 +1095,16 @@ def import_script(text: str, shown: str = "<script>") -> Imported:
         vllm["args"] = result.args
     if result.env:
         vllm["env"] = result.env
+    for key in ("env_file",):
+        if key in result.vllm:
+            vllm[key] = result.vllm[key]
     notes = list(result.notes)
     if result.ignored:
         notes.append("ignored, no effect on vLLM under gb10d: " + ", ".join(result.ignored))
-    return Imported({"vllm": vllm}, notes, list(dict.fromkeys(result.warnings)))
+    data: dict[str, Any] = {"vllm": vllm}
+    if result.container:
+        data["container"] = result.container
+    return Imported(data, notes, list(dict.fromkeys(result.warnings)))
 
 
 def render(imported: Imported, shown: str) -> str:

@@ -233,14 +233,15 @@ def check_paths(loaded: LoadedConfig, context: ServiceContext, caches: bool = Tr
     checker = _Checker(loaded, context)
     vllm = loaded.config.vllm
     key = "vllm.executable" if vllm.executable is not None else "vllm.venv"
-    checker.program(key, vllm.program, "vLLM")
+    if vllm.image is None:  # an image's vllm is the container engine's to find (container.engine_problems)
+        checker.program(key, vllm.program, "vLLM")
     cluster = loaded.config.cluster
     if cluster is not None:
         checker.program("cluster.ray" if cluster.ray else key, ray_program(cluster, vllm), "Ray")
     checker.env_file()
     if not is_repo_id(vllm.model) and (caches or os.path.lexists(vllm.model)):
         checker.local_model(vllm.model)
-    if caches:
+    if caches and vllm.image is None:  # in a container, vLLM's caches are container.cache_dir, mounted for it
         checker.caches()
         checker.remove_ipc()
     return checker.report

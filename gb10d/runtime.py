@@ -6,16 +6,22 @@ ladder (SIGTERM, grace, SIGKILL, until nothing is left), whether anything of
 it is still alive, and how many bytes it has read and written (a silent load
 still reads). `Runtime` is that interface; `Launcher` makes one per attempt
 and knows the command line that will really run (what `print-command` and
-the journal show), and what an earlier gb10d may have left behind.
+the journal show), the environment vLLM gets, what must be fetched before a
+start (a container image, pulled with progress), and what an earlier gb10d
+may have left behind.
 
 The local process group (`process.ProcessGroup`, started by `LocalLauncher`)
-is the first implementation. A container engine is the second.
+is the first implementation. A container engine (`container.ContainerRuntime`,
+started by `container.ContainerLauncher`) is the second.
 """
 
 from __future__ import annotations
 
 from typing import Awaitable, Callable, Mapping, Protocol, Sequence
 
+from .command import build_env
+from .config import VllmSection
+from .image import PreparedImage, PullProgress
 from .process import ChunkHandler, ProcessGroup
 
 Escalation = Callable[[list[int]], None]
@@ -66,6 +72,18 @@ class Runtime(Protocol):
 class Launcher(Protocol):
     """Starts vLLM the configured way, once per attempt."""
 
+    def environment(self, vllm: VllmSection) -> dict[str, str]:
+        """vLLM's environment: gb10d's own plus its additions for a process, only the additions in a container."""
+        ...
+
+    async def prepare(self, on_progress: Callable[[PullProgress], None]) -> PreparedImage | None:
+        """Fetch what vLLM runs from, if it must be (a container image), reporting each step as progress.
+
+        Returns which image will start (None for a local program); raises
+        PullFailed, which is not worth retrying at once.
+        """
+        ...
+
     def command_line(self, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
         """The argv that will really run for vLLM's `argv` (what the journal and print-command show)."""
         ...
@@ -81,6 +99,12 @@ class Launcher(Protocol):
 
 class LocalLauncher:
     """vLLM as a child process group of gb10d (a venv or an executable)."""
+
+    def environment(self, vllm: VllmSection) -> dict[str, str]:
+        return build_env(vllm)
+
+    async def prepare(self, on_progress: Callable[[PullProgress], None]) -> PreparedImage | None:
+        return None  # the venv or executable is there or not; check-config says which
 
     def command_line(self, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
         return list(argv)

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 import pytest
 
+from containers import engine_or_skip, ensure_sim_image, sim_image_tag
 from gb10d.cli import main
-from gb10d.command import build_argv
-from gb10d.config import Config, load_config
+from gb10d.command import Engine, build_argv, container_argv, env_additions
+from gb10d.config import Config, load_config, load_config_explained
 from gb10d.errors import EXIT_CONFIG
 
 ROOT = Path(__file__).parent.parent
@@ -210,3 +212,109 @@ def test_check_config_user_that_does_not_exist_is_a_clear_error(tmp_path: Path, 
     config.write_text(f'[vllm]\nvenv = "{fake_venv}"\nmodel = "m"\n')
     assert main(["check-config", "--config", str(config), "--user", "no-such-user-x"]) == 1
     assert "gb10d: no user no-such-user-x on this machine" in capsys.readouterr().err
+
+
+# --- vLLM from a container image ------------------------------------------------------------------------
+
+
+def cli(*argv: str, user: int | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The real gb10d command, as an operator runs it (as another user where `user` is given)."""
+    base = {k: v for k, v in os.environ.items() if k != "GB10D_CONFIG"}
+    return subprocess.run([sys.executable, "-m", "gb10d", *argv], capture_output=True, text=True, env={**base, **(env or {})}, user=user, timeout=120)
+
+
+def image_toml(image: str, **container: str) -> str:
+    table = "".join(f'{k} = "{v}"\n' for k, v in container.items())
+    return f'[vllm]\nimage = "{image}"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n\n[container]\n{table}'
+
+
+@pytest.mark.parametrize("kind", ["docker", "podman"])
+def test_check_config_of_an_image_names_the_engine_that_runs_it(kind: Any, tmp_path: Path) -> None:
+    engine = engine_or_skip(kind)
+    config = tmp_path / "gb10d.toml"
+    config.write_text(image_toml(ensure_sim_image(engine), engine=kind, gpu="none", pull="never"))
+    result = cli("check-config", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1].endswith(f"with gpu_memory_utilization 0.9 from the image {sim_image_tag()} with {kind}")
+
+
+@pytest.mark.parametrize("kind", ["docker", "podman"])
+def test_check_config_with_pull_never_and_no_image_says_how_to_load_it(kind: Any, tmp_path: Path) -> None:
+    engine_or_skip(kind)
+    config = tmp_path / "gb10d.toml"
+    config.write_text(image_toml("localhost/gb10d-test/absent:1", engine=kind, gpu="none", pull="never"))
+    result = cli("check-config", "--config", str(config))
+    assert result.returncode == EXIT_CONFIG
+    assert (f'gb10d: {config}:8: container.pull: the image localhost/gb10d-test/absent:1 is not present in {kind} and container.pull is "never"; '
+            f"load it ({kind} pull localhost/gb10d-test/absent:1") in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("kind", "advice"),
+    [
+        ("docker", "docker's daemon is not running (nothing answers on {sock}); start it: sudo systemctl enable --now docker"),
+        ("podman", "podman's API service is not running (nothing answers on {sock}); start it: sudo systemctl enable --now podman.socket"),
+    ],
+)
+def test_check_config_says_how_to_start_an_engine_that_does_not_answer(kind: str, advice: str, tmp_path: Path) -> None:
+    if shutil.which(kind) is None:
+        pytest.skip(f"the {kind} client is not installed")
+    sock = tmp_path / f"{kind}.sock"
+    config = tmp_path / "gb10d.toml"
+    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine=kind, socket=str(sock)))
+    result = cli("check-config", "--config", str(config))
+    assert result.returncode == EXIT_CONFIG
+    problem = result.stderr.splitlines()[0]
+    assert problem.startswith(f"gb10d: {config}:6: container.engine: {kind} ") and problem.endswith("; " + advice.format(sock=sock)), problem
+
+
+def test_check_config_as_a_user_outside_the_docker_group_says_to_add_it_and_what_that_means(tmp_path: Path) -> None:
+    engine_or_skip("docker")
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run check-config as another user")
+    tmp_path.chmod(0o755)
+    config = tmp_path / "gb10d.toml"
+    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine="docker"))
+    config.chmod(0o644)
+    try:
+        result = cli("check-config", "--config", str(config), user=65534, env={"HOME": str(tmp_path)})
+    except PermissionError:
+        result = None
+    if result is None or "No module named" in result.stderr:
+        pytest.skip("the test interpreter is not usable as nobody")
+    assert result.returncode == EXIT_CONFIG, result.stderr
+    assert ("may not use docker's socket /var/run/docker.sock; add it to the docker group (sudo usermod -aG docker nobody, then restart gb10d). "
+            "Membership of the docker group is as good as root on this machine") in result.stderr
+
+
+def test_check_config_of_podman_without_a_cdi_description_of_the_gpu_says_how_to_make_one(tmp_path: Path) -> None:
+    engine_or_skip("podman")
+    if any(Path(d, "nvidia.yaml").exists() for d in ("/etc/cdi", "/var/run/cdi")):
+        pytest.skip("this machine has a CDI description of its GPU")
+    config = tmp_path / "gb10d.toml"
+    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine="podman"))
+    result = cli("check-config", "--config", str(config))
+    assert result.returncode == EXIT_CONFIG
+    assert "container.gpu: podman gives the GPU through CDI, but there is no /etc/cdi/nvidia.yaml" in result.stderr
+    assert "sudo nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml" in result.stderr
+
+
+def test_print_command_of_an_image_is_the_exact_run_line_and_names_the_pull_first(tmp_path: Path) -> None:
+    engine_or_skip("docker")
+    config = tmp_path / "gb10d.toml"
+    config.write_text('[vllm]\nimage = "nvcr.io/nvidia/vllm:26.05-py3"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n[vllm.env]\nHF_TOKEN = "hf_live"\n[container]\nengine = "docker"\n')
+    result = cli("print-command", "--config", str(config), "--env")
+    assert result.returncode == 0, result.stderr
+    loaded = load_config_explained(config)
+    expected = container_argv(loaded.config, config, Engine("docker", ("docker",)), build_argv(loaded.config.vllm), env_additions(loaded.config.vllm))
+    assert shlex.split(result.stdout) == ["HF_TOKEN=***", *expected]
+    assert "hf_live" not in result.stdout + result.stderr
+    assert result.stderr == 'gb10d: gb10d pulls the image when it is missing (container.pull = "missing"): docker pull nvcr.io/nvidia/vllm:26.05-py3\n'
+
+
+def test_run_refuses_an_image_until_the_supervisor_drives_containers(tmp_path: Path) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3"))
+    result = cli("run", "--config", str(config))
+    assert result.returncode == EXIT_CONFIG and result.stdout == ""
+    assert result.stderr.startswith(f"gb10d: {config}:2: vllm.image: gb10d run does not supervise vLLM in a container yet")

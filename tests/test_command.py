@@ -11,9 +11,14 @@ import pytest
 
 from gb10d.command import (
     CHILD_DEFAULTS,
+    CONTAINER_CACHE_ENV,
+    Engine,
     Tunables,
     build_argv,
     build_env,
+    container_argv,
+    container_name,
+    engine_client,
     env_additions,
     read_env_file,
     redact_argv,
@@ -160,3 +165,106 @@ def test_json_of_a_table_round_trips_by_value() -> None:
     table = {"method": "mtp", "num_speculative_tokens": 3}
     argv = build_argv(vllm(args={"speculative-config": table}))
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == table
+
+
+# --- vLLM in a container ---------------------------------------------------------------------------
+
+IMAGE = "nvcr.io/nvidia/vllm:26.05-py3"
+DOCKER = Engine("docker", ("docker",))
+
+
+def image_config(container: dict[str, Any] | None = None, **fields: Any) -> Config:
+    return Config.model_validate({"vllm": {"image": IMAGE, "model": "Qwen/Qwen3.6-27B-FP8", **fields}, "container": container or {}})
+
+
+def run_line(config: Config, engine: Engine = DOCKER, path: str = "/etc/gb10d.toml") -> list[str]:
+    return container_argv(config, Path(path), engine, build_argv(config.vllm), env_additions(config.vllm))
+
+
+def test_container_command_runs_the_images_vllm_attached_named_and_labelled_after_the_config() -> None:
+    config = image_config()
+    env = " ".join(f"-e {k}={v}" for k, v in {**CHILD_DEFAULTS, **CONTAINER_CACHE_ENV}.items())
+    assert shlex.join(run_line(config)) == (
+        "docker run --name gb10d --label gb10d.config=/etc/gb10d.toml --pull never --network host --ipc host --init "
+        f"--gpus all --stop-timeout 30 --log-driver none -v /var/cache/gb10d:/root/.cache {env} "
+        f"{IMAGE} vllm serve Qwen/Qwen3.6-27B-FP8 --gpu-memory-utilization 0.9 --host 0.0.0.0 --port 8000"
+    )
+
+
+def test_podman_gets_the_gpu_through_cdi_and_the_same_options() -> None:
+    argv = run_line(image_config(), Engine("podman", ("podman",)))
+    assert argv[:2] == ["podman", "run"]
+    assert argv[argv.index("--device") + 1] == "nvidia.com/gpu=all" and "--gpus" not in argv
+
+
+@pytest.mark.parametrize(
+    ("container", "present", "absent"),
+    [
+        ({"shm_size": "16g"}, ["--shm-size 16g"], ["--ipc"]),
+        ({"init": False}, [], ["--init"]),
+        ({"gpu": "none"}, [], ["--gpus", "--device"]),
+        ({"gpu": "cdi"}, ["--device nvidia.com/gpu=all"], ["--gpus"]),
+        ({"cache_dir": "/srv/cache", "mounts": ["/srv/models:/models:ro"]}, ["-v /srv/cache:/root/.cache -v /srv/models:/models:ro"], []),
+        ({"run_args": ["--ulimit", "memlock=-1"], "name": "qwen"}, ["--name qwen", f"--ulimit memlock=-1 {IMAGE}"], []),
+    ],
+)
+def test_container_settings_become_their_run_options(container: dict[str, Any], present: list[str], absent: list[str]) -> None:
+    argv = run_line(image_config(container))
+    line = " ".join(argv)
+    assert all(f" {words} " in line for words in present), line
+    assert all(option not in argv[: argv.index(IMAGE)] for option in absent), line
+
+
+def test_a_local_model_directory_is_mounted_read_only_at_its_own_path() -> None:
+    argv = run_line(image_config(model="/srv/models/Qwen3.6-27B-FP8"))
+    assert "/srv/models/Qwen3.6-27B-FP8:/srv/models/Qwen3.6-27B-FP8:ro" in argv
+    assert argv[argv.index(IMAGE) + 3] == "/srv/models/Qwen3.6-27B-FP8"
+
+
+def test_a_model_in_a_mounted_directory_is_a_path_inside_the_container() -> None:
+    argv = run_line(image_config({"mounts": ["/srv/models:/models:ro"]}, model="/models/Qwen3-8B"))
+    assert [w for w in argv if w.startswith("/srv/models") or w.startswith("/models")] == ["/srv/models:/models:ro", "/models/Qwen3-8B"]
+
+
+def test_secrets_are_passed_by_name_only_and_never_appear_in_the_argv(tmp_path: Path) -> None:
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text("HF_TOKEN=hf_live\n")
+    config = image_config(env={"VLLM_API_KEY": "sk-1", "VLLM_LOGGING_LEVEL": "DEBUG"}, env_file=str(secrets))
+    argv = run_line(config)
+    assert "-e HF_TOKEN -e VLLM_API_KEY -e VLLM_LOGGING_LEVEL=DEBUG " in " ".join(argv)
+    assert "hf_live" not in " ".join(argv) and "sk-1" not in " ".join(argv)
+
+
+def test_the_tunables_of_an_attempt_reach_vllm_in_the_container() -> None:
+    config = image_config()
+    argv = container_argv(config, Path("/etc/gb10d.toml"), DOCKER, build_argv(config.vllm, Tunables(0.71, "eager")), {})
+    assert argv[argv.index(IMAGE):][-8:] == ["--gpu-memory-utilization", "0.71", "--safetensors-load-strategy", "eager", "--host", "0.0.0.0", "--port", "8000"]
+
+
+def test_the_container_environment_is_gb10ds_additions_not_the_hosts() -> None:
+    env = env_additions(image_config(env={"CUDA_VISIBLE_DEVICES": "0"}).vllm)
+    assert env == {**CHILD_DEFAULTS, **CONTAINER_CACHE_ENV, "CUDA_VISIBLE_DEVICES": "0"}
+    assert "VIRTUAL_ENV" not in env and "PATH" not in env
+
+
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [("/etc/gb10d.toml", "gb10d"), ("/etc/gb10d/qwen.toml", "gb10d-qwen"), ("/srv/my model.toml", "gb10d-my-model")],
+)
+def test_the_container_is_named_after_the_config(path: str, name: str) -> None:
+    assert container_name(image_config().container, Path(path)) == name
+    assert container_name(image_config({"name": "mine"}).container, Path(path)) == "mine"
+
+
+@pytest.mark.parametrize(
+    ("kind", "socket", "root", "client"),
+    [
+        ("docker", None, False, ("docker",)),
+        ("docker", "/run/user-docker.sock", False, ("docker", "-H", "unix:///run/user-docker.sock")),
+        ("podman", None, True, ("podman",)),
+        ("podman", None, False, ("podman", "--remote", "--url", "unix:///run/podman/podman.sock")),
+        ("podman", "/srv/podman.sock", True, ("podman", "--remote", "--url", "unix:///srv/podman.sock")),
+    ],
+)
+def test_the_engine_is_reached_through_its_socket(kind: Any, socket: str | None, root: bool, client: tuple[str, ...]) -> None:
+    assert engine_client(kind, Path(socket) if socket else None, root).client == client

@@ -61,6 +61,7 @@ class Broken:
 
 
 GOOD_HEAD = '[vllm]\nexecutable = "{exe}"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n'
+IMAGE_HEAD = '[vllm]\nimage = "nvcr.io/nvidia/vllm:26.05-py3"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n'
 
 BROKEN = [
     Broken("utilization_too_high", GOOD_HEAD + "gpu_memory_utilization = 1.5\n", "vllm.gpu_memory_utilization", "must be > 0 and <= 1 (got 1.5)", 4),
@@ -71,7 +72,7 @@ BROKEN = [
     Broken("missing_model", '[vllm]\nexecutable = "{exe}"\n', "vllm.model", "is required", 1),
     Broken("missing_vllm_table", "[startup]\nwarmup = false\n", "vllm", "the [vllm] table is missing"),
     Broken("both_executable_and_venv", GOOD_HEAD + 'venv = "/opt/vllm-env"\n', "vllm", "set only one of vllm.executable and vllm.venv", 1),
-    Broken("neither_executable_nor_venv", '[vllm]\nmodel = "m"\n', "vllm", "set either vllm.executable", 1),
+    Broken("neither_executable_nor_venv", '[vllm]\nmodel = "m"\n', "vllm", "set one of vllm.executable (path of the vllm program), vllm.venv (a virtualenv with vLLM) or vllm.image", 1),
     Broken("relative_venv", '[vllm]\nvenv = "venv"\nmodel = "m"\n', "vllm.venv", "must be an absolute path (got 'venv')", 2),
     Broken("empty_model", '[vllm]\nexecutable = "{exe}"\nmodel = " "\n', "vllm.model", "must name a Hugging Face repository", 3),
     Broken("served_name_wrong_type", GOOD_HEAD + "served_model_name = 5\n", "vllm.served_model_name", "must be a string or a list (got 5)", 4),
@@ -98,6 +99,23 @@ BROKEN = [
     Broken("nul_bytes", "[vllm]\n\x00\x00", "", "contains NUL bytes", 2),
     Broken("executable_missing", '[vllm]\nexecutable = "{tmp}/no/bin/vllm"\nmodel = "m"\n', "vllm.executable", "does not exist", 2),
     Broken("venv_without_vllm", '[vllm]\nvenv = "{tmp}"\nmodel = "m"\n', "vllm.venv", "bin/vllm does not exist; is vLLM installed in that venv?", 2),
+    Broken("image_uppercase", IMAGE_HEAD.replace("nvidia/vllm", "NVIDIA/vllm"), "vllm.image", "the repository name must be lowercase (got 'nvcr.io/NVIDIA/vllm:26.05-py3')", 2),
+    Broken("image_with_blank", IMAGE_HEAD.replace("26.05-py3", "26.05 py3"), "vllm.image", "it contains blanks", 2),
+    Broken("image_and_venv", IMAGE_HEAD + 'venv = "/opt/vllm-env"\n', "vllm", "set only one of vllm.venv and vllm.image, not both", 1),
+    Broken("container_without_image", GOOD_HEAD + '[container]\nengine = "docker"\n', "container", "applies only to vLLM from a container image: set vllm.image", 4),
+    Broken("container_engine_unknown", IMAGE_HEAD + '[container]\nengine = "dokcer"\n', "container.engine", "must be one of 'auto', 'docker' or 'podman' (got 'dokcer')", 5),
+    Broken("container_gpu_unknown", IMAGE_HEAD + '[container]\ngpu = "all"\n', "container.gpu", "must be one of 'auto', 'toolkit', 'cdi' or 'none'", 5),
+    Broken("container_mount_relative", IMAGE_HEAD + '[container]\nmounts = ["models:/models"]\n', "container.mounts.0", "both paths must be absolute", 5),
+    Broken("container_mount_one_path", IMAGE_HEAD + '[container]\nmounts = ["/srv/models"]\n', "container.mounts.0", 'must be "HOST:CONTAINER"', 5),
+    Broken("container_shm_size", IMAGE_HEAD + '[container]\nshm_size = "lots"\n', "container.shm_size", 'must be a size such as "16g"', 5),
+    Broken("container_run_args_rm", IMAGE_HEAD + '[container]\nrun_args = ["--rm"]\n', "container.run_args.0", "--rm is gb10d's to decide: gb10d removes the container itself", 5),
+    Broken("container_run_args_publish", IMAGE_HEAD + '[container]\nrun_args = ["-p", "8000:8000"]\n', "container.run_args.0", "vllm.port is already the host's port", 5),
+    Broken("container_run_args_name", IMAGE_HEAD + '[container]\nrun_args = ["--name=x"]\n', "container.run_args.0", "--name is gb10d's to decide", 5),
+    Broken("container_name", IMAGE_HEAD + '[container]\nname = "my model"\n', "container.name", "must be a container name", 5),
+    Broken("container_cache_relative", IMAGE_HEAD + '[container]\ncache_dir = "cache"\n', "container.cache_dir", "must be an absolute path", 5),
+    Broken("container_pull_unknown", IMAGE_HEAD + '[container]\npull = "if-newer"\n', "container.pull", "must be one of 'never', 'missing' or 'always'", 5),
+    Broken("image_on_a_pair", IMAGE_HEAD + '[cluster]\nrole = "head"\nhead_address = "10.0.0.1"\n', "vllm.image",
+           "vLLM from a container image is not supported on a two-machine pair ([cluster]); use vllm.venv or vllm.executable on both machines", 2),
 ]
 
 
@@ -480,3 +498,19 @@ def test_offline_without_the_model_in_the_cache_is_a_config_error(tmp_path: Path
     assert result.returncode == EXIT_CONFIG
     assert (f"vllm.env.HF_HUB_CACHE: Qwen/Qwen3.6-27B-FP8 is not in the Hugging Face cache {tmp_path}/hub (HF_HUB_CACHE from [vllm.env]), "
             "and HF_HUB_OFFLINE=1 keeps vLLM from downloading it") in result.stderr, result.stderr
+
+
+def test_dropin_choosing_an_image_replaces_the_main_files_venv(tmp_path: Path) -> None:
+    config = write_main_with_dropins(tmp_path, MAIN, {"10.toml": '[vllm]\nimage = "nvcr.io/nvidia/vllm:26.05-py3"\n[container]\npull = "never"\n'})
+    loaded = load_config_explained(config)
+    assert loaded.config.vllm.venv is None and loaded.config.vllm.image == "nvcr.io/nvidia/vllm:26.05-py3"
+    assert loaded.config.container.pull == "never"
+    assert loaded.source_of("container.pull") == f"{tmp_path / 'gb10d.d' / '10.toml'}:4"
+
+
+def test_container_settings_are_listed_only_for_an_image() -> None:
+    venv = Config.model_validate({"vllm": {"venv": "/v", "model": "m"}})
+    image = Config.model_validate({"vllm": {"image": "nvcr.io/nvidia/vllm:26.05-py3", "model": "m"}})
+    assert "container" not in dict(venv.tables())
+    assert dict(image.tables())["container"] == image.container
+    assert image.container.engine == "auto" and image.container.pull == "missing" and image.container.cache_dir == Path("/var/cache/gb10d")

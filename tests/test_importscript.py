@@ -8,7 +8,11 @@ the speculative config is the same JSON object however it is spaced.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -282,3 +286,90 @@ def test_the_vllm_command_inside_a_block_is_imported_and_the_condition_named() -
     assert imported.data["vllm"]["port"] == 9000
     assert imported.data["vllm"]["env"] == {"VLLM_LOGGING_LEVEL": "DEBUG"}
     assert any(w.startswith("lines 4-6: the vLLM command is inside `if true; then /usr/local/bin/vllm serve m --port 9000; fi`") for w in imported.warnings)
+
+
+# --- docker run and compose ---------------------------------------------------------------------------
+
+
+def test_the_playbooks_docker_run_becomes_an_image_config() -> None:
+    imported = import_script((SCRIPTS / "playbook.sh").read_text())
+    assert imported.data == {"vllm": {"model": "Qwen/Qwen2.5-Math-1.5B-Instruct", "image": "nvcr.io/nvidia/vllm:26.05-py3"}}
+    assert imported.warnings == []
+    assert "line 3: -i not needed: vLLM reads no input" in imported.notes
+    assert "line 3: -p 8000:8000 not needed: the container uses the host's network, so vllm.port is the host's port" in imported.notes
+
+
+def test_docker_run_options_become_container_settings_and_warnings_say_what_is_left() -> None:
+    imported = import_script((SCRIPTS / "docker-run.sh").read_text())
+    assert imported.data == {
+        "vllm": {
+            "model": "/models/Qwen3-8B", "image": "nvcr.io/nvidia/vllm:26.05-py3", "port": 9000, "gpu_memory_utilization": 0.8,
+            "args": {"max-model-len": 32768},
+            "env": {"HF_TOKEN": "hf_example", "VLLM_LOGGING_LEVEL": "DEBUG", "HF_HUB_OFFLINE": "$HF_HUB_OFFLINE"},
+            "env_file": "/etc/vllm/secrets.env",
+        },
+        "container": {"shm_size": "16g", "run_args": ["--ulimit=memlock=-1", "--ulimit=stack=67108864"], "mounts": ["/srv/models:/models:ro"]},
+    }
+    assert "line 5: -p 9000:8000: the container uses the host's network under gb10d, so vLLM listens on 9000 itself" in imported.notes
+    assert any(n.startswith("line 5: sudo not needed: the gb10d user is allowed on the engine's socket") for n in imported.notes)
+    assert any(w.startswith("line 5: -v ~/.cache/huggingface:/root/.cache/huggingface: the script's cache is not mounted") for w in imported.warnings)
+    assert "line 5: -e HF_HUB_OFFLINE passes the script's HF_HUB_OFFLINE, which it does not set; put HF_HUB_OFFLINE=... in vllm.env_file" in imported.warnings
+
+
+def test_podman_run_chooses_podman() -> None:
+    imported = import_script("podman run --device nvidia.com/gpu=all -p 8000:8000 nvcr.io/nvidia/vllm:26.05-py3 vllm serve m\n")
+    assert imported.data == {"vllm": {"model": "m", "image": "nvcr.io/nvidia/vllm:26.05-py3"}, "container": {"engine": "podman"}}
+
+
+def test_an_image_whose_entrypoint_is_vllm_serve_takes_the_words_after_it() -> None:
+    imported = import_script("docker run --gpus all -p 8000:8000 vllm/vllm-openai:v0.23.0 Qwen/Qwen3-8B --max-model-len 8192\n")
+    assert imported.data["vllm"] == {"model": "Qwen/Qwen3-8B", "image": "vllm/vllm-openai:v0.23.0", "args": {"max-model-len": 8192}}
+    assert any("its entrypoint is taken to run `vllm serve`" in n for n in imported.notes)
+
+
+def test_unknown_run_options_are_kept_in_run_args_with_a_warning() -> None:
+    imported = import_script("docker run --cpuset-cpus 0-9 --privileged nvcr.io/nvidia/vllm:26.05-py3 vllm serve m\n")
+    assert imported.data["container"] == {"run_args": ["--cpuset-cpus=0-9", "--privileged"]}
+    assert "line 1: --cpuset-cpus is not a setting gb10d knows; kept in container.run_args, check it" in imported.warnings
+
+
+def test_a_compose_file_is_not_supported_and_gets_the_equivalent_config() -> None:
+    imported = import_script((SCRIPTS / "compose.yml").read_text(), "compose.yml")
+    assert imported.data == {
+        "vllm": {"model": "Qwen/Qwen3-8B", "image": "nvcr.io/nvidia/vllm:26.05-py3", "gpu_memory_utilization": 0.8,
+                 "env": {"HF_TOKEN": "${HF_TOKEN}", "VLLM_LOGGING_LEVEL": "INFO"}},
+        "container": {"mounts": ["/srv/hf:/root/.cache/huggingface"], "run_args": ["--ulimit=memlock=-1", "--ulimit=stack=67108864"]},
+    }
+    assert imported.warnings[0].startswith("docker compose files are not supported: gb10d runs, restarts and stops the container itself")
+    assert imported.warnings[0].endswith("Stop the compose project (docker compose down), then use this config, the equivalent of its service 'vllm'")
+    assert "only the service 'vllm' was read; gb10d runs one vLLM per config (webui left out)" in imported.warnings
+    assert "service vllm: --restart not needed: gb10d restarts vLLM with corrected settings, and systemd restarts gb10d" in imported.notes
+
+
+def test_a_compose_file_without_an_image_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError) as refused:
+        import_script("services:\n  vllm:\n    build: .\n", "compose.yml")
+    assert str(refused.value) == "compose.yml: the compose service 'vllm' names no image; gb10d runs vLLM from an image, a venv or an executable"
+
+
+@pytest.mark.parametrize(
+    ("script", "shared_memory"),
+    [("playbook.sh", "--ipc host"), ("docker-run.sh", "--shm-size 16g"), ("compose.yml", "--ipc host")],
+)
+def test_imported_container_commands_round_trip_through_print_command(script: str, shared_memory: str, tmp_path: Path) -> None:
+    """Script -> config -> print-command's run line -> config -> the same run line, and vLLM gets the script's flags."""
+    env = {k: v for k, v in os.environ.items() if k != "GB10D_CONFIG"}
+
+    def gb10d(*argv: str, stdin: str | None = None) -> str:
+        done = subprocess.run([sys.executable, "-m", "gb10d", *argv], input=stdin, capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+        return done.stdout
+
+    config = tmp_path / "gb10d.toml"
+    config.write_text(gb10d("import-script", str(SCRIPTS / script)))
+    first = gb10d("print-command", "--config", str(config))
+    config.write_text(gb10d("import-script", "-", stdin=first))
+    assert gb10d("print-command", "--config", str(config)) == first
+    words = shlex.split(first)
+    image = words.index("nvcr.io/nvidia/vllm:26.05-py3")
+    assert words[image + 1 : image + 3] == ["vllm", "serve"] and "--gpus" in words[:image] and f" {shared_memory} " in first
