@@ -12,6 +12,16 @@ import pytest
 from harness import Daemon, NotifySocket, wait_until
 
 
+# Fixtures that bring real processes, engines or network namespaces: a test that asks for one is slow.
+SLOW_FIXTURES = frozenset({"daemons", "notify", "link", "engine", "any_engine", "podman_service", "registry"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def notify() -> Iterator[NotifySocket]:
     """A real sd_notify receiver, bound for the test and closed after it."""

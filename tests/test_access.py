@@ -198,6 +198,7 @@ def tree() -> Iterator[Path]:
     shutil.rmtree(base)
 
 
+@pytest.mark.slow
 def test_decisions_match_what_the_kernel_lets_another_user_do(tree: Path) -> None:
     # The system interpreter: one in root's home would be out of the test user's reach.
     python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(p, os.X_OK)), None)

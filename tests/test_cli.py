@@ -228,6 +228,7 @@ def image_toml(image: str, **container: str) -> str:
     return f'[vllm]\nimage = "{image}"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n\n[container]\n{table}'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["docker", "podman"])
 def test_check_config_of_an_image_names_the_engine_that_runs_it(kind: Any, tmp_path: Path) -> None:
     engine = engine_or_skip(kind)
@@ -238,6 +239,7 @@ def test_check_config_of_an_image_names_the_engine_that_runs_it(kind: Any, tmp_p
     assert result.stdout.splitlines()[1].endswith(f"with gpu_memory_utilization 0.9 from the image {sim_image_tag()} with {kind}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["docker", "podman"])
 def test_check_config_with_pull_never_and_no_image_says_how_to_load_it(kind: Any, tmp_path: Path) -> None:
     engine_or_skip(kind)
@@ -249,6 +251,7 @@ def test_check_config_with_pull_never_and_no_image_says_how_to_load_it(kind: Any
             f"load it ({kind} pull localhost/gb10d-test/absent:1") in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "advice"),
     [
@@ -268,6 +271,7 @@ def test_check_config_says_how_to_start_an_engine_that_does_not_answer(kind: str
     assert problem.startswith(f"gb10d: {config}:6: container.engine: {kind} ") and problem.endswith("; " + advice.format(sock=sock)), problem
 
 
+@pytest.mark.slow
 def test_check_config_as_a_user_outside_the_docker_group_says_to_add_it_and_what_that_means(tmp_path: Path) -> None:
     engine_or_skip("docker")
     if os.geteuid() != 0:
@@ -287,6 +291,7 @@ def test_check_config_as_a_user_outside_the_docker_group_says_to_add_it_and_what
             "Membership of the docker group is as good as root on this machine") in result.stderr
 
 
+@pytest.mark.slow
 def test_check_config_of_podman_without_a_cdi_description_of_the_gpu_says_how_to_make_one(tmp_path: Path) -> None:
     engine_or_skip("podman")
     if any(Path(d, "nvidia.yaml").exists() for d in ("/etc/cdi", "/var/run/cdi")):
@@ -299,6 +304,7 @@ def test_check_config_of_podman_without_a_cdi_description_of_the_gpu_says_how_to
     assert "sudo nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml" in result.stderr
 
 
+@pytest.mark.slow
 def test_print_command_of_an_image_is_the_exact_run_line_and_names_the_pull_first(tmp_path: Path) -> None:
     engine_or_skip("docker")
     config = tmp_path / "gb10d.toml"
@@ -312,6 +318,7 @@ def test_print_command_of_an_image_is_the_exact_run_line_and_names_the_pull_firs
     assert result.stderr == 'gb10d: gb10d pulls the image when it is missing (container.pull = "missing"): docker pull nvcr.io/nvidia/vllm:26.05-py3\n'
 
 
+@pytest.mark.slow
 def test_run_refuses_an_image_until_the_supervisor_drives_containers(tmp_path: Path) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3"))

@@ -447,6 +447,7 @@ PATH_KEYS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", list(PATH_KEYS))
 def test_a_path_the_service_user_cannot_reach_is_named_as_such_with_the_ways_out(key: str, locked: Path, vllm_exe: Path) -> None:
     vllm, tail, line, dotted, what = PATH_KEYS[key]
@@ -468,6 +469,7 @@ def test_a_path_the_service_user_cannot_reach_is_named_as_such_with_the_ways_out
     assert "sudo usermod -aG" in result.stderr and lines[-1] == f"gb10d: then check again with: sudo gb10d check-config --config {config}"
 
 
+@pytest.mark.slow
 def test_the_same_paths_are_fine_for_their_owner(locked: Path) -> None:
     config = locked / "open" / "gb10d.toml"
     config.write_text(unreachable_config(locked, f'venv = "{locked}/home/venv"\nmodel = "{locked}/home/model"\nenv_file = "{locked}/home/secrets.env"'))
@@ -479,6 +481,7 @@ def test_the_same_paths_are_fine_for_their_owner(locked: Path) -> None:
     assert f"paths checked as {owner} (--user)" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_cache_the_service_must_write_in_but_cannot_is_named_with_its_variable(locked: Path, vllm_exe: Path) -> None:
     config = locked / "open" / "gb10d.toml"
     config.write_text(f'[vllm]\nexecutable = "{vllm_exe}"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n[vllm.env]\nHF_HOME = "{locked}/open/hf"\n'
@@ -491,6 +494,7 @@ def test_a_cache_the_service_must_write_in_but_cannot_is_named_with_its_variable
             f"but {locked}/home is mode 0750 and the service user nobody may not enter it") in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_offline_without_the_model_in_the_cache_is_a_config_error(tmp_path: Path, vllm_exe: Path) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text(GOOD_HEAD.format(exe=vllm_exe) + f'[vllm.env]\nHF_HUB_CACHE = "{tmp_path}/hub"\nHF_HUB_OFFLINE = "1"\n')

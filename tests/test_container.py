@@ -508,6 +508,7 @@ def push_random_image(engine: Engine, tmp_path: Path, reference: str, size_mib: 
         return str(answer.headers["Docker-Content-Digest"])
 
 
+@pytest.mark.slow
 def test_missing_image_is_pulled_with_progress_and_its_digest_is_known(engine: Engine, tmp_path: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     # Over a link of 8 MB/s the 32 MiB layer takes seconds, so the engine reports its bytes as they arrive.
     digest = push_random_image(engine, tmp_path, f"{registry.address}/gb10d/random:1", size_mib=32)
@@ -540,6 +541,7 @@ def test_present_image_is_not_pulled_again_with_pull_missing(engine: Engine, tmp
     assert prepare(launcher)[0].info == prepared.info, "the same image is the same identity at the next start"
 
 
+@pytest.mark.slow
 def test_a_tag_that_moved_is_noticed_by_pull_always(engine: Engine, tmp_path: Path, registry: Registry) -> None:
     image = f"{registry.address}/gb10d/moving:1"
     first = push_random_image(engine, tmp_path, image, size_mib=1)
@@ -585,6 +587,7 @@ def test_refused_credentials_say_how_to_log_in(engine: Engine, tmp_path: Path, m
     assert failed.value.exit_status == EXIT_CONFIG
 
 
+@pytest.mark.slow
 def test_a_stalled_pull_stops_reporting_progress_and_ends_when_cancelled(engine: Engine, tmp_path: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     # The link delivers 4 MiB of the layer and then nothing, holding the connection open, as a stalled download does.
     push_random_image(engine, tmp_path, f"{registry.address}/gb10d/stalled:1", size_mib=32)

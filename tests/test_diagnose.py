@@ -372,6 +372,7 @@ def test_a_generic_error_the_start_went_on_after_does_not_end_it() -> None:
     assert diagnose(text).verdict == "loading"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verdict", VERDICTS)
 def test_diagnose_help_documents_every_verdict(verdict: str) -> None:
     done = subprocess.run([sys.executable, "-m", "gb10d", "diagnose", "--help"], capture_output=True, text=True, timeout=60)

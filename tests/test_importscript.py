@@ -352,6 +352,7 @@ def test_a_compose_file_without_an_image_is_a_clear_error() -> None:
     assert str(refused.value) == "compose.yml: the compose service 'vllm' names no image; gb10d runs vLLM from an image, a venv or an executable"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "shared_memory"),
     [("playbook.sh", "--ipc host"), ("docker-run.sh", "--shm-size 16g"), ("compose.yml", "--ipc host")],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
@@ -60,6 +62,7 @@ def test_what_the_service_user_cannot_reach_is_a_warning_with_both_ways_out() ->
     ]
 
 
+@pytest.mark.slow
 def test_import_script_points_the_config_at_the_model_in_the_authors_cache(tmp_path: Path) -> None:
     home = tmp_path / "home"
     populate_hub(home / ".cache" / "huggingface" / "hub", MODEL)
