@@ -207,16 +207,18 @@ class NotifyReceiver(Stamped[dict[str, str]]):
         return self.entries
 
     def _receive(self) -> None:
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except OSError:
-                break
-            at = time.monotonic()
-            if not data and self._closing:
-                break  # the queue is drained after close() shut the socket down
-            self._arrived(at, _notify_fields(data))
-        self._end()
+        try:
+            while True:
+                try:
+                    data = self.sock.recv(65536)
+                except OSError:
+                    return
+                at = time.monotonic()
+                if not data and self._closing:
+                    return  # the queue is drained after close() shut the socket down
+                self._arrived(at, _notify_fields(data))
+        finally:
+            self._end()  # also when a hook raised: a wait must not sit out its whole timeout
 
     def close(self) -> None:
         """Stop listening; messages already queued are still recorded (and their hook run), later senders get an error."""
@@ -252,9 +254,11 @@ class LineReader(Stamped[str]):
         return self.entries
 
     def _read(self, stream: IO[bytes]) -> None:
-        for raw in stream:
-            self._arrived(time.monotonic(), raw.decode("utf-8", "replace").rstrip("\n"))
-        self._end()
+        try:
+            for raw in stream:
+                self._arrived(time.monotonic(), raw.decode("utf-8", "replace").rstrip("\n"))
+        finally:
+            self._end()  # also when a hook raised: a wait must not sit out its whole timeout
 
     def texts(self) -> list[str]:
         """The lines so far, without their stamps."""
