@@ -4,17 +4,15 @@ It shows a newcomer what systemd and the journal would see when gb10d
 recovers from a GB10 failure, on any Linux laptop: `gb10d run` is started
 as a child with a real NOTIFY_SOCKET, its journal lines and the sd_notify
 datagrams are printed as they arrive, one request is sent once it is
-ready, and SIGTERM stops it.
+ready, and SIGTERM stops it. The parts are gb10d.lab's, the ones the tests
+and benchmarks watch gb10d with.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +21,7 @@ from typing import Any, TextIO
 import httpx
 import tomli_w
 
-GIB_KB = 1024 * 1024
+from .lab import GB10_TOTAL_GIB, Gb10d, NotifyReceiver, carries, free_port, write_meminfo
 
 
 @dataclass(frozen=True)
@@ -57,24 +55,13 @@ SCENARIOS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _write_files(root: Path, scenario: Scenario, speed: float) -> tuple[Path, int]:
     from .sim import make_venv
 
     venv = root / "venv"
     make_venv(venv)
-    meminfo = root / "meminfo"
-    total = 121.69
-    meminfo.write_text(
-        f"MemTotal: {int(total * GIB_KB)} kB\nMemFree: {int(scenario.free_gib * GIB_KB)} kB\n"
-        f"MemAvailable: {int((scenario.free_gib + 1) * GIB_KB)} kB\nCached: {GIB_KB} kB\n"
-    )
-    port = _free_port()
+    meminfo = write_meminfo(root / "meminfo", GB10_TOTAL_GIB, scenario.free_gib, cached_gib=1.0)
+    port = free_port()
     config: dict[str, Any] = {
         "vllm": {
             "venv": str(venv),
@@ -101,74 +88,82 @@ def _write_files(root: Path, scenario: Scenario, speed: float) -> tuple[Path, in
     return path, port
 
 
-async def _show(name: str, scenario: Scenario, speed: float, verbose: bool, out: TextIO) -> int:
+class _Screen:
+    """What the demo prints as it happens: datagrams and gb10d's own lines, each with its time since the start.
+
+    Datagrams and lines arrive on two threads, the demo speaks on a third: a lock keeps each printed line whole.
+    """
+
+    def __init__(self, out: TextIO, verbose: bool) -> None:
+        self._out = out
+        self._verbose = verbose
+        self._lock = threading.Lock()
+        self.start = time.monotonic()
+        self.hidden = 0
+
+    def write(self, text: str) -> None:
+        """The demo's own words, unstamped."""
+        with self._lock:
+            self._out.write(text)
+
+    def _stamped(self, text: str) -> None:
+        self.write(f"{time.monotonic() - self.start:7.2f}s {text}\n")
+
+    def datagram(self, fields: dict[str, str]) -> None:
+        self._stamped("systemd <- " + " ".join(f"{key}={value}" for key, value in fields.items()))
+
+    def line(self, line: str) -> None:
+        """gb10d's own lines are shown; vLLM's forwarded ones only counted, unless verbose."""
+        line = line.rstrip()
+        if self._verbose or line[3:].startswith("gb10d: "):
+            self._stamped(f"journal | {line}")
+        else:
+            self.hidden += 1
+
+
+def _show(name: str, scenario: Scenario, speed: float, verbose: bool, out: TextIO) -> int:
     with tempfile.TemporaryDirectory(prefix="gb10d-demo-") as tmp:
         root = Path(tmp)
         config, port = _write_files(root, scenario, speed)
-        notify_path = str(root / "notify")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.bind(notify_path)
-        sock.setblocking(False)
-        out.write(f"gb10d demo: {name}\n{scenario.description}\n\n")
-        out.write("Lines starting 'journal |' are gb10d's own journal lines; 'systemd <-' are its sd_notify messages.\n\n")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_SOCKET", "WATCHDOG_", "JOURNAL_STREAM"))}
-        env["NOTIFY_SOCKET"] = notify_path
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gb10d", "run", "--config", str(config),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
-        )
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-        start = time.monotonic()
+        screen = _Screen(out, verbose)
+        ready = threading.Event()
+        settled = threading.Event()  # READY=1 arrived, or gb10d exited without it
 
-        def on_datagram() -> None:
-            while True:
-                try:
-                    data = sock.recv(65536)
-                except BlockingIOError:
-                    return
-                text = data.decode("latin-1").replace("\n", " ")
-                out.write(f"{time.monotonic() - start:7.2f}s systemd <- {text}\n")
-                if "READY=1" in text:
-                    ready.set()
+        def on_message(fields: dict[str, str]) -> None:
+            screen.datagram(fields)
+            if carries("READY", "1")(fields):
+                ready.set()
+                settled.set()
 
-        loop.add_reader(sock.fileno(), on_datagram)
+        with NotifyReceiver(root, on_message=on_message) as notify:
+            screen.write(f"gb10d demo: {name}\n{scenario.description}\n\n")
+            screen.write("Lines starting 'journal |' are gb10d's own journal lines; 'systemd <-' are its sd_notify messages.\n\n")
+            with Gb10d(config, notify, on_line=screen.line) as gb10d:
 
-        hidden = 0
+                def settle_at_exit() -> None:
+                    gb10d.proc.wait()
+                    settled.set()
 
-        async def journal() -> None:
-            nonlocal hidden
-            assert process.stdout is not None
-            async for raw in process.stdout:
-                line = raw.decode("utf-8", "replace").rstrip()
-                if verbose or line[3:].startswith("gb10d: "):
-                    out.write(f"{time.monotonic() - start:7.2f}s journal | {line}\n")
-                else:
-                    hidden += 1
-
-        reader = asyncio.create_task(journal())
-        waiter = asyncio.create_task(process.wait())
-        await asyncio.wait({asyncio.create_task(ready.wait()), waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if ready.is_set():
-            async with httpx.AsyncClient(timeout=30) as client:
-                answer = await client.post(
-                    f"http://127.0.0.1:{port}/v1/chat/completions",
-                    json={"model": "Qwen3.6-27B-FP8-Agent", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
-                )
-            out.write(f"\nA client request to the served name answers HTTP {answer.status_code}.\n")
-            out.write("Sending SIGTERM to gb10d, as `systemctl stop gb10d` would.\n\n")
-            process.send_signal(signal.SIGTERM)
-        status = await waiter
-        await reader
-        loop.remove_reader(sock.fileno())
-        sock.close()
+                threading.Thread(target=settle_at_exit, daemon=True).start()
+                settled.wait()
+                if ready.is_set():
+                    answer = httpx.post(
+                        f"http://127.0.0.1:{port}/v1/chat/completions",
+                        json={"model": "Qwen3.6-27B-FP8-Agent", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
+                        timeout=30,
+                    )
+                    screen.write(f"\nA client request to the served name answers HTTP {answer.status_code}.\n")
+                    screen.write("Sending SIGTERM to gb10d, as `systemctl stop gb10d` would.\n\n")
+                    gb10d.terminate()
+                status = gb10d.wait_exit(None)
+        # Leaving both blocks read every line and datagram gb10d sent: nothing more is printed after this.
         out.write(f"\ngb10d exited with status {status}.")
-        if hidden:
-            out.write(f" {hidden} lines vLLM printed were forwarded too (shown with --verbose).")
+        if screen.hidden:
+            out.write(f" {screen.hidden} lines vLLM printed were forwarded too (shown with --verbose).")
         out.write("\n")
         return 0 if ready.is_set() and status == 0 else 1
 
 
 def run_demo(name: str, speed: float, verbose: bool = False, out: TextIO = sys.stdout) -> int:
     """Run one named demo scenario; returns 0 when it reached READY and stopped cleanly."""
-    return asyncio.run(_show(name, SCENARIOS[name], speed, verbose, out))
+    return _show(name, SCENARIOS[name], speed, verbose, out)

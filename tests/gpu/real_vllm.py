@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,42 +30,25 @@ sys.path.insert(0, str(HERE.parent))
 from harness import NotifySocket, wait_until  # noqa: E402
 
 from gb10d.events import Failure  # noqa: E402
+from gb10d.lab import Gb10d, LineReader  # noqa: E402
 from gb10d.logparse import Classifier, EventScanner, Kind, LineFramer  # noqa: E402
 from gb10d.phases import advance, start  # noqa: E402
 from gb10d.process import group_alive, group_members  # noqa: E402
 
 
 class Journal:
-    """gb10d's stdout, each line stamped on arrival with the same clock as the notify socket."""
+    """A child's stdout (gb10d.lab's reader), each line stamped on arrival with the same clock as the notify socket."""
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        self.lines: list[tuple[float, str]] = []
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
-        self._thread.start()
-
-    def _read(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            with self._cond:
-                self.lines.append((time.monotonic(), raw.decode("utf-8", "replace").rstrip("\n")))
-                self._cond.notify_all()
+    def __init__(self, reader: LineReader) -> None:
+        self._reader = reader
+        self.lines = reader.lines
 
     def wait(self, pattern: str, timeout: float, after: int = 0) -> tuple[int, float, re.Match[str]]:
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            index = after
-            while True:
-                while index < len(self.lines):
-                    stamp, line = self.lines[index]
-                    if m := rx.search(line):
-                        return index, stamp, m
-                    index += 1
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"no journal line matching {pattern!r} within {timeout} s")
-                self._cond.wait(remaining)
+        """(index, arrival time, match) of the first line from index `after` on matching `pattern`."""
+        found = self._reader.wait_line(pattern, timeout, after)
+        if found is None or not (m := re.search(pattern, found.item)):
+            raise TimeoutError(f"no journal line matching {pattern!r} within {timeout} s (or before the output ended)")
+        return found.position, found.at, m
 
 
 def gpu_processes() -> list[dict[str, str]]:
@@ -181,10 +163,10 @@ class Run:
 
     def start_gb10d(self, config: Path) -> None:
         self.notify = NotifySocket()
-        env = dict(os.environ, NOTIFY_SOCKET=self.notify.path, PYTHONUNBUFFERED="1")
-        self.daemon = subprocess.Popen([sys.executable, "-m", "gb10d", "run", "--config", str(config)],
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.journal = Journal(self.daemon)
+        self.gb10d = Gb10d(config, self.notify, env={"PYTHONUNBUFFERED": "1"})
+        assert self.gb10d.out is not None
+        self.daemon = self.gb10d.proc
+        self.journal = Journal(self.gb10d.out)
 
     def started(self, after: int, timeout: float) -> tuple[int, int]:
         """The journal index and pid of the next vLLM start after line `after`."""
@@ -199,11 +181,7 @@ class Run:
 
     def finish(self) -> None:
         """Nothing of gb10d or its vLLM starts outlives the run; the sd_notify messages and the journal are kept."""
-        if self.daemon.poll() is None:
-            os.killpg(self.daemon.pid, signal.SIGKILL)
-        for g in self.groups:
-            if group_alive(g):
-                os.killpg(g, signal.SIGKILL)
+        self.gb10d.close()
         notify_log = [{"t": round(stamp - self.t0, 3), **m} for stamp, m in self.notify.messages]
         (self.out / "notify.json").write_text(json.dumps(notify_log, indent=1))
         (self.out / "journal.txt").write_text("\n".join(f"{stamp - self.t0:9.3f} {line}" for stamp, line in self.journal.lines))

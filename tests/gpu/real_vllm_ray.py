@@ -30,6 +30,7 @@ import httpx
 
 from real_vllm import PORT, Journal, Run, driver_arguments, gpu_processes
 
+from gb10d.lab import LineReader
 from gb10d.process import group_alive
 
 RAY_MARKERS = ("RayWorkerProc", "RayWorkerWrapper", "ActorDiedError", "RayActorError", "ActorUnavailableError", "RayTaskError", "ray.exceptions")
@@ -78,7 +79,8 @@ def main() -> int:
          "--disable-usage-stats", "--temp-dir", str(work / "ray")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ray_env, start_new_session=True,
     )
-    ray_log = Journal(ray_head)
+    assert ray_head.stdout is not None
+    ray_log = Journal(LineReader(ray_head.stdout))
     ray_log.wait(r"Ray runtime started", 180)
     note("ray head started")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from harness import live_pids
+from gb10d.lab import free_port, live_pids
 
 DEADLINE_S = 30.0
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "real-vllm-0.23.0"
@@ -116,12 +116,6 @@ def messages(data: bytes) -> list[str]:
         if match:
             found.append(match.group("msg"))
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def port_refuses(port: int) -> bool:

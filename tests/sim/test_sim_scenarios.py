@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from gb10d.lab import write_meminfo
+
 from harness import wait_until
 from sim_support import BLANK_TAGGED, RECORD, SHARD_BAR, TRACEBACK, messages, physical_lines
 
@@ -16,12 +18,6 @@ FREE_MEMORY = re.compile(
     r"Free memory on device (\S+) \(([\d.]+)/([\d.]+) GiB\) on startup is less than desired GPU memory utilization \(([\d.]+), ([\d.]+) GiB\)"
 )
 ENGINE_FAILED = "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
-
-
-def _meminfo(path: Path, total_gib: float, free_gib: float) -> Path:
-    kb = lambda gib: int(gib * 1024 * 1024)  # noqa: E731
-    path.write_text(f"MemTotal:       {kb(total_gib)} kB\nMemFree:        {kb(free_gib)} kB\nMemAvailable:   {kb(free_gib + 12)} kB\n")
-    return path
 
 
 def _failure_record(stdout: bytes) -> list[str]:
@@ -51,7 +47,7 @@ def _assert_engine_start_failed(s, last_engine_line: str) -> None:  # type: igno
 
 
 def test_free_memory_below_utilization_fails_exactly_as_vllm(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    meminfo = _meminfo(tmp_path / "meminfo", 121.69, 80.0)
+    meminfo = write_meminfo(tmp_path / "meminfo", 121.69, 80.0, cached_gib=12.0)
     s = sim("m", "--gpu-memory-utilization", "0.9", env={"GB10D_SIM_MEMINFO": str(meminfo)})
     expected = (
         "ValueError: Free memory on device cuda:0 (80.0/121.69 GiB) on startup is less than desired GPU memory utilization "
@@ -62,7 +58,7 @@ def test_free_memory_below_utilization_fails_exactly_as_vllm(sim, tmp_path: Path
 
 
 def test_a_lower_utilization_that_fits_starts(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    meminfo = _meminfo(tmp_path / "meminfo", 121.69, 80.0)
+    meminfo = write_meminfo(tmp_path / "meminfo", 121.69, 80.0, cached_gib=12.0)
     s = sim("m", "--gpu-memory-utilization", "0.65", env={"GB10D_SIM_MEMINFO": str(meminfo)})
     s.wait_ready()
 
@@ -207,7 +203,7 @@ def test_served_model_name_without_a_model_is_vllms_value_error(sim) -> None:  #
 
 
 def test_leak_gib_leaves_memory_trapped_in_the_meminfo_file_after_a_failed_start(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    meminfo = _meminfo(tmp_path / "meminfo", 121.69, 100.0)
+    meminfo = write_meminfo(tmp_path / "meminfo", 121.69, 100.0, cached_gib=12.0)
     before = {k: v for k, v in (line.split(":") for line in meminfo.read_text().splitlines())}
     s = sim("m", env={"GB10D_SIM_MEMINFO": str(meminfo), "GB10D_SIM_SCENARIO": "cuda_oom_during=profile,leak_gib=40"})
     assert s.wait_exit() == 1

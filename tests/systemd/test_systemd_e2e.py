@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from gb10d.lab import meminfo_text
+
 from systemd_harness import Container, gb10d_version
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -26,7 +28,6 @@ UNIT = "gb10d.service"
 INSTANCE = "gb10d@second.service"
 SIM = "/opt/sim/bin/vllm"
 MEMINFO = "/opt/sim/meminfo"
-GIB_KB = 1024 * 1024
 
 # The sim runs from the package's own tree with the system python3, the way
 # /usr/bin/gb10d runs gb10d.
@@ -41,12 +42,7 @@ runpy.run_module("gb10d.sim", run_name="__main__", alter_sys=True)
 
 def meminfo(total_gib: float, free_gib: float) -> str:
     """A /proc/meminfo-format text with the given totals (the page cache makes up the difference)."""
-    total, free = int(total_gib * GIB_KB), int(free_gib * GIB_KB)
-    cached = total - free - 2 * GIB_KB
-    return (
-        f"MemTotal:       {total} kB\nMemFree:        {free} kB\nMemAvailable:   {free + cached} kB\n"
-        f"Buffers:        0 kB\nCached:         {cached} kB\n"
-    )
+    return meminfo_text(total_gib, free_gib, cached_gib=total_gib - free_gib - 2)
 
 
 def sim_config(
