@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import tomli_w
 
@@ -129,11 +129,14 @@ class Setup:
 class Daemon:
     """`gb10d run` as a real child process (gb10d.lab's), with its stdout (the journal stream) collected."""
 
-    def __init__(self, setup: Setup, notify: NotifySocket | None, env: dict[str, str] | None = None, netns: str | None = None) -> None:
-        """`netns`: run it inside that network namespace (`ip netns exec` execs it: the pid is gb10d's)."""
+    def __init__(
+        self, setup: Setup, notify: NotifySocket | None, env: dict[str, str] | None = None, netns: str | None = None, wrapper: Sequence[str] = ()
+    ) -> None:
+        """`netns`: run it inside that network namespace (`ip netns exec` execs it: the pid is gb10d's);
+        `wrapper`: any other command that sets up the machine gb10d sees and then execs it."""
         self.setup = setup
         self.child = Gb10d(
-            setup.config, notify, env=env, wrapper=["ip", "netns", "exec", netns] if netns else (),
+            setup.config, notify, env=env, wrapper=[*(["ip", "netns", "exec", netns] if netns else []), *wrapper],
             ray_tmpdir=setup.sim_env.get("RAY_TMPDIR"),
         )
         self.proc = self.child.proc

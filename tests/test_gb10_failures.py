@@ -219,3 +219,28 @@ def test_a_real_kernel_message_reaches_gb10d_through_the_kernels_own_log(tmp_pat
             assert time.monotonic() < deadline, daemon.tail()
     assert "GPU stopped processing" in line.string
     assert daemon.stop() == 0
+
+
+# A machine without the CUDA toolkit: /usr/local/cuda hidden in a mount namespace of gb10d's own, and a PATH without ptxas.
+WITHOUT_CUDA = ["unshare", "--mount", "--", "sh", "-c", "mount -t tmpfs tmpfs /usr/local/cuda 2>/dev/null; exec \"$@\"", "sh"]
+
+
+def test_triton_ptxas_failure_without_a_toolkit_ptxas_says_what_to_install_and_is_not_retried(
+    tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to hide /usr/local/cuda in a mount namespace")
+    setup = Setup(tmp_path, scenario="ptxas")
+    setup.extra["vllm.env.PATH"] = f"{setup.venv / 'bin'}:/usr/bin:/bin"
+    setup.write_config()
+    daemon = Daemon(setup, notify, wrapper=WITHOUT_CUDA)
+    daemons.append(daemon)
+    assert daemon.wait_exit(90) == EXIT_CONFIG
+    assert len(starts(daemon)) == 1
+    line = daemon.wait_line(r"gb10d: no CUDA toolkit ptxas that knows sm_121a was found")
+    assert line.string.endswith(
+        "gb10d: no CUDA toolkit ptxas that knows sm_121a was found (looked at $CUDA_HOME/bin/ptxas, /usr/local/cuda/bin/ptxas "
+        "and vLLM's PATH); install the CUDA 13 toolkit (sudo apt install cuda-toolkit-13-0 puts it in /usr/local/cuda) "
+        "or set vllm.env.TRITON_PTXAS_PATH to the ptxas of a CUDA 12.9 or later toolkit; not retrying"
+    ), line.string
+    assert any("no CUDA toolkit ptxas found" in line for line in daemon.own_lines())
