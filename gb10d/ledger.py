@@ -128,8 +128,10 @@ def scan(directory: Path, skip: Path | None = None, remove_dead: bool = False) -
 
 def read_ledger(directory: Path) -> list[Reservation]:
     """Every living instance's record, for `gb10d status --all`; raises OSError when the directory cannot be read."""
-    if not directory.is_dir():
+    if not directory.exists():
         raise FileNotFoundError(2, "No such directory", str(directory))
+    if not directory.is_dir():
+        raise NotADirectoryError(20, "Not a directory", str(directory))
     with locked(directory, exclusive=False) as exists:
         return scan(directory) if exists else []
 
@@ -146,7 +148,7 @@ class Booking:
         self._on_error = on_error
         self._failed = False
         self.record: Reservation | None = None  # None until the first decision
-        self._others_at_admission: tuple[Reservation, ...] = ()
+        self.admitted_beside: tuple[Reservation, ...] = ()  # the others when this start was admitted
 
     @classmethod
     def open(cls, directory: Path, name: str, config: str, on_error: ErrorHandler) -> Booking:
@@ -190,7 +192,7 @@ class Booking:
                 me = self._me(now, utilization=utilization, bytes=share)
                 decision = budget.admit(me, others, mem, when_full)
                 if isinstance(decision, Admit):
-                    self._others_at_admission = tuple(others)
+                    self.admitted_beside = tuple(others)
                     self._write(budget.moved(me, now, stage=stage, waiting_for=(), progress_at=now, phase=""))
                 elif isinstance(decision, Wait):
                     self._write(budget.moved(me, now, stage=Stage.WAITING, waiting_for=tuple(b.name for b in decision.blockers)))
@@ -230,7 +232,7 @@ class Booking:
             with locked(self.directory, exclusive=True):
                 others = scan(self.directory, skip=self.path, remove_dead=True)
                 used = (
-                    budget.real_use(available_before, available_now, self._others_at_admission, others)
+                    budget.real_use(available_before, available_now, self.admitted_beside, others)
                     if available_before is not None and available_now is not None
                     else None
                 )

@@ -202,13 +202,17 @@ class Preflight:
         deadline = time.monotonic() + m.recovery_timeout_s
         while True:
             now_mem = self.meminfo()
-            if now_mem is None or memory_returned(baseline, now_mem, m.recovery_tolerance_gib):
+            # Other instances' starts since then took memory that is not this one's to give back.
+            taken = budget.taken_since(self.booking.admitted_beside, self.booking.others()) if self.booking is not None else 0
+            expected = baseline.less(taken)
+            if now_mem is None or memory_returned(expected, now_mem, m.recovery_tolerance_gib):
                 return False
             if time.monotonic() >= deadline:
-                lost = (baseline.available - now_mem.available) / 2**30
+                lost = (expected.available - now_mem.available) / 2**30
+                others = f", less {taken / 2**30:.2f} GiB other gb10d instances' starts took meanwhile" if taken else ""
                 raise GiveUp(
                     f"memory was not returned after vLLM exited: MemAvailable is {now_mem.available_gib:.2f} GiB, "
-                    f"was {baseline.available_gib:.2f} GiB before it started ({lost:.2f} GiB missing) and no vLLM "
+                    f"was {baseline.available_gib:.2f} GiB before it started{others} ({lost:.2f} GiB missing) and no vLLM "
                     f"process is left; not retrying. A reboot may be needed ({top_memory_users()})",
                     EXIT_MEMORY_NOT_RETURNED,
                 )

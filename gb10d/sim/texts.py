@@ -232,6 +232,14 @@ ENGINE_FRAMES: dict[str, list[Frame]] = {
         (f"{VLLM}/v1/executor/uniproc_executor.py", 48, "_init_executor", "self.driver_worker.load_model()"),
         *WORKER_FRAMES["post_load"],
     ],
+    # Allocating the KV cache tensors (inferred): memory another process took since the profile run is not there.
+    "kv_alloc": _ENGINE_START + _KV_INIT + [
+        (f"{VLLM}/v1/engine/core.py", 259, "_initialize_kv_caches", "self.model_executor.initialize_from_config(kv_cache_configs)"),
+        (f"{VLLM}/v1/executor/abstract.py", 116, "initialize_from_config", 'self.collective_rpc("initialize_from_config", args=(kv_cache_configs,))'),
+        (f"{VLLM}/v1/worker/gpu_worker.py", 489, "initialize_from_config", "self.model_runner.initialize_kv_cache(kv_cache_config)"),
+        (f"{VLLM}/v1/worker/gpu/model_runner.py", 371, "initialize_kv_cache", "kv_caches = init_kv_cache("),
+        (f"{SITE}/torch/utils/_device.py", 109, "__torch_function__", "return func(*args, **kwargs)"),
+    ],
     # torch.compile's Inductor compiling the model's Triton kernels.
     "compile": _ENGINE_START + _KV_INIT + [
         (f"{VLLM}/v1/engine/core.py", 232, "_initialize_kv_caches", "available_gpu_memory = self.model_executor.determine_available_memory()"),
