@@ -97,14 +97,16 @@ class Metrics:
         self._cluster_nodes = gauge(
             "gb10d_cluster_nodes_up", "Machines with a GPU alive in the Ray cluster of a pair of GB10s (0 on a single machine)."
         )
-        # `name`, not `instance`: Prometheus gives every scraped series an `instance` label of its own.
+        # `instance_name`, not `instance`: Prometheus gives every scraped series an `instance` label of its own.
         self._reservation = gauge(
             "gb10d_memory_reservation_bytes",
             "This instance's share in the machine's memory ledger: gpu_memory_utilization x MemTotal + headroom.",
-            ("name",),
+            ("instance_name",),
         )
         self._real_use = gauge(
-            "gb10d_memory_real_use_bytes", "MemAvailable drop over this instance's last start, when no other start overlapped it.", ("name",)
+            "gb10d_memory_real_use_bytes",
+            "MemAvailable drop over this instance's last start, when no other start overlapped it.",
+            ("instance_name",),
         )
         self._memory_waiting = gauge("gb10d_memory_waiting", "1 while this instance's start waits for other gb10d instances' starts.")
 
@@ -208,9 +210,9 @@ class Metrics:
 
     def set_reservation(self, name: str, reserved: int, real_use: int | None, waiting: bool) -> None:
         """This instance's record in the memory ledger."""
-        self._reservation.labels(name=name).set(reserved)
+        self._reservation.labels(instance_name=name).set(reserved)
         if real_use is not None:
-            self._real_use.labels(name=name).set(real_use)
+            self._real_use.labels(instance_name=name).set(real_use)
         self._memory_waiting.set(1 if waiting else 0)
 
     def observe(self, event: Event) -> None:
