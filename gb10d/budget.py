@@ -176,8 +176,12 @@ def admit(me: Reservation, others: Sequence[Reservation], mem: MemInfo, when_ful
     room = left(others, mem)
     need = _need(me, mem)
     if not ahead and me.bytes <= room:
-        beside = f" beside {_names(starts)}" if starts else ""
-        return Admit(True, tuple(others), f"memory: {need} fits{beside}: {gib(room)} GiB of MemAvailable {gib(mem.available)} GiB is left for it")
+        where = (
+            f"beside the starts of {_names(starts)}: {gib(room)} GiB of MemAvailable {gib(mem.available)} GiB is left for it"
+            if starts
+            else f"in MemAvailable {gib(mem.available)} GiB"
+        )
+        return Admit(True, tuple(others), f"memory: {need} fits {where}")
     blockers = tuple(sorted([*ahead, *starts], key=lambda o: o.queue_key))
     if not blockers:
         serving = [o for o in others if o.stage is Stage.SERVING]

@@ -74,6 +74,8 @@ def _write_files(root: Path, scenario: Scenario, speed: float) -> tuple[Path, in
         f"MemTotal: {int(total * GIB_KB)} kB\nMemFree: {int(scenario.free_gib * GIB_KB)} kB\n"
         f"MemAvailable: {int((scenario.free_gib + 1) * GIB_KB)} kB\nCached: {GIB_KB} kB\n"
     )
+    ledger = root / "ledger"
+    ledger.mkdir()
     port = _free_port()
     config: dict[str, Any] = {
         "vllm": {
@@ -92,7 +94,8 @@ def _write_files(root: Path, scenario: Scenario, speed: float) -> tuple[Path, in
             },
         },
         "startup": {"stall_timeout_s": 5.0},
-        "memory": {"meminfo_path": str(meminfo), "preflight": scenario.preflight},
+        # Its own ledger: the demo's simulated machine is not this one.
+        "memory": {"meminfo_path": str(meminfo), "preflight": scenario.preflight, "ledger_dir": str(ledger)},
         "metrics": {"listen": ""},
         "daemon": {"state_file": str(root / "state.json"), "learned_file": str(root / "learned.toml"), "watch_config": False},
     }

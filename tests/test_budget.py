@@ -198,3 +198,13 @@ def test_memory_other_starts_took_meanwhile_is_not_memory_this_one_failed_to_giv
     then: list[Reservation], now: list[Reservation], taken: int
 ) -> None:
     assert taken_since(then, now) == taken
+
+
+def test_an_admitted_start_says_what_is_left_for_it() -> None:
+    beside = admit(ME, [record("gb10d@a", Stage.STARTING)], MEM, "wait")
+    assert isinstance(beside, Admit) and beside.message == (
+        "memory: gpu_memory_utilization 0.4 (48.68 GiB + 1.00 GiB headroom) fits beside the starts of gb10d@a: "
+        "60.32 GiB of MemAvailable 110.00 GiB is left for it"
+    )
+    alone = admit(ME, [record("gb10d@a", Stage.SERVING)], MEM, "wait")
+    assert isinstance(alone, Admit) and alone.message == "memory: gpu_memory_utilization 0.4 (48.68 GiB + 1.00 GiB headroom) fits in MemAvailable 110.00 GiB"
