@@ -199,7 +199,7 @@ class Booking:
                 return decision
         except OSError as exc:
             self._report(exc)
-            return Admit(True, (), "")
+            return Admit(True, (), "memory: the ledger cannot be used; starting without counting other instances' starts")
 
     def others(self) -> list[Reservation]:
         """The other living instances now."""

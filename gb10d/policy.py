@@ -167,12 +167,7 @@ def _lower_utilization(current: float, target: float, config: Config, why: str, 
 
 
 def next_attempt(
-    outcome: Failed,
-    used: Tunables,
-    history: History,
-    config: Config,
-    host: HostFacts | None = None,
-    neighbours: Neighbours = Neighbours(),
+    outcome: Failed, used: Tunables, history: History, config: Config, host: HostFacts | None = None, neighbours: Neighbours = Neighbours()
 ) -> Retry | GiveUp:
     """The next attempt's settings and delay after `outcome`, or the reason to stop.
 
@@ -353,12 +348,7 @@ def event_kind(cause: Cause) -> str:
 
 
 def after_failure(
-    outcome: Failed,
-    used: Tunables,
-    history: History,
-    config: Config,
-    host: HostFacts | None = None,
-    neighbours: Neighbours = Neighbours(),
+    outcome: Failed, used: Tunables, history: History, config: Config, host: HostFacts | None = None, neighbours: Neighbours = Neighbours()
 ) -> tuple[History, Retry | GiveUp]:
     """The count after `outcome` and what to do next: a failure after a long enough serve begins a new
     count, and a retry that waits counts one more back-off (so the next wait doubles)."""

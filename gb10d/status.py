@@ -215,17 +215,21 @@ def as_json(state: StateRecord | None, path: Path, alive: bool) -> dict[str, Any
 # --- the command ----------------------------------------------------------------
 
 
+def _cannot(message: str, where: dict[str, str | None], json_output: bool, out: TextIO, err: TextIO, status: int = EXIT_UNKNOWN) -> int:
+    """No status to show: one JSON object saying why (running unknown), or one `gb10d:` line on stderr."""
+    if json_output:
+        out.write(json.dumps({"running": None, **where, "error": message}) + "\n")
+    else:
+        err.write(f"gb10d: {message}\n")
+    return status
+
+
 def show_status(path: Path, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Print the daemon's status from the state file at `path`; return the exit status."""
     try:
         state = read_state(path)
     except OSError as exc:
-        message = f"cannot read the state file {path}: {exc.strerror or exc}"
-        if json_output:
-            out.write(json.dumps({"running": None, "state_file": str(path), "error": message}) + "\n")
-        else:
-            err.write(f"gb10d: {message}\n")
-        return EXIT_UNKNOWN
+        return _cannot(f"cannot read the state file {path}: {exc.strerror or exc}", {"state_file": str(path)}, json_output, out, err)
     alive = state is not None and state.pid is not None and pid_alive(state.pid)
     if json_output:
         out.write(json.dumps(as_json(state, path, alive), indent=2, sort_keys=True) + "\n")
@@ -290,22 +294,14 @@ def show_all(memory: MemorySection, json_output: bool = False, out: TextIO = sys
     directory = memory.ledger_path
     if directory is None:
         message = 'the memory ledger is off in this config (memory.ledger_dir = ""): instances do not see each other'
-        if json_output:
-            out.write(json.dumps({"running": None, "ledger_dir": None, "error": message}) + "\n")
-        else:
-            err.write(f"gb10d: {message}\n")
-        return EXIT_NOT_RUNNING
+        return _cannot(message, {"ledger_dir": None}, json_output, out, err, EXIT_NOT_RUNNING)
     try:
         records = read_ledger(directory)
     except FileNotFoundError:
         records = []
     except OSError as exc:
         message = f"cannot read the memory ledger {directory}: {exc.strerror or exc} (members of the group gb10d and root may)"
-        if json_output:
-            out.write(json.dumps({"running": None, "ledger_dir": str(directory), "error": message}) + "\n")
-        else:
-            err.write(f"gb10d: {message}\n")
-        return EXIT_UNKNOWN
+        return _cannot(message, {"ledger_dir": str(directory)}, json_output, out, err)
     try:
         mem: MemInfo | None = read_meminfo(memory.meminfo_path)
     except (OSError, ValueError):

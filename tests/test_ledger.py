@@ -186,7 +186,9 @@ def test_a_ledger_that_fails_later_is_reported_once_and_the_start_goes_on(tmp_pa
     warnings: list[str] = []
     a = book(directory, "gb10d@a", warnings)
     shutil.rmtree(directory)  # e.g. an operator cleaning /run by hand
-    assert a.decide(0.4, SHARE, Stage.STARTING, MEM, "wait") == Admit(True, (), "")
+    assert a.decide(0.4, SHARE, Stage.STARTING, MEM, "wait") == Admit(
+        True, (), "memory: the ledger cannot be used; starting without counting other instances' starts"
+    )
     a.progressed()
     assert a.others() == []
     assert len(warnings) == 1

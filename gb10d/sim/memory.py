@@ -25,7 +25,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .settings import GIB, SettingsError, SimSettings
+from .settings import GIB, SettingsError, SimSettings, parse_meminfo
 
 KB = 1024
 # The fields a process's memory comes out of (the page cache is not given back).
@@ -59,7 +59,7 @@ def adjust(meminfo: Path, delta_bytes: int, need_bytes: int = 0) -> int | None:
             mode = meminfo.stat().st_mode & 0o777
         except OSError as exc:
             raise SettingsError(f"GB10D_SIM_MEMINFO: cannot read {meminfo}: {exc.strerror}") from None
-        values = _fields(text)
+        values = parse_meminfo(text)
         if need_bytes and values.get("MemAvailable", 0) < need_bytes:
             return values.get("MemAvailable", 0)
         total = values.get("MemTotal")
@@ -75,16 +75,6 @@ def adjust(meminfo: Path, delta_bytes: int, need_bytes: int = 0) -> int | None:
         return None
     finally:
         os.close(lock)
-
-
-def _fields(text: str) -> dict[str, int]:
-    fields: dict[str, int] = {}
-    for line in text.splitlines():
-        name, _, rest = line.partition(":")
-        words = rest.split()
-        if words and words[0].isdigit():
-            fields[name.strip()] = int(words[0]) * KB
-    return fields
 
 
 def _replace(meminfo: Path, text: str, mode: int) -> None:
