@@ -35,7 +35,9 @@ from .notify import unit_name
 LOCK_NAME = ".lock"
 SUFFIX = ".json"
 # Readable by operators who are not in the gb10d group, as the state file is: `gb10d status --all` shows it.
+# A record is written by its own instance only; the lock by every instance, whichever user its unit runs as.
 FILE_MODE = 0o644
+LOCK_MODE = 0o664
 # The group the package gives the directory; a service running as a login user joins it (service.user_dropin).
 GROUP = "gb10d"
 
@@ -60,7 +62,7 @@ def locked(directory: Path, exclusive: bool) -> Iterator[bool]:
     """
     path = directory / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE) if exclusive else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, LOCK_MODE) if exclusive else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         if exclusive:
             raise
@@ -68,17 +70,17 @@ def locked(directory: Path, exclusive: bool) -> Iterator[bool]:
         return
     try:
         if exclusive:
-            _share(fd)
+            _share(fd, LOCK_MODE)
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield True
     finally:
         os.close(fd)  # releases the lock
 
 
-def _share(fd: int) -> None:
-    """Readable by all, whatever the creator's umask (UMask=0027 under systemd); only the creator may change it."""
+def _share(fd: int, mode: int) -> None:
+    """`mode` whatever the creator's umask (UMask=0027 under systemd); only the creator may change it."""
     try:
-        os.fchmod(fd, FILE_MODE)
+        os.fchmod(fd, mode)
     except PermissionError:
         pass
 
@@ -136,6 +138,27 @@ def read_ledger(directory: Path) -> list[Reservation]:
         return scan(directory) if exists else []
 
 
+def _take_over(path: Path, name: str, directory: Path) -> None:
+    """Remove a dead predecessor's record of this name (perhaps another user's: the unit's user changed); refuse
+    when a living gb10d holds it. The caller holds `.lock`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        if _alive(fd):
+            other = _read(fd)
+            pid = f" (pid {other.pid})" if other is not None else ""
+            raise GiveUp(
+                f"another gb10d{pid} already runs as {name} (its record in the memory ledger {directory} is held); "
+                "two supervisors of one config would fight over its port and memory: stop the other one first",
+                EXIT_CONFIG,
+            )
+    finally:
+        os.close(fd)
+    path.unlink()
+
+
 class Booking:
     """This instance's record in the ledger, held (locked) from `open` to `close`."""
 
@@ -159,20 +182,10 @@ class Booking:
         path = record_path(directory, name)
         try:
             with locked(directory, exclusive=True):
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    other = _read(fd)
-                    os.close(fd)
-                    pid = f" (pid {other.pid})" if other is not None else ""
-                    raise GiveUp(
-                        f"another gb10d{pid} already runs as {name} (its record in the memory ledger {directory} is held); "
-                        "two supervisors of one config would fight over its port and memory: stop the other one first",
-                        EXIT_CONFIG,
-                    ) from None
-                _share(fd)
-                os.ftruncate(fd, 0)  # a dead predecessor's record, if any
+                _take_over(path, name, directory)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+                fcntl.flock(fd, fcntl.LOCK_EX)  # nobody else can hold it: the file is new, under `.lock`
+                _share(fd, FILE_MODE)
         except OSError as exc:
             raise LedgerUnavailable(f"{directory}: {exc.strerror or exc}") from None
         return cls(directory, name, config, fd, on_error)

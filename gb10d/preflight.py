@@ -99,13 +99,13 @@ class Preflight:
         """
         if self.booking is None:
             return ()
-        config = self._config()
-        m = config.memory
         began = time.monotonic()
         waited: tuple[str, ...] = ()
         seen: dict[str, float] = {}
         shown = ""
         while True:
+            config = self._config()  # a reload while it waits applies at once
+            m = config.memory
             mem = self.meminfo()
             if mem is None:
                 return ()

@@ -104,6 +104,7 @@ class Reporter:
             self.metrics.start_attempt(reason)
             self.metrics.set_utilization(tunables.gpu_memory_utilization)
             self.metrics.set_vllm_up(True)
+            self._ledger_metrics()  # the share as admitted, lowered if the free-memory check lowered it
 
     def phase(self, startup: StartupState, text: str) -> None:
         """The start moved: STATUS=, the phase and progress metrics, and (throttled) the state file."""

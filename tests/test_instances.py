@@ -182,6 +182,9 @@ def test_kill_9_of_a_starting_instance_frees_its_reservation_for_the_one_waiting
     loading.daemon.wait_line(r"gb10d: started vLLM as pid")
     waiting = machine.start(machine.configure("b", 0.5))
     waiting.daemon.wait_line(rf"gb10d: memory: .* does not fit beside the starts of {re.escape(loading.name)} \(61\.8\d GiB, starting")
+    # While the start it waits for loads shard after shard, systemd is asked to wait longer for this one too.
+    extended = len(waiting.notify.messages)
+    waiting.notify.wait_for(lambda m: "EXTEND_TIMEOUT_USEC" in m, 30, since=extended)
     os.kill(loading.daemon.proc.pid, signal.SIGKILL)
     # Its vLLM goes too, as systemd's KillMode=mixed ends the rest of the unit once the main process is gone.
     for pgid in vllm_groups(loading.daemon.lines):
@@ -217,3 +220,15 @@ def test_the_control_without_the_ledger_two_starts_race_for_the_same_memory(mach
         START_TIMEOUT_S,
         "one of two starts that do not fit together to fail on memory",
     )
+
+
+def test_a_waiting_instance_stops_at_once_on_sigterm(machine: Machine) -> None:
+    loading = machine.start(machine.configure("a", 0.5, "slow_shards=300"))
+    loading.daemon.wait_line(r"gb10d: started vLLM as pid")
+    waiting = machine.start(machine.configure("b", 0.5))
+    waiting.daemon.wait_line(r"gb10d: memory: .* does not fit beside the starts of")
+    assert waiting.daemon.stop(timeout=10) == 0
+    assert waiting.said(r"gb10d: received SIGTERM while waiting for memory; stopping")
+    assert waiting.starts() == 0
+    assert set(rows(machine.status_all(loading.setup).stdout)) == {loading.name}
+    assert loading.daemon.stop() == 0
