@@ -6,7 +6,10 @@ once: when vLLM becomes ready, the state file, the metrics and the journal
 say so before READY=1 goes out, so `systemctl start gb10d && gb10d status`
 and a scrape right after READY both see "ready". The state file is
 rewritten on every change, shard steps at most once a second (each write
-fsyncs), the latest one always last.
+fsyncs), the latest one always last. What the other gb10d instances of the
+machine see of this one, its record in the memory ledger, follows the same
+way: its phase, its progress (every EXTEND_TIMEOUT_USEC), serving, and
+restarting once vLLM is gone; the admission itself is the preflight's.
 """
 
 from __future__ import annotations
