@@ -128,7 +128,8 @@ class Deployment:
                 "env": self.vllm_env,
             },
             "startup": {"stall_timeout_s": 30.0, "ready_timeout_s": 300.0, "health_poll_interval_s": 2.0},
-            "memory": {"meminfo_path": str(self.meminfo), "recovery_timeout_s": 5.0},
+            # One instance at a time, on its own figures: the machine's memory ledger is not the bench's.
+            "memory": {"meminfo_path": str(self.meminfo), "recovery_timeout_s": 5.0, "ledger_dir": ""},
             "restart": {"max_attempts": 5, "backoff_initial_s": 0.0, "backoff_max_s": 0.0},
             "metrics": {"listen": ""},
             "daemon": {

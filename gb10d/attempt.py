@@ -173,7 +173,7 @@ class Attempt:
     async def _carry_out(self, actions: list[Action]) -> Failed | None:
         for action in actions:
             if isinstance(action, lifecycle.Extend):
-                self.reporter.notifier.extend_timeout(action.seconds)
+                self.reporter.extend(action.seconds)
             elif isinstance(action, lifecycle.ShowPhase):
                 self.reporter.phase(self.state.startup, action.text)
             elif isinstance(action, lifecycle.Say):

@@ -218,9 +218,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Summarise the running daemon from its state file (exit 3 when not running)."""
-    from .status import show_status, state_file_path
+    """Summarise the running daemon from its state file, or every instance from the memory ledger (exit 3 when not running)."""
+    from .status import memory_settings, show_all, show_status, state_file_path
 
+    if args.all:
+        return show_all(memory_settings(_config_path(args)), json_output=args.json)
     return show_status(state_file_path(args.state_file, _config_path(args)), json_output=args.json)
 
 
@@ -363,8 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Show the daemon's state, startup phase and progress, model and URL, attempt, effective "
         "gpu_memory_utilization, memory, uptime and last failure, from the state file it keeps "
         "([daemon] state_file, default /run/gb10d/state.json). Exit 0 when running, 3 when not "
-        "(like systemctl status), 4 when the state file cannot be read.",
+        "(like systemctl status), 4 when the state file cannot be read. With --all: every gb10d instance of this "
+        "machine from the memory ledger they share ([memory] ledger_dir, default /run/gb10d-ledger): state, phase, "
+        "reservation, real use, whom a waiting one waits for, and the memory left; exit 0 when any runs, 3 when none "
+        "does, 4 when the ledger cannot be read.",
     )
+    p.add_argument("--all", action="store_true", help="every gb10d instance of this machine, from the memory ledger")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     p.add_argument("--state-file", metavar="PATH", help="read this state file instead of the config's")
     p = add(

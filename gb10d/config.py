@@ -248,6 +248,23 @@ class MemorySection(_Table):
     evict_page_cache: bool = True
     recovery_timeout_s: float = Field(default=60.0, ge=0)
     recovery_tolerance_gib: float = Field(default=4.0, ge=0)
+    # The directory the gb10d instances of this machine share their memory budget in (budget.py, ledger.py);
+    # "" runs without it. The package creates the default (tmpfiles.d).
+    ledger_dir: str = "/run/gb10d-ledger"
+    # A start whose share does not fit beside the starts of other instances waits for them, or fails at once.
+    when_full: Literal["wait", "fail"] = "wait"
+
+    @field_validator("ledger_dir")
+    @classmethod
+    def _ledger_dir_absolute(cls, value: str) -> str:
+        if value and not value.startswith("/"):
+            raise ValueError(f'must be an absolute directory such as "/run/gb10d-ledger", or "" to run without one (got {value!r})')
+        return value
+
+    @property
+    def ledger_path(self) -> Path | None:
+        """The ledger directory, or None when the budget is not shared."""
+        return Path(self.ledger_dir) if self.ledger_dir else None
 
 
 class RestartSection(_Table):

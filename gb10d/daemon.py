@@ -23,7 +23,8 @@ from .facts import Edited
 from .journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal
 from .keeper import ConfigKeeper
 from .kernellog import KernelLog
-from .levels import PRIORITY_ERR
+from .ledger import Booking, instance_name, open_booking
+from .levels import PRIORITY_ERR, PRIORITY_WARNING
 from .loop import FactLoop
 from .metrics import Metrics
 from .notify import Notifier
@@ -46,6 +47,7 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
     pair = Pair(config, reporter, loop) if config.cluster is not None else None
     preflight = Preflight(lambda: keeper.config, keeper.env, reporter)
     supervisor: Supervisor | None = None
+    booking: Booking | None = None
     kernel = KernelLog(config.daemon.kernel_log, loop.post, reporter)
     loop.install()
     reporter.serve_metrics()
@@ -56,6 +58,11 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
         host = preflight.host()
         if pair is not None and pair.cluster.role == "worker":
             return await WorkerDaemon(keeper, reporter, loop, pair).serve()
+        # vLLM runs here: its share of the machine's memory is booked in the ledger the instances share.
+        booking = open_booking(
+            config.memory.ledger_path, instance_name(path), str(path), lambda text: reporter.say("memory_ledger", text, PRIORITY_WARNING)
+        )
+        reporter.booking = preflight.booking = booking
         supervisor = Supervisor(keeper, reporter, loop, preflight, LocalLauncher(), pair, host)
         return await supervisor.supervise()
     except GiveUp as exc:
@@ -69,6 +76,8 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
         if pair is not None:
             await pair.close()
         await loop.remove()
+        if booking is not None:
+            booking.close()
         reporter.close()
 
 

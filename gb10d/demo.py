@@ -61,6 +61,8 @@ def _write_files(root: Path, scenario: Scenario, speed: float) -> tuple[Path, in
     venv = root / "venv"
     make_venv(venv)
     meminfo = write_meminfo(root / "meminfo", GB10_TOTAL_GIB, scenario.free_gib, cached_gib=1.0)
+    ledger = root / "ledger"
+    ledger.mkdir()
     port = free_port()
     config: dict[str, Any] = {
         "vllm": {
@@ -79,7 +81,8 @@ def _write_files(root: Path, scenario: Scenario, speed: float) -> tuple[Path, in
             },
         },
         "startup": {"stall_timeout_s": 5.0},
-        "memory": {"meminfo_path": str(meminfo), "preflight": scenario.preflight},
+        # Its own ledger: the demo's simulated machine is not this one.
+        "memory": {"meminfo_path": str(meminfo), "preflight": scenario.preflight, "ledger_dir": str(ledger)},
         "metrics": {"listen": ""},
         "daemon": {"state_file": str(root / "state.json"), "learned_file": str(root / "learned.toml"), "watch_config": False},
     }

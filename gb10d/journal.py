@@ -75,6 +75,9 @@ MESSAGE_IDS: dict[str, str] = {
     "ipc_removed": "8b9d65696cf540c88f01a1130f622502",
     "shm_removed": "eb974528cdf74a88a20b334b880fb17f",
     "kernel_log": "69a385c2f39548478c3bb694a441cfdd",
+    "memory_wait": "0bb3e03be1b94daeb90d30b8404d063e",
+    "memory_admitted": "9a4669c3d93340b39cdee08885efeb56",
+    "memory_ledger": "79fd0205c95b4bdbb97117329cbdbce4",
 }
 
 

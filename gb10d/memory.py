@@ -53,6 +53,36 @@ class MemInfo:
             f"MemAvailable {self.available_gib:.2f} GiB, Cached {self.cached_gib:.2f} GiB"
         )
 
+    def less(self, reserved: int) -> MemInfo:
+        """The figures once `reserved` bytes more are taken: what a start may use beside other starts."""
+        return MemInfo(self.total, max(self.free - reserved, 0), max(self.available - reserved, 0), self.cached)
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """The other gb10d instances of this machine, as the free-memory arithmetic needs them (budget.neighbours).
+
+    `reserved`: bytes their starts have reserved that /proc/meminfo does not
+    show as used yet, which no lowered utilization may take; `named`: who
+    they all are and their shares (waiters hold none), for messages.
+    """
+
+    reserved: int = 0
+    reserved_by: str = ""  # whose starts: `gb10d@a and gb10d@b`
+    named: str = ""
+
+    def less(self) -> str:
+        """` less 49.68 GiB reserved by the starts of gb10d@a`, or nothing."""
+        return f" less {self.reserved / GIB:.2f} GiB reserved by the starts of {self.reserved_by}" if self.reserved else ""
+
+    def beside(self) -> str:
+        """`; other gb10d instances here: gb10d@a (...)`, or nothing."""
+        return f"; other gb10d instances here: {self.named}" if self.named else ""
+
+
+# No other instance: a single gb10d on the machine, or a decision that does not concern them.
+ALONE = Neighbours()
+
 
 class MemInfoError(ValueError):
     """The meminfo text lacks a field gb10d needs."""
@@ -123,35 +153,42 @@ def preflight(
     min_utilization: float,
     evicted_already: bool,
     can_evict: bool,
+    neighbours: Neighbours = ALONE,
 ) -> Preflight | PreflightRefused:
     """Decide the utilization to launch with so vLLM's free-memory check passes first time.
 
     vLLM compares against MemFree. When the request fits MemAvailable but not
     MemFree the difference is page cache, quite possibly the model's own
-    files: evict that first (once), then decide again on fresh numbers.
+    files: evict that first (once), then decide again on fresh numbers. What
+    other instances' starts reserved is never offered to this one: it is
+    taken off both figures first.
     """
+    whole, mem = mem, mem.less(neighbours.reserved)
+    less = neighbours.less()
     want_gib = requested * mem.total_gib
     if fits(requested, mem.free, mem.total, headroom_gib):
-        return Preflight(requested, False, f"{want_gib:.2f} GiB fits in MemFree {mem.free_gib:.2f} GiB")
+        return Preflight(requested, False, f"{want_gib:.2f} GiB fits in MemFree {whole.free_gib:.2f} GiB{less}")
     if can_evict and not evicted_already and fits(requested, mem.available, mem.total, headroom_gib):
         return Preflight(
             requested,
             True,
-            f"gpu_memory_utilization {requested:g} ({want_gib:.2f} GiB) fits MemAvailable {mem.available_gib:.2f} GiB "
-            f"but not MemFree {mem.free_gib:.2f} GiB (page cache {mem.cached_gib:.2f} GiB counts as used on GB10); "
+            f"gpu_memory_utilization {requested:g} ({want_gib:.2f} GiB) fits MemAvailable {whole.available_gib:.2f} GiB "
+            f"but not MemFree {whole.free_gib:.2f} GiB{less} (page cache {mem.cached_gib:.2f} GiB counts as used on GB10); "
             "evicting the model's page cache first",
         )
     lowered = min(fitting_utilization(mem.free_gib, mem.total_gib, headroom_gib), floor2(requested))
     if lowered < min_utilization:
         return PreflightRefused(
-            f"only {mem.free_gib:.2f} of {mem.total_gib:.2f} GiB is free ({mem.summary()}); "
+            f"only {whole.free_gib:.2f} of {mem.total_gib:.2f} GiB is free{less} ({whole.summary()}); "
             f"even the minimum gpu_memory_utilization {min_utilization:g} would not fit with {headroom_gib:g} GiB headroom"
+            f"{neighbours.beside()}"
         )
     return Preflight(
         lowered,
         False,
-        f"gpu_memory_utilization {requested:g} ({want_gib:.2f} GiB) does not fit in MemFree {mem.free_gib:.2f} GiB "
-        f"of {mem.total_gib:.2f} GiB; starting with {lowered:g} ({lowered * mem.total_gib:.2f} GiB) instead",
+        f"gpu_memory_utilization {requested:g} ({want_gib:.2f} GiB) does not fit in MemFree {whole.free_gib:.2f} GiB "
+        f"of {mem.total_gib:.2f} GiB{less}; starting with {lowered:g} ({lowered * mem.total_gib:.2f} GiB) instead"
+        f"{neighbours.beside()}",
     )
 
 

@@ -97,6 +97,18 @@ class Metrics:
         self._cluster_nodes = gauge(
             "gb10d_cluster_nodes_up", "Machines with a GPU alive in the Ray cluster of a pair of GB10s (0 on a single machine)."
         )
+        # `instance_name`, not `instance`: Prometheus gives every scraped series an `instance` label of its own.
+        self._reservation = gauge(
+            "gb10d_memory_reservation_bytes",
+            "This instance's share in the machine's memory ledger: gpu_memory_utilization x MemTotal + headroom.",
+            ("instance_name",),
+        )
+        self._real_use = gauge(
+            "gb10d_memory_real_use_bytes",
+            "MemAvailable drop over this instance's last start, when no other start overlapped it.",
+            ("instance_name",),
+        )
+        self._memory_waiting = gauge("gb10d_memory_waiting", "1 while this instance's start waits for other gb10d instances' starts.")
 
         engine = ("engine",)
         self._prompt = gauge(
@@ -195,6 +207,13 @@ class Metrics:
 
     def set_cluster_nodes(self, count: int) -> None:
         self._cluster_nodes.set(count)
+
+    def set_reservation(self, name: str, reserved: int, real_use: int | None, waiting: bool) -> None:
+        """This instance's record in the memory ledger."""
+        self._reservation.labels(instance_name=name).set(reserved)
+        if real_use is not None:
+            self._real_use.labels(instance_name=name).set(real_use)
+        self._memory_waiting.set(1 if waiting else 0)
 
     def observe(self, event: Event) -> None:
         """Take the figures of a periodic vLLM stats line; other events are ignored."""

@@ -41,7 +41,7 @@ from .events import (
 )
 from .host import HostFacts
 from .known import issue_for
-from .memory import fitting_utilization, floor2
+from .memory import ALONE, GIB, Neighbours, fitting_utilization, floor2
 from .outcome import Cause, Failed
 
 
@@ -166,12 +166,16 @@ def _lower_utilization(current: float, target: float, config: Config, why: str, 
     return Retry(tunables=Tunables(new, None, None), delay_s=0.0, message=f"restarting with gpu_memory_utilization {new:g}")
 
 
-def next_attempt(outcome: Failed, used: Tunables, history: History, config: Config, host: HostFacts | None = None) -> Retry | GiveUp:
+def next_attempt(
+    outcome: Failed, used: Tunables, history: History, config: Config, host: HostFacts | None = None, neighbours: Neighbours = ALONE
+) -> Retry | GiveUp:
     """The next attempt's settings and delay after `outcome`, or the reason to stop.
 
     `history.attempts` counts attempts made so far (including the one that
     just failed); the budget is `restart.max_attempts`. `host` says what
     this machine offers for GB10's own failures (a CUDA toolkit's ptxas).
+    `neighbours`: the other gb10d instances of this machine; a lowered
+    utilization never takes what their starts reserved.
     """
     if outcome.cause in CONFIG_CAUSES:
         return GiveUp(_config_advice(outcome, config), EXIT_CONFIG)
@@ -201,17 +205,20 @@ def next_attempt(outcome: Failed, used: Tunables, history: History, config: Conf
     elif outcome.cause is Cause.FREE_MEMORY:
         failure = outcome.failure
         assert isinstance(failure, FreeMemoryShort)
-        target = fitting_utilization(failure.free_gib, failure.total_gib, config.memory.headroom_gib)
+        # Another machine's memory (a pair's worker) is not this machine's ledger's.
+        around = ALONE if failure.node else neighbours
+        target = fitting_utilization(failure.free_gib - around.reserved / GIB, failure.total_gib, config.memory.headroom_gib)
         retry = _lower_utilization(
             used.gpu_memory_utilization,
             target,
             config,
-            describe(outcome),
+            describe(outcome) + around.less() + around.beside(),
             failure.node,
         )
         if isinstance(retry, Retry):
             new = retry.tunables.gpu_memory_utilization
-            retry = Retry(used.with_(gpu_memory_utilization=new), 0.0, f"restarting with {new:g}")
+            spared = f", leaving{around.less().removeprefix(' less')} alone" if around.reserved else ""
+            retry = Retry(used.with_(gpu_memory_utilization=new), 0.0, f"restarting with {new:g}{spared}")
     elif outcome.cause is Cause.CUDA_OOM:
         retry = _lower_utilization(
             used.gpu_memory_utilization, used.gpu_memory_utilization - OOM_MARGIN, config, "CUDA ran out of memory"
@@ -341,13 +348,13 @@ def event_kind(cause: Cause) -> str:
 
 
 def after_failure(
-    outcome: Failed, used: Tunables, history: History, config: Config, host: HostFacts | None = None
+    outcome: Failed, used: Tunables, history: History, config: Config, host: HostFacts | None = None, neighbours: Neighbours = ALONE
 ) -> tuple[History, Retry | GiveUp]:
     """The count after `outcome` and what to do next: a failure after a long enough serve begins a new
     count, and a retry that waits counts one more back-off (so the next wait doubles)."""
     if starts_new_count(outcome, config):
         history = History(1, 0)
-    decision = next_attempt(outcome, used, history, config, host)
+    decision = next_attempt(outcome, used, history, config, host, neighbours)
     if isinstance(decision, Retry) and decision.delay_s > 0:
         history = History(history.attempts, history.backoffs + 1)
     return history, decision

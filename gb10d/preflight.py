@@ -2,12 +2,15 @@
 
 Before a start, vLLM's own checks would fail late and obscurely, so gb10d
 checks first: that the NVIDIA devices open under the unit's device policy
-(`devices`), and that the utilization fits the free memory, evicting the
-model's page cache or lowering the utilization when it does not (the
-arithmetic is `memory.preflight`). After vLLM exits, the memory gate waits
-(bounded) until MemAvailable is back, and gives up with "reboot needed"
-when it is not: on GB10 a crashed engine can keep its memory, and retrying
-would only fail again.
+(`devices`); that this start's share fits beside the starts of the other
+gb10d instances of the machine, waiting for them while it does not (the
+decision is `budget.admit`, the records are the `ledger`'s); and that the
+utilization fits the free memory they leave, evicting the model's page
+cache or lowering the utilization when it does not (the arithmetic is
+`memory.preflight`). After vLLM exits, the memory gate waits (bounded)
+until MemAvailable is back, and gives up with "reboot needed" when it is
+not: on GB10 a crashed engine can keep its memory, and retrying would only
+fail again.
 """
 
 from __future__ import annotations
@@ -15,15 +18,18 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
-from . import shm
+from . import budget, shm
+from .budget import Admit, Refuse, Reservation, Stage
 from .command import Tunables
 from .config import Config
 from .devices import check_gpu_access
 from .host import HostFacts, read_host_facts, warnings
 from .errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, GiveUp
+from .ledger import Booking
 from .levels import PRIORITY_INFO, PRIORITY_WARNING
+from .lifecycle import EXTEND_MARGIN_S
 from .memory import MemInfo, PreflightRefused, evict_page_cache, memory_returned, preflight, read_meminfo, safetensors_files
 from .notify import unit_name
 from .phases import Phase
@@ -31,6 +37,8 @@ from .reporter import Reporter
 
 # /proc/meminfo offers no change notification: while memory comes back, it is looked at this often.
 MEMORY_POLL_S = 0.5
+# While a start waits for other instances' starts, the ledger and /proc/meminfo are read again this often.
+LEDGER_POLL_S = 1.0
 
 # Waits that a stop signal may cut short: True when it did.
 Pause = Callable[[float], Awaitable[bool]]
@@ -39,10 +47,13 @@ Pause = Callable[[float], Awaitable[bool]]
 class Preflight:
     """The checks around each start of vLLM; each reads the config in force when it runs."""
 
-    def __init__(self, config: Callable[[], Config], env: Callable[[], dict[str, str]], reporter: Reporter) -> None:
+    def __init__(
+        self, config: Callable[[], Config], env: Callable[[], dict[str, str]], reporter: Reporter, booking: Booking | None = None
+    ) -> None:
         self._config = config
         self._env = env
         self.reporter = reporter
+        self.booking = booking  # this instance's record in the machine's memory ledger, if it has one
 
     def gpu(self) -> None:
         """Refuse to start (as a config error) when the unit's device policy denies the NVIDIA devices."""
@@ -77,9 +88,59 @@ class Preflight:
         self.reporter.memory(mem)
         return mem
 
-    def fit(self, tunables: Tunables) -> tuple[Tunables, str]:
+    async def admit(self, tunables: Tunables, restarting: bool, pause: Pause) -> tuple[Reservation, ...] | None:
+        """Take this start's share in the machine's memory ledger, waiting while other instances' starts leave no room.
+
+        Returns the other instances as the admission saw them (`fit` leaves
+        their reservations alone), or None when a stop came while waiting.
+        While it waits, STATUS= names whom for, and systemd's start timeout
+        is extended whenever one of them makes progress. Raises GiveUp when
+        memory.when_full is "fail" and the share does not fit.
+        """
+        if self.booking is None:
+            return ()
+        began = time.monotonic()
+        waited: tuple[str, ...] = ()
+        seen: dict[str, float] = {}
+        shown = ""
+        while True:
+            config = self._config()  # a reload while it waits applies at once
+            m = config.memory
+            mem = self.meminfo()
+            if mem is None:
+                return ()
+            utilization = tunables.gpu_memory_utilization
+            share = budget.share_bytes(utilization, mem.total, m.headroom_gib)
+            stage = Stage.RESTARTING if restarting else Stage.STARTING
+            decision = self.booking.decide(utilization, share, stage, mem, m.when_full)
+            if isinstance(decision, Refuse):
+                raise GiveUp(decision.message, EXIT_GAVE_UP)
+            if isinstance(decision, Admit):
+                self.reporter.admitted()
+                if waited:
+                    self.reporter.say(
+                        "memory_admitted", f"{decision.message}; waited {time.monotonic() - began:.0f} s for {', '.join(waited)}", PRIORITY_INFO
+                    )
+                elif budget.pending(decision.others):
+                    self.reporter.say("memory_admitted", decision.message, PRIORITY_INFO)
+                return decision.others
+            names = tuple(b.name for b in decision.blockers)
+            if names != waited:
+                waited = names
+                self.reporter.say("memory_wait", decision.message, PRIORITY_INFO, reservation_bytes=share, waiting_for=", ".join(names))
+            if decision.status != shown:
+                shown = decision.status
+                self.reporter.waiting_for_memory(decision)
+            moved, seen = budget.progressed(seen, decision.blockers)
+            if moved:
+                self.reporter.extend(config.startup.stall_timeout_s + EXTEND_MARGIN_S)
+            if await pause(LEDGER_POLL_S):
+                return None
+
+    def fit(self, tunables: Tunables, others: Sequence[Reservation] = ()) -> tuple[Tunables, str]:
         """Lower the utilization (or evict the model's page cache) so vLLM's free-memory check passes first time.
 
+        What the starts of `others` reserved is never counted as free.
         Returns the settings to start with and, when they were lowered, why
         (the correction the learned-settings file keeps).
         """
@@ -88,13 +149,16 @@ class Preflight:
         if not m.preflight:
             return tunables, ""
         self.reporter.metrics.set_phase(Phase.PREFLIGHT.value)
+        around = budget.neighbours(others)
         evicted = False
         while True:
             mem = self.meminfo()
             if mem is None:
                 return tunables, ""
             files = safetensors_files(config.vllm.model, self._env()) if m.evict_page_cache else []
-            decision = preflight(tunables.gpu_memory_utilization, mem, m.headroom_gib, m.min_gpu_memory_utilization, evicted, bool(files))
+            decision = preflight(
+                tunables.gpu_memory_utilization, mem, m.headroom_gib, m.min_gpu_memory_utilization, evicted, bool(files), around
+            )
             if isinstance(decision, PreflightRefused):
                 raise GiveUp(f"preflight: {decision.reason}; {top_memory_users()}", EXIT_GAVE_UP)
             if decision.evict:
@@ -118,7 +182,14 @@ class Preflight:
                 mem_free_bytes=mem.free,
                 mem_available_bytes=mem.available,
             )
+            if self.booking is not None:
+                # A smaller share leaves more room to the others at once.
+                self.booking.update(utilization=decision.utilization, bytes=budget.share_bytes(decision.utilization, mem.total, m.headroom_gib))
             return tunables.with_(gpu_memory_utilization=decision.utilization), f"preflight: {decision.reason}"
+
+    def others(self) -> tuple[Reservation, ...]:
+        """The other instances of the machine's memory ledger now (none without a ledger)."""
+        return tuple(self.booking.others()) if self.booking is not None else ()
 
     async def memory_back(self, baseline: MemInfo | None, pause: Pause) -> bool:
         """After vLLM exits, wait (bounded) until MemAvailable is back; True if a stop came meanwhile.
@@ -131,13 +202,17 @@ class Preflight:
         deadline = time.monotonic() + m.recovery_timeout_s
         while True:
             now_mem = self.meminfo()
-            if now_mem is None or memory_returned(baseline, now_mem, m.recovery_tolerance_gib):
+            # Other instances' starts since then took memory that is not this one's to give back.
+            taken = budget.taken_since(self.booking.admitted_beside, self.booking.others()) if self.booking is not None else 0
+            expected = baseline.less(taken)
+            if now_mem is None or memory_returned(expected, now_mem, m.recovery_tolerance_gib):
                 return False
             if time.monotonic() >= deadline:
-                lost = (baseline.available - now_mem.available) / 2**30
+                lost = (expected.available - now_mem.available) / 2**30
+                others = f", less {taken / 2**30:.2f} GiB other gb10d instances' starts took meanwhile" if taken else ""
                 raise GiveUp(
                     f"memory was not returned after vLLM exited: MemAvailable is {now_mem.available_gib:.2f} GiB, "
-                    f"was {baseline.available_gib:.2f} GiB before it started ({lost:.2f} GiB missing) and no vLLM "
+                    f"was {baseline.available_gib:.2f} GiB before it started{others} ({lost:.2f} GiB missing) and no vLLM "
                     f"process is left; not retrying. A reboot may be needed ({top_memory_users()})",
                     EXIT_MEMORY_NOT_RETURNED,
                 )

@@ -6,7 +6,10 @@ once: when vLLM becomes ready, the state file, the metrics and the journal
 say so before READY=1 goes out, so `systemctl start gb10d && gb10d status`
 and a scrape right after READY both see "ready". The state file is
 rewritten on every change, shard steps at most once a second (each write
-fsyncs), the latest one always last.
+fsyncs), the latest one always last. What the other gb10d instances of the
+machine see of this one, its record in the memory ledger, follows the same
+way: its phase, its progress (every EXTEND_TIMEOUT_USEC), serving, and
+restarting once vLLM is gone; the admission itself is the preflight's.
 """
 
 from __future__ import annotations
@@ -16,13 +19,15 @@ import os
 import time
 from dataclasses import replace
 
+from .budget import Stage, Wait
 from .command import Tunables
 from .config import Config
 from .events import DriverOutOfMemory, Event, GpuXid
 from .journal import Journal
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from .lifecycle import Say, XidSeen, kernel_said
-from .memory import MemInfo
+from .ledger import Booking
+from .memory import MemInfo, read_meminfo
 from .metrics import Metrics
 from .notify import Notifier
 from .phases import Phase, StartupState
@@ -46,6 +51,8 @@ class Reporter:
         self.last_failure: LastFailure | None = None
         self.cluster: ClusterRecord | None = None
         self.host: str | None = None  # this machine's kernel, driver and CMA, for `gb10d status`
+        self.booking: Booking | None = None  # this instance's record in the machine's memory ledger, if there is one
+        self.waiting_for: tuple[str, ...] = ()  # while the start waits for other instances: who, with their shares
         self.status_text = ""
         # What the state file shows of the attempt in progress (None between attempts).
         self._number = 0
@@ -57,6 +64,7 @@ class Reporter:
         self._written_at = 0.0
         self._deferred: asyncio.TimerHandle | None = None
         self._state_warned = False
+        self._booked_phase = ""
 
     # --- the journal -----------------------------------------------------
 
@@ -74,6 +82,23 @@ class Reporter:
         self.notifier.status(text[:STATUS_MAX])
         self.write()
 
+    def extend(self, seconds: float) -> None:
+        """Ask systemd for more start time on a sign of progress; instances that wait for this one see it too."""
+        self.notifier.extend_timeout(seconds)
+        if self.booking is not None:
+            self.booking.progressed()
+
+    def waiting_for_memory(self, wait: Wait) -> None:
+        """The start waits for other instances' starts: STATUS=, the state file and the metrics say for whom."""
+        self.waiting_for = tuple(b.share() for b in wait.blockers)
+        self._ledger_metrics()
+        self.status(wait.status, DaemonState.WAITING_FOR_MEMORY)
+
+    def admitted(self) -> None:
+        """The ledger let the start begin: it waits for nobody now."""
+        self.waiting_for = ()
+        self._ledger_metrics()
+
     def attempt_started(self, number: int, tunables: Tunables, pid: int, baseline: MemInfo | None, reason: str) -> None:
         """A new attempt runs: the state file and the metrics describe it from now on."""
         self._number, self._tunables, self._pid, self._baseline = number, tunables, pid, baseline
@@ -82,12 +107,16 @@ class Reporter:
             self.metrics.start_attempt(reason)
             self.metrics.set_utilization(tunables.gpu_memory_utilization)
             self.metrics.set_vllm_up(True)
+            self._ledger_metrics()  # the share as admitted, lowered if the free-memory check lowered it
 
     def phase(self, startup: StartupState, text: str) -> None:
         """The start moved: STATUS=, the phase and progress metrics, and (throttled) the state file."""
         self._startup = startup
         self.status_text = text
         self.notifier.status(text[:STATUS_MAX])
+        if self.booking is not None and startup.phase.value != self._booked_phase:
+            self._booked_phase = startup.phase.value
+            self.booking.update(phase=self._booked_phase)
         with self.metrics.batch():
             self.metrics.set_phase(startup.phase.value)
             if startup.shards_total:
@@ -106,6 +135,10 @@ class Reporter:
         self._startup = startup
         self.state, self.ready_at = DaemonState.SERVING, time.time()
         self.status_text = self.serving_text()
+        if self.booking is not None:
+            # Its memory shows in /proc/meminfo from now on; others stop counting its reservation.
+            self.booking.serving(self._baseline.available if self._baseline else None, self._available_now())
+            self._ledger_metrics()
         with self.metrics.batch():
             self.metrics.set_phase(Phase.READY.value)
             self.metrics.set_startup_seconds(startup_s)
@@ -135,6 +168,7 @@ class Reporter:
         return {
             DaemonState.WAITING: "waiting for the Ray cluster",
             DaemonState.JOINING: "waiting to join the Ray cluster",
+            DaemonState.WAITING_FOR_MEMORY: "waiting for memory",
             DaemonState.SERVING: "serving",
         }.get(self.state, "waiting to restart")
 
@@ -153,6 +187,10 @@ class Reporter:
         self._cancel_deferred()
         self._number, self._startup, self._tunables, self._pid, self._baseline = 0, None, None, None, None
         self.ready_at = None
+        if self.booking is not None:
+            # vLLM is gone but its share stays reserved until the next start (or the end of gb10d).
+            self._booked_phase = ""
+            self.booking.update(stage=Stage.RESTARTING, phase="")
         with self.metrics.batch():
             self.metrics.set_ready(False)
             self.metrics.set_vllm_up(False)
@@ -214,6 +252,9 @@ class Reporter:
             metrics_url=f"http://{self.config.metrics.listen}/metrics" if self.config.metrics.listen else None,
             cluster=self.cluster,
             host=self.host,
+            instance=self.booking.name if self.booking else None,
+            reservation_bytes=self.booking.record.bytes if self.booking and self.booking.record else None,
+            waiting_for=self.waiting_for,
         )
         if self.cluster is not None and self.cluster.role == "worker":
             # vLLM and its API run on the head: here there is only Ray, ready once joined.
@@ -236,6 +277,20 @@ class Reporter:
 
     def memory(self, mem: MemInfo) -> None:
         self.metrics.set_memory(mem.total, mem.available, mem.free, mem.cached)
+
+    def _ledger_metrics(self) -> None:
+        record = self.booking.record if self.booking else None
+        if record is not None:
+            self.metrics.set_reservation(record.name, record.bytes, record.real_use, bool(self.waiting_for))
+
+    def _available_now(self) -> int | None:
+        """MemAvailable now, for what the start used; None when it cannot be read (the preflight said so already)."""
+        try:
+            mem = read_meminfo(self.config.memory.meminfo_path)
+        except (OSError, ValueError):
+            return None
+        self.memory(mem)
+        return mem.available
 
     def serve_metrics(self) -> None:
         """Listen for scrapes where the config says; a failure to listen is a warning, not a reason to stop."""

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from .access import Principal, current_principal, group_name, principal
 from .errors import Gb10dError
+from .ledger import GROUP as LEDGER_GROUP
 
 MAIN_UNIT = "gb10d.service"
 SYSTEM_USER = "gb10d"
@@ -278,6 +279,8 @@ def user_dropin(user: str, group: str, home: str) -> str:
         f"UnsetEnvironment={' '.join(CACHE_VARIABLES)}\n"
         f"# ProtectHome=read-only stays; vLLM may write only in these cache directories of {home}.\n"
         f"ReadWritePaths={writable}\n"
+        f"# The memory ledger the gb10d instances of this machine share (/run/gb10d-ledger) is the group {LEDGER_GROUP}'s.\n"
+        f"SupplementaryGroups={LEDGER_GROUP}\n"
     )
 
 

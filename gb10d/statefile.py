@@ -74,6 +74,7 @@ class DaemonState(str, Enum):
     SERVING = "serving"
     WAITING_FOR_LINK = "waiting for the link"
     WAITING = "waiting"  # the head of a pair, for the other machine
+    WAITING_FOR_MEMORY = "waiting for memory"  # for the starts of other gb10d instances of this machine
     JOINING = "joining"  # the worker of a pair, until the head lists it
     STOPPING = "stopping"
     STOPPED = "stopped"
@@ -156,6 +157,9 @@ class StateRecord:
     metrics_url: str | None = None
     cluster: ClusterRecord | None = None
     host: str | None = None  # kernel, NVIDIA driver, CMA figures
+    instance: str | None = None  # the name in the machine's memory ledger
+    reservation_bytes: int | None = None  # this instance's share in it
+    waiting_for: tuple[str, ...] = ()  # while waiting for memory: the instances waited for, with their shares
     extra: Mapping[str, Any] = field(default_factory=dict)  # fields of another gb10d version, passed through
 
     def to_json(self) -> dict[str, Any]:
@@ -164,6 +168,7 @@ class StateRecord:
         extra = data.pop("extra")
         data["state"] = self.state.value if self.state is not None else None
         data["served_names"] = list(self.served_names)
+        data["waiting_for"] = list(self.waiting_for)
         if self.cluster is not None:
             data["cluster"]["nodes"] = [asdict(node) for node in self.cluster.nodes]
         return {**extra, **data}
@@ -181,7 +186,7 @@ class StateRecord:
             phase=_text(data, "phase"),
             progress=_record(Progress, data.get("progress"), shards_done=_int, shards_total=_int),
             model=_text(data, "model"),
-            served_names=tuple(n for n in data.get("served_names") or () if isinstance(n, str)) if isinstance(data.get("served_names"), list) else (),
+            served_names=_texts(data, "served_names"),
             url=_text(data, "url"),
             attempt=_int(data, "attempt"),
             max_attempts=_int(data, "max_attempts"),
@@ -195,6 +200,9 @@ class StateRecord:
             metrics_url=_text(data, "metrics_url"),
             cluster=_cluster(data.get("cluster")),
             host=_text(data, "host"),
+            instance=_text(data, "instance"),
+            reservation_bytes=_int(data, "reservation_bytes"),
+            waiting_for=_texts(data, "waiting_for"),
             extra={k: v for k, v in data.items() if k not in known},
         )
 
@@ -212,6 +220,11 @@ def _int(data: Mapping[str, Any], key: str) -> int | None:
 def _text(data: Mapping[str, Any], key: str) -> str | None:
     value = data.get(key)
     return value if isinstance(value, str) and value else None
+
+
+def _texts(data: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = data.get(key)
+    return tuple(n for n in value if isinstance(n, str)) if isinstance(value, list) else ()
 
 
 def _record(kind: Any, value: Any, **readers: Any) -> Any:

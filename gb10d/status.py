@@ -1,10 +1,12 @@
-"""`gb10d status`: what the running daemon is doing, read from its state file.
+"""`gb10d status`: what the running daemon is doing, read from its state file; `--all`: every instance of the machine.
 
 The exit status follows `systemctl status` and LSB: 0 running, 3 not
 running (no state file, its pid gone, or the state says stopped or failed),
-4 when the state file cannot be read at all. Rendering is pure (state, now
-and whether the pid lives go in, text comes out); only `show_status`
-touches the file system and the process table.
+4 when the state file cannot be read at all. `--all` reads the memory
+ledger the instances share instead: 0 when any instance runs, 3 when none
+does, 4 when the ledger cannot be read. Rendering is pure (state, now and
+whether the pid lives go in, text comes out); only `show_status` and
+`show_all` touch the file system and the process table.
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from .config import load_config
+from . import budget
+from .budget import Reservation, Stage
+from .config import MemorySection, load_config
 from .errors import Gb10dError
+from .ledger import read_ledger
+from .memory import MemInfo, read_meminfo
 from .statefile import StateRecord, read_state
 
 EXIT_RUNNING = 0
@@ -41,6 +47,14 @@ def state_file_path(explicit: str | None, config_path: Path | None) -> Path:
         return load_config(config_path).daemon.state_file
     except Gb10dError:
         return DEFAULT_STATE_FILE
+
+
+def memory_settings(config_path: Path | None) -> MemorySection:
+    """The config's [memory] table, or its defaults when the config does not load (as for the state file)."""
+    try:
+        return load_config(config_path).memory
+    except Gb10dError:
+        return MemorySection()
 
 
 def pid_alive(pid: int) -> bool:
@@ -166,6 +180,11 @@ def render(state: StateRecord | None, now: float, alive: bool) -> str:
         strategy = f", load strategy {state.load_strategy}" if state.load_strategy else ""
         rows.append(("GPU memory", f"gpu_memory_utilization {state.gpu_memory_utilization:g}{strategy}"))
     rows.append(("Memory", _memory_line(state)))
+    if state.instance is not None:
+        reserved = f": {_gib(state.reservation_bytes)} reserved" if state.reservation_bytes is not None else ""
+        rows.append(("Ledger", f"{state.instance}{reserved} in the machine's memory ledger (gb10d status --all shows every instance)"))
+    if state.waiting_for:
+        rows.append(("Waiting for", ", ".join(state.waiting_for)))
     rows.append(("Host", state.host))
     if state.pid is not None:
         rows.append(("PID", f"{state.pid} (gb10d)" + (f", {state.vllm_pid} (vLLM)" if state.vllm_pid is not None else "")))
@@ -196,20 +215,100 @@ def as_json(state: StateRecord | None, path: Path, alive: bool) -> dict[str, Any
 # --- the command ----------------------------------------------------------------
 
 
+def _cannot(message: str, where: dict[str, str | None], json_output: bool, out: TextIO, err: TextIO, status: int = EXIT_UNKNOWN) -> int:
+    """No status to show: one JSON object saying why (running unknown), or one `gb10d:` line on stderr."""
+    if json_output:
+        out.write(json.dumps({"running": None, **where, "error": message}) + "\n")
+    else:
+        err.write(f"gb10d: {message}\n")
+    return status
+
+
 def show_status(path: Path, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Print the daemon's status from the state file at `path`; return the exit status."""
     try:
         state = read_state(path)
     except OSError as exc:
-        message = f"cannot read the state file {path}: {exc.strerror or exc}"
-        if json_output:
-            out.write(json.dumps({"running": None, "state_file": str(path), "error": message}) + "\n")
-        else:
-            err.write(f"gb10d: {message}\n")
-        return EXIT_UNKNOWN
+        return _cannot(f"cannot read the state file {path}: {exc.strerror or exc}", {"state_file": str(path)}, json_output, out, err)
     alive = state is not None and state.pid is not None and pid_alive(state.pid)
     if json_output:
         out.write(json.dumps(as_json(state, path, alive), indent=2, sort_keys=True) + "\n")
     else:
         out.write(render(state, time.time(), alive))
     return EXIT_RUNNING if not_running_reason(state, alive) is None else EXIT_NOT_RUNNING
+
+
+# --- every instance of the machine -------------------------------------------------
+
+
+def _gib2(value: int) -> str:
+    return f"{value / _GIB:.2f} GiB"
+
+
+def render_all(records: list[Reservation], mem: MemInfo | None, now: float, directory: Path) -> str:
+    """`gb10d status --all`: one line per instance in the order they asked, then what memory is left.
+
+    `now` is CLOCK_MONOTONIC, the clock of the records.
+    """
+    if not records:
+        return f"no gb10d instance is running on this machine (memory ledger {directory})\n"
+    header = ("INSTANCE", "STATE", "PHASE", "RESERVED", "REAL USE", "IN STATE", "WAITS FOR")
+    rows = [
+        (
+            r.name,
+            r.stage.value,
+            r.phase or "-",
+            _gib2(r.bytes),
+            _gib2(r.real_use) if r.real_use is not None else "-",
+            duration(now - r.since),
+            ", ".join(r.waiting_for) if r.stage is Stage.WAITING else "",
+        )
+        for r in sorted(records, key=lambda r: r.queue_key)
+    ]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    count = f"{len(records)} gb10d instance{'s' if len(records) > 1 else ''}"
+    lines = [f"{count} on this machine (memory ledger {directory})"]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in (header, *rows)]
+    if mem is not None:
+        starting = budget.pending(records)
+        beside = f"; {_gib2(max(budget.left(records, mem), 0))} left for a start beside the reservations of the starts in progress" if starting else ""
+        lines.append(
+            f"Memory: {_gib2(mem.total)} total, {_gib2(mem.available)} available, {_gib2(mem.free)} free{beside}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def all_as_json(records: list[Reservation], mem: MemInfo | None, now: float, directory: Path) -> dict[str, Any]:
+    """The same for scripts: the records as kept, the memory figures, what is left, and whether any instance runs."""
+    return {
+        "ledger_dir": str(directory),
+        "running": bool(records),
+        "instances": [{**r.to_json(), "in_state_s": round(now - r.since, 3)} for r in sorted(records, key=lambda r: r.queue_key)],
+        "memory": {"total_bytes": mem.total, "available_bytes": mem.available, "free_bytes": mem.free} if mem else None,
+        "left_bytes": budget.left(records, mem) if mem else None,
+    }
+
+
+def show_all(memory: MemorySection, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Print every gb10d instance of the machine from the memory ledger; return the exit status."""
+    directory = memory.ledger_path
+    if directory is None:
+        message = 'the memory ledger is off in this config (memory.ledger_dir = ""): instances do not see each other'
+        return _cannot(message, {"ledger_dir": None}, json_output, out, err, EXIT_NOT_RUNNING)
+    try:
+        records = read_ledger(directory)
+    except FileNotFoundError:
+        records = []
+    except OSError as exc:
+        message = f"cannot read the memory ledger {directory}: {exc.strerror or exc} (members of the group gb10d and root may)"
+        return _cannot(message, {"ledger_dir": str(directory)}, json_output, out, err)
+    try:
+        mem: MemInfo | None = read_meminfo(memory.meminfo_path)
+    except (OSError, ValueError):
+        mem = None
+    now = time.monotonic()
+    if json_output:
+        out.write(json.dumps(all_as_json(records, mem, now, directory), indent=2, sort_keys=True) + "\n")
+    else:
+        out.write(render_all(records, mem, now, directory))
+    return EXIT_RUNNING if records else EXIT_NOT_RUNNING

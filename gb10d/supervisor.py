@@ -3,17 +3,19 @@
 One coroutine owns the sequence of attempts. Each attempt (`attempt.Attempt`)
 follows one start of vLLM and returns how it ended; the supervisor decides
 what comes next with the pure `policy` (retry with corrected settings, back
-off, or give up), runs the checks around each start (`preflight`), applies
-reloads (`keeper`), and on a pair of machines lets the cluster (`pair`) say
-when vLLM may start and whether a machine left. Every wait is on the fact
-queue (`loop`) with a deadline; nothing sleeps blindly.
+off, or give up), runs the checks around each start (`preflight`: the
+machine's memory budget shared with other gb10d instances, which a start
+may wait for, and free memory), applies reloads (`keeper`), and on a pair
+of machines lets the cluster (`pair`) say when vLLM may start and whether a
+machine left. Every wait is on the fact queue (`loop`) with a deadline;
+nothing sleeps blindly.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from . import policy
+from . import budget, policy
 from .attempt import Attempt, Start
 from .cluster import vllm_flags
 from .command import Tunables, build_argv
@@ -24,6 +26,7 @@ from .keeper import ConfigKeeper
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from .lifecycle import EXTEND_MARGIN_S
 from .loop import FactLoop
+from .memory import ALONE
 from .outcome import Cause, Ended, Failed, NodeLost, Reloaded, Stopped
 from .pair import Pair
 from .policy import History
@@ -71,7 +74,12 @@ class Supervisor:
             if self._fresh_start:
                 self._fresh_start, tunables, history = False, self.keeper.starting_tunables(), History()
             self.preflight.clear_shm()
-            tunables, correction = self.preflight.fit(tunables)
+            others = await self.preflight.admit(tunables, history.attempts > 0, self._pause)
+            if others is None:
+                return await self._stop()
+            if self._fresh_start:
+                continue  # a reload changed what vLLM runs with while the start waited: ask again with it
+            tunables, correction = self.preflight.fit(tunables, others)
             if correction:
                 self.keeper.correction = correction
             history = History(history.attempts + 1, history.backoffs)
@@ -97,7 +105,8 @@ class Supervisor:
                 if await self.preflight.memory_back(baseline, self._pause):
                     return await self._stop()
                 continue
-            history, decision = policy.after_failure(ended, tunables, history, self.keeper.config, self.host)
+            around = budget.neighbours(self.preflight.others()) if ended.cause is Cause.FREE_MEMORY else ALONE
+            history, decision = policy.after_failure(ended, tunables, history, self.keeper.config, self.host, around)
             self._tell_failure(ended, decision, history)
             await self.close()
             if isinstance(decision, policy.GiveUp):
@@ -105,7 +114,7 @@ class Supervisor:
             if await self.preflight.memory_back(baseline, self._pause):
                 return await self._stop()
             if decision.delay_s > 0:
-                self.reporter.notifier.extend_timeout(decision.delay_s + self.keeper.config.startup.stall_timeout_s + EXTEND_MARGIN_S)
+                self.reporter.extend(decision.delay_s + self.keeper.config.startup.stall_timeout_s + EXTEND_MARGIN_S)
                 if await self._pause(decision.delay_s):
                     return await self._stop()
             tunables, reason = decision.tunables, ended.cause.value

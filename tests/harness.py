@@ -108,7 +108,8 @@ class Setup:
                 "env": env,
             },
             "startup": {"stall_timeout_s": 5.0, "ready_timeout_s": 120.0, "health_poll_interval_s": 1.0},
-            "memory": {"meminfo_path": str(self.meminfo), "recovery_timeout_s": 3.0},
+            # The machine's memory ledger is not the test's: tests of several instances give one of their own.
+            "memory": {"meminfo_path": str(self.meminfo), "recovery_timeout_s": 3.0, "ledger_dir": ""},
             "restart": {"max_attempts": 3, "backoff_initial_s": 0.2, "backoff_max_s": 1.0},
             "metrics": {"listen": ""},
             "daemon": {

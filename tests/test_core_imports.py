@@ -10,7 +10,7 @@ import pytest
 # The modules docs/DESIGN.md lists as core (those marked "core + tiny shell" included).
 CORE = (
     "errors", "levels", "config", "command", "importscript", "events", "logparse", "phases", "facts", "lifecycle",
-    "outcome", "policy", "memory", "devices", "liveness", "reload", "learned", "statefile", "status", "cluster",
+    "outcome", "policy", "memory", "budget", "devices", "liveness", "reload", "learned", "statefile", "status", "cluster",
     "interfaces", "diagnose", "known", "kernel", "advice", "migrate", "access", "hfcache", "host",
 )
 SHELL_LIBRARIES = ("httpx", "watchdog", "asyncio")

@@ -11,6 +11,7 @@ from gb10d.memory import (
     GIB,
     MemInfo,
     MemInfoError,
+    Neighbours,
     Preflight,
     PreflightRefused,
     evict_page_cache,
@@ -83,6 +84,37 @@ def test_preflight_refuses_below_the_minimum() -> None:
     decision = preflight(0.8, mem(121.69, 20, 25), 1.0, 0.3, evicted_already=False, can_evict=False)
     assert isinstance(decision, PreflightRefused)
     assert "minimum gpu_memory_utilization 0.3" in decision.reason
+
+
+# Another instance's start reserved 49.68 GiB that /proc/meminfo does not show as used yet.
+STARTING_BESIDE = Neighbours(int(49.68 * GIB), "gb10d@a", "gb10d@a (49.68 GiB, starting: loading_weights)")
+
+
+def test_preflight_never_lowers_into_what_another_instances_start_reserved() -> None:
+    decision = preflight(0.8, mem(121.69, 110, 112), 1.0, 0.3, evicted_already=False, can_evict=False, neighbours=STARTING_BESIDE)
+    assert isinstance(decision, Preflight)
+    assert decision.utilization == 0.48  # floor((110 - 49.68 - 1) / 121.69, 2), not 0.8
+    assert decision.reason == (
+        "gpu_memory_utilization 0.8 (97.35 GiB) does not fit in MemFree 110.00 GiB of 121.69 GiB less 49.68 GiB reserved "
+        "by the starts of gb10d@a; starting with 0.48 (58.41 GiB) instead; other gb10d instances here: "
+        "gb10d@a (49.68 GiB, starting: loading_weights)"
+    )
+
+
+def test_preflight_refusal_names_the_other_instances_and_their_shares() -> None:
+    serving = Neighbours(0, "", "gb10d@a (49.68 GiB, serving), gb10d@b (49.68 GiB, serving)")
+    decision = preflight(0.4, mem(121.69, 12, 12.65), 1.0, 0.3, evicted_already=False, can_evict=False, neighbours=serving)
+    assert isinstance(decision, PreflightRefused)
+    assert decision.reason.endswith(
+        "even the minimum gpu_memory_utilization 0.3 would not fit with 1 GiB headroom; other gb10d instances here: "
+        "gb10d@a (49.68 GiB, serving), gb10d@b (49.68 GiB, serving)"
+    )
+
+
+def test_preflight_alone_says_what_it_always_said() -> None:
+    assert preflight(0.8, mem(121.69, 80, 110, 30), 1.0, 0.3, evicted_already=True, can_evict=True).reason == (  # type: ignore[union-attr]
+        "gpu_memory_utilization 0.8 (97.35 GiB) does not fit in MemFree 80.00 GiB of 121.69 GiB; starting with 0.64 (77.88 GiB) instead"
+    )
 
 
 def test_memory_returned_allows_the_tolerance() -> None:

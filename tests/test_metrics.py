@@ -64,6 +64,18 @@ def value(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+def test_the_memory_ledger_share_is_exported_by_instance_name(metrics: Metrics) -> None:
+    metrics.set_reservation("gb10d@chat", 53_351_796_736, None, waiting=True)
+    text = scrape(metrics)
+    assert value(text, "gb10d_memory_reservation_bytes", instance_name="gb10d@chat") == 53_351_796_736
+    assert value(text, "gb10d_memory_waiting") == 1
+    assert value(text, "gb10d_memory_real_use_bytes", instance_name="gb10d@chat") is None  # not measured yet
+    metrics.set_reservation("gb10d@chat", 53_351_796_736, 51_000_000_000, waiting=False)
+    text = scrape(metrics)
+    assert value(text, "gb10d_memory_waiting") == 0
+    assert value(text, "gb10d_memory_real_use_bytes", instance_name="gb10d@chat") == 51_000_000_000
+
+
 def test_phase_is_a_state_set_with_exactly_one_current_phase(metrics: Metrics) -> None:
     for phase in PHASES:
         metrics.set_phase(phase)

@@ -20,6 +20,7 @@ from gb10d.events import (
     PortInUse,
     RayWorkerLost,
 )
+from gb10d.memory import GIB, Neighbours
 from gb10d.outcome import Cause, Failed
 from gb10d.policy import (
     GiveUp,
@@ -88,6 +89,25 @@ def test_free_memory_below_the_minimum_gives_up_with_advice() -> None:
     assert decision.exit_status == EXIT_GAVE_UP
     assert "memory.min_gpu_memory_utilization 0.3" in decision.message
     assert "Free memory on this machine" in decision.message
+
+
+def test_free_memory_retry_leaves_what_other_instances_starts_reserved_alone() -> None:
+    # vLLM saw 103.45 GiB free, but another instance's start reserved 49.68 GiB of it that it has not taken yet.
+    around = Neighbours(int(49.68 * GIB), "gb10d@a", "gb10d@a (49.68 GiB, starting: loading_weights)")
+    decision = next_attempt(Failed(cause=Cause.FREE_MEMORY, failure=FREE), Tunables(0.92), History(1), config(), neighbours=around)
+    assert isinstance(decision, Retry)
+    assert decision.tunables.gpu_memory_utilization == 0.42  # floor((103.45 - 49.68 - 1.0) / 123.73, 2)
+    assert decision.message == "restarting with 0.42, leaving 49.68 GiB reserved by the starts of gb10d@a alone"
+
+
+def test_free_memory_that_only_fits_in_another_instances_reservation_gives_up_naming_it() -> None:
+    around = Neighbours(int(90 * GIB), "gb10d@a", "gb10d@a (90.00 GiB, starting: compiling)")
+    decision = next_attempt(Failed(cause=Cause.FREE_MEMORY, failure=FREE), Tunables(0.92), History(1), config(), neighbours=around)
+    assert isinstance(decision, GiveUp) and decision.exit_status == EXIT_GAVE_UP
+    assert decision.message.startswith(
+        "free memory 103.45 of 123.73 GiB is below gpu_memory_utilization 0.92 (113.83 GiB) less 90.00 GiB reserved by the "
+        "starts of gb10d@a; other gb10d instances here: gb10d@a (90.00 GiB, starting: compiling); the next gpu_memory_utilization would be 0.1"
+    )
 
 
 def test_free_memory_short_on_the_other_machine_of_a_pair_gives_up_naming_it() -> None:

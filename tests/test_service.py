@@ -107,6 +107,8 @@ def test_the_user_drop_in_keeps_the_hardening_and_opens_only_the_cache_directori
         "Group=alice",
         "UnsetEnvironment=HF_HOME VLLM_CACHE_ROOT TRITON_CACHE_DIR TORCHINDUCTOR_CACHE_DIR CUDA_CACHE_PATH XDG_CACHE_HOME",
         "ReadWritePaths=-/home/alice/.cache -/home/alice/.triton -/home/alice/.nv",
+        # Added to the unit's own groups: the memory ledger the instances share is the gb10d group's.
+        "SupplementaryGroups=gb10d",
     ]
 
 

@@ -40,7 +40,14 @@ Knobs (environment):
   cache (hub.py).
 - `GB10D_SIM_TOTAL_GIB` / `GB10D_SIM_FREE_GIB` (default 121.69 / 115), or
   `GB10D_SIM_MEMINFO`: a meminfo-format file whose MemTotal and MemFree are
-  read at the moment of vLLM's free-memory check.
+  read at the moment of vLLM's free-memory check, and in which the
+  EngineCore holds its own memory as vLLM's shows in /proc/meminfo
+  (memory.py): the weights shard by shard, the profile run, then the KV
+  cache up to gpu_memory_utilization x MemTotal, all given back when it
+  ends, kill -9 included. Several stand-ins on one file see each other;
+  taking more than MemAvailable fails as CUDA does. Its directory must be
+  writable (a lock file and an atomic replace). Not in Ray mode, whose
+  workers hold their memory on their own machines.
 
 Ray mode (`--distributed-executor-backend ray`, as vLLM across two GB10s):
 the EngineCore becomes the driver of a real Ray cluster, `ray.init(address=

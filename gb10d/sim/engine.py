@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, NoReturn, Protocol, Sequence
 
-from . import texts
+from . import memory, texts
+from .memory import Hold
 from .model import ModelFacts
 from .output import STDERR, STDOUT, Bar, Console, ConsoleStream
 from .settings import GIB, SettingsError, SimSettings
@@ -174,6 +175,8 @@ class EngineCore:
         spec = args.speculative_config if isinstance(args.speculative_config, dict) else None
         self.spec = _Speculation(int(spec.get("num_speculative_tokens", 1) or 1)) if spec else None
         self._buffer = b""
+        # The simulated memory this process holds; with Ray the workers hold theirs, on their own machines.
+        self.hold: Hold | None = None
 
     # --- helpers -----------------------------------------------------------------
 
@@ -202,12 +205,27 @@ class EngineCore:
         self.log(src, message + "\n" + texts.traceback_text(frames, final), "ERROR")
         self.console.write(STDERR, "Process EngineCore:\n" + texts.traceback_text(texts.PROCESS_FRAMES + list(frames), final) + "\n")
         self.trap_memory()
-        os._exit(1)
+        self.exit(1)
 
     def trap_memory(self) -> None:
         """leak_gib: only a process that holds GPU memory traps it; with Ray the workers do, for themselves."""
         if not self.ray:
-            self.settings.trap_memory()
+            memory.trap(self.settings)
+
+    def take_memory(self, total_bytes: int, kind: str) -> None:
+        """Hold `total_bytes` of the simulated memory from now on; CUDA's out-of-memory failure (in `kind`'s
+        frames) when MemAvailable does not have the increase, as when another process took it meanwhile."""
+        if self.hold is None:
+            return
+        before = self.hold.held
+        if self.hold.take(max(total_bytes, before)) is not None:
+            self.oom(kind, (total_bytes - before) / GIB)
+
+    def exit(self, status: int) -> NoReturn:
+        """End this process, its memory given back first, as the kernel does at any exit."""
+        if self.hold is not None:
+            self.hold.release()
+        os._exit(status)
 
     def ptxas_fails(self) -> bool:
         """The ptxas scenario: Triton compiles with its bundled ptxas unless TRITON_PTXAS_PATH gives it a working one."""
@@ -227,6 +245,8 @@ class EngineCore:
     def run(self) -> NoReturn:
         """vLLM's EngineCore startup, phase by phase (REFERENCE §2), then serving until killed."""
         set_process_title("VLLM::EngineCore")
+        if self.settings.meminfo is not None and not self.ray:
+            self.hold = Hold(self.settings.meminfo)
         self.settings.sleep(SPAWN_S)
         self.log("v1/engine/core.py:113", self._config_line())
         try:
@@ -238,11 +258,12 @@ class EngineCore:
         if self.settings.scenario.hidden_init_failure:
             # vLLM 0.23: the engine dies before it can say why; the API server's `Failed core proc(s): {}` is all there is.
             self.trap_memory()
-            os._exit(1)
+            self.exit(1)
         compile_s = 0.0 if self.enforce_eager else self.compile()
         self.settings.sleep(PROFILE_S)
         if self.settings.scenario.cuda_oom_during == "profile":
             self.oom("profile", 4.25)
+        self.take_memory(int((self.rank_model.weights_gib + ACTIVATION_GIB) * GIB), "profile")
         if not self.enforce_eager:
             self.log("compilation/monitor.py:81", f"Initial profiling/warmup run took {PROFILE_S * 0.18:.2f} s")
         kv_tokens = self.size_kv_cache()
@@ -272,7 +293,7 @@ class EngineCore:
         """The executor vLLM would pick: Ray's when asked for, else the single in-process worker."""
         if not self.ray:
             rank = RankInfo(init_method=init_method("127.0.0.1", os.getpid()))
-            return UniProcExecutor(GpuWorker(self.settings, self.args, self.model, self.console, rank))
+            return UniProcExecutor(GpuWorker(self.settings, self.args, self.model, self.console, rank, self.hold))
         # decorate_logs(): Ray's logger and the worker lines Ray forwards write
         # to sys.stdout/sys.stderr; they must reach the fds as our lines do.
         stdout = ConsoleStream(self.console, STDOUT)
@@ -320,8 +341,7 @@ class EngineCore:
     def size_kv_cache(self) -> int:
         """Available KV memory from the utilization budget; the KV failures of REFERENCE §3.2."""
         self.settings.sleep(KV_SETUP_S)
-        memory = self.settings.memory()
-        budget = memory.total_bytes * float(self.args.gpu_memory_utilization)
+        budget = self.settings.memory().total_bytes * float(self.args.gpu_memory_utilization)
         available = budget - (self.rank_model.weights_gib + ACTIVATION_GIB + (0 if self.enforce_eager else GRAPH_GIB)) * GIB
         self.log("v1/worker/gpu_worker.py:480", f"Available KV cache memory: {texts.format_gib(available)} GiB")
         if available <= 0:
@@ -340,6 +360,8 @@ class EngineCore:
         else:
             self.log("v1/core/kv_cache_utils.py:1744", f"GPU KV cache size: {tokens:,} tokens")
             self.log("v1/core/kv_cache_utils.py:1745", f"Maximum concurrency for {self.model.max_model_len:,} tokens per request: {concurrency:.2f}x")
+        # Allocating the cache takes the rest of the budget: the whole share is held from here on.
+        self.take_memory(int(budget), "kv_alloc")
         return tokens
 
     def capture_graphs(self) -> float:
@@ -371,7 +393,7 @@ class EngineCore:
         ):
             self.log(src, text)
         self.executor.shutdown()
-        os._exit(0)
+        self.exit(0)
 
     def _messages(self) -> list[dict[str, object]] | None:
         """Messages waiting on the socket; None when the API server has gone."""

@@ -35,7 +35,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from . import texts
+from . import memory, texts
 from .engine import EngineFailure
 from .model import ModelFacts
 from .output import Console, ConsoleStream
@@ -117,7 +117,7 @@ class RayWorkerWrapper:
             getattr(self.worker, method)()
         except WorkerFailure as failure:
             self.worker.log(texts.RAY_WORKER_ERROR_SRC, texts.ray_worker_error(method, failure.kind, failure.final), "ERROR")
-            self.settings.trap_memory()
+            memory.trap(self.settings)
             raise
 
     def ping(self) -> None:

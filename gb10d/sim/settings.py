@@ -158,29 +158,6 @@ class SimSettings:
         free = int(self.free_gib * GIB)
         return Memory(int(self.total_gib * GIB), free, free)
 
-    def trap_memory(self) -> None:
-        """leak_gib: lower MemFree and MemAvailable of the meminfo file, as memory a crashed engine never returns.
-
-        Only the simulated meminfo file is touched (replaced atomically); without one there is nothing to show.
-        """
-        if self.meminfo is None or not self.scenario.leak_gib:
-            return
-        leaked_kb = int(self.scenario.leak_gib * GIB / 1024)
-        try:
-            lines = self.meminfo.read_text(encoding="ascii").splitlines(keepends=True)
-        except OSError:
-            return
-        out = []
-        for line in lines:
-            name, _, rest = line.partition(":")
-            words = rest.split()
-            if name in ("MemFree", "MemAvailable") and words and words[0].isdigit():
-                line = f"{name}:{' ' * max(1, 15 - len(name))}{max(int(words[0]) - leaked_kb, 0)} kB\n"
-            out.append(line)
-        temporary = self.meminfo.with_name(f".{self.meminfo.name}.{os.getpid()}")
-        temporary.write_text("".join(out), encoding="ascii")
-        os.replace(temporary, self.meminfo)
-
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raw = env.get(name)

@@ -170,6 +170,9 @@ _EXECUTOR: list[Frame] = [
 _KV_INIT: list[Frame] = [
     (f"{VLLM}/v1/engine/core.py", 115, "__init__", "num_gpu_blocks, num_cpu_blocks, kv_cache_config = self._initialize_kv_caches("),
 ]
+# Frames many failures pass through: the engine handing the KV cache config to the workers, and torch's device dispatch.
+_INITIALIZE_FROM_CONFIG: Frame = (f"{VLLM}/v1/engine/core.py", 259, "_initialize_kv_caches", "self.model_executor.initialize_from_config(kv_cache_configs)")
+_TORCH_FUNCTION: Frame = (f"{SITE}/torch/utils/_device.py", 109, "__torch_function__", "return func(*args, **kwargs)")
 
 # What a GPU worker runs, below the executor: the same frames under
 # UniProcExecutor (in the EngineCore) and under a Ray actor's execute_method.
@@ -184,7 +187,7 @@ WORKER_FRAMES: dict[str, list[Frame]] = {
         (f"{VLLM}/v1/worker/gpu/model_runner.py", 305, "load_model", "self.model = model_loader.load_model("),
         (f"{VLLM}/model_executor/model_loader/base_loader.py", 58, "load_model", "self.load_weights(model, model_config)"),
         (f"{VLLM}/model_executor/model_loader/default_loader.py", 301, "load_weights", "loaded_weights = model.load_weights(self.get_all_weights(model_config, model))"),
-        (f"{SITE}/torch/utils/_device.py", 109, "__torch_function__", "return func(*args, **kwargs)"),
+        _TORCH_FUNCTION,
     ],
 }
 # After the weights, the loader's first kernels (a build without kernels for this GPU fails here).
@@ -214,10 +217,10 @@ ENGINE_FRAMES: dict[str, list[Frame]] = {
         (f"{VLLM}/v1/executor/abstract.py", 136, "determine_available_memory", 'return self.collective_rpc("determine_available_memory")'),
         (f"{VLLM}/v1/worker/gpu_worker.py", 437, "determine_available_memory", "self.model_runner.profile_run()"),
         (f"{VLLM}/v1/worker/gpu/model_runner.py", 402, "profile_run", "self._dummy_run(self.max_num_tokens, skip_attn=True)"),
-        (f"{SITE}/torch/utils/_device.py", 109, "__torch_function__", "return func(*args, **kwargs)"),
+        _TORCH_FUNCTION,
     ],
     "graphs": _ENGINE_START + _KV_INIT + [
-        (f"{VLLM}/v1/engine/core.py", 259, "_initialize_kv_caches", "self.model_executor.initialize_from_config(kv_cache_configs)"),
+        _INITIALIZE_FROM_CONFIG,
         (f"{VLLM}/v1/executor/abstract.py", 117, "initialize_from_config", 'self.collective_rpc("compile_or_warm_up_model")'),
         (f"{VLLM}/v1/worker/gpu_worker.py", 532, "compile_or_warm_up_model", "cuda_graph_memory_bytes = self.model_runner.capture_model()"),
         (f"{VLLM}/v1/worker/gpu/model_runner.py", 688, "capture_model", "self.cudagraph_manager.capture(self._dummy_run)"),
@@ -232,6 +235,14 @@ ENGINE_FRAMES: dict[str, list[Frame]] = {
         (f"{VLLM}/v1/executor/uniproc_executor.py", 48, "_init_executor", "self.driver_worker.load_model()"),
         *WORKER_FRAMES["post_load"],
     ],
+    # Allocating the KV cache tensors (inferred): memory another process took since the profile run is not there.
+    "kv_alloc": _ENGINE_START + _KV_INIT + [
+        _INITIALIZE_FROM_CONFIG,
+        (f"{VLLM}/v1/executor/abstract.py", 116, "initialize_from_config", 'self.collective_rpc("initialize_from_config", args=(kv_cache_configs,))'),
+        (f"{VLLM}/v1/worker/gpu_worker.py", 489, "initialize_from_config", "self.model_runner.initialize_kv_cache(kv_cache_config)"),
+        (f"{VLLM}/v1/worker/gpu/model_runner.py", 371, "initialize_kv_cache", "kv_caches = init_kv_cache("),
+        _TORCH_FUNCTION,
+    ],
     # torch.compile's Inductor compiling the model's Triton kernels.
     "compile": _ENGINE_START + _KV_INIT + [
         (f"{VLLM}/v1/engine/core.py", 232, "_initialize_kv_caches", "available_gpu_memory = self.model_executor.determine_available_memory()"),
@@ -242,7 +253,7 @@ ENGINE_FRAMES: dict[str, list[Frame]] = {
     ],
     # The V2 runner's warm-up, which JIT-compiles vLLM's own Triton kernels.
     "warmup": _ENGINE_START + _KV_INIT + [
-        (f"{VLLM}/v1/engine/core.py", 259, "_initialize_kv_caches", "self.model_executor.initialize_from_config(kv_cache_configs)"),
+        _INITIALIZE_FROM_CONFIG,
         (f"{VLLM}/v1/executor/abstract.py", 117, "initialize_from_config", 'self.collective_rpc("compile_or_warm_up_model")'),
         (f"{VLLM}/v1/worker/gpu_worker.py", 861, "compile_or_warm_up_model", "warmup_kernels(self.model_runner, self.execute_model, self.sample_tokens)"),
         (f"{VLLM}/v1/worker/gpu/warmup.py", 41, "warmup_kernels", "execute_model(dummy_scheduler_output)"),

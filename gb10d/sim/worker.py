@@ -22,6 +22,7 @@ from typing import NoReturn
 from . import hub, texts
 from .model import ModelFacts
 from .output import Bar, Console
+from .memory import Hold
 from .settings import GIB, Memory, SimSettings
 
 # Simulated durations in seconds at GB10D_SIM_SPEED=1 (see engine.py).
@@ -75,12 +76,15 @@ def hang_forever() -> NoReturn:
 class GpuWorker:
     """The per-GPU startup steps, on the memory of the machine this process runs on."""
 
-    def __init__(self, settings: SimSettings, args: argparse.Namespace, model: ModelFacts, console: Console, rank: RankInfo) -> None:
+    def __init__(
+        self, settings: SimSettings, args: argparse.Namespace, model: ModelFacts, console: Console, rank: RankInfo, hold: Hold | None = None
+    ) -> None:
         self.settings = settings
         self.args = args
         self.model = model
         self.console = console
         self.rank = rank
+        self.hold = hold  # the simulated memory this GPU's process holds, shown in GB10D_SIM_MEMINFO
 
     def log(self, src: str, message: str, level: str = "INFO") -> None:
         self.console.log(level, src, message)
@@ -144,16 +148,30 @@ class GpuWorker:
             if scenario.stall_at is not None and index >= scenario.stall_at and not eager:
                 hang_forever()
             if oom_at is not None and index == oom_at:
-                message = cuda_oom_message(self.settings.memory(), 1.71)
-                self.log("v1/worker/gpu_model_runner.py:2937", texts.load_oom_error(message), "ERROR")
-                raise WorkerFailure("load", f"torch.OutOfMemoryError: {message}")
+                raise self._load_oom(1.71)
             self._read_while_waiting(index, self._shard_s())
+            self._hold_weights(index + 1, total)
             if bar:
                 bar.advance()
         if bar:
             bar.close()
         if strategy == "prefetch":
             self.log("model_executor/model_loader/weight_utils.py:884", f"Prefetching checkpoint files into page cache finished in {total * self._shard_s() * 0.4:.2f}s")
+
+    def _hold_weights(self, done: int, total: int) -> None:
+        """The shards read so far stay in memory; when MemAvailable does not have them, CUDA fails the load."""
+        if self.hold is None:
+            return
+        wanted = int(self.model.weights_gib * GIB * done / total)
+        before = self.hold.held
+        if self.hold.take(wanted) is not None:
+            raise self._load_oom((wanted - before) / GIB)
+
+    def _load_oom(self, tried_gib: float) -> WorkerFailure:
+        """The V1 runner's out-of-memory during the weights: its ERROR line now, the failure to raise."""
+        message = cuda_oom_message(self.settings.memory(), round(tried_gib, 2))
+        self.log("v1/worker/gpu_model_runner.py:2937", texts.load_oom_error(message), "ERROR")
+        return WorkerFailure("load", f"torch.OutOfMemoryError: {message}")
 
     def _read_while_waiting(self, index: int, sim_seconds: float) -> None:
         """Spend one shard's time reading real bytes, so /proc/PID/io shows a live loader."""

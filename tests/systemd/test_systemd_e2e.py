@@ -27,7 +27,10 @@ pytestmark = [pytest.mark.systemd, pytest.mark.slow, pytest.mark.timeout(900)]
 UNIT = "gb10d.service"
 INSTANCE = "gb10d@second.service"
 SIM = "/opt/sim/bin/vllm"
-MEMINFO = "/opt/sim/meminfo"
+# The simulated /proc/meminfo, in which each stand-in also holds its own memory: the units write it, whichever
+# user they run as; ProtectSystem=strict leaves /dev writable.
+MEMINFO = "/dev/shm/gb10d-sim/meminfo"
+GIB_KB = 1024 * 1024
 
 # The sim runs from the package's own tree with the system python3, the way
 # /usr/bin/gb10d runs gb10d.
@@ -45,8 +48,19 @@ def meminfo(total_gib: float, free_gib: float) -> str:
     return meminfo_text(total_gib, free_gib, cached_gib=total_gib - free_gib - 2)
 
 
+def set_memory(box: Container, total_gib: float, free_gib: float) -> None:
+    """The simulated machine's memory figures, set while no stand-in holds any of it."""
+    box.write(MEMINFO, meminfo(total_gib, free_gib))
+    box.run("chmod", "0777", str(Path(MEMINFO).parent))
+
+
 def sim_config(
-    scenario: str = "healthy", utilization: float = 0.8, port: int = 8000, extra_env: str = "", extra: str = ""
+    scenario: str = "healthy",
+    utilization: float = 0.8,
+    port: int = 8000,
+    extra_env: str = "",
+    extra: str = "",
+    preflight: bool = False,
 ) -> str:
     """A gb10d.toml that runs the sim at 1/100 of real time; `extra_env` adds to [vllm.env], `extra` appends tables."""
     return f"""
@@ -66,8 +80,8 @@ GB10D_SIM_MEMINFO = "{MEMINFO}"
 [memory]
 meminfo_path = "{MEMINFO}"
 # The tests want vLLM's own free-memory failure and gb10d's recovery from it,
-# not gb10d lowering the utilization before the first start.
-preflight = false
+# not gb10d lowering the utilization before the first start (unless asked).
+preflight = {str(preflight).lower()}
 {extra}"""
 
 
@@ -129,7 +143,7 @@ def installed(container: Container, build_deb: Callable[[str], Path]) -> Contain
     result = container.run("dpkg", "-i", deb)
     (container.share / "dpkg-install.log").write_text(result.stdout + result.stderr)
     container.write(SIM, SIM_SCRIPT, mode="0755")
-    container.write(MEMINFO, meminfo(total_gib=121.69, free_gib=115.0))
+    set_memory(container, total_gib=121.69, free_gib=115.0)
     return container
 
 
@@ -269,7 +283,7 @@ def test_watchdog_is_answered_while_serving(supervisor: Container) -> None:
 
 def test_free_memory_failure_recovers_and_the_warning_explains_it(supervisor: Container) -> None:
     # 0.9 of 121.69 GiB is 109.52 GiB, more than the 100 GiB free.
-    supervisor.write(MEMINFO, meminfo(total_gib=121.69, free_gib=100.0))
+    set_memory(supervisor, total_gib=121.69, free_gib=100.0)
     supervisor.write("/etc/gb10d.toml", sim_config(utilization=0.9))
     try:
         supervisor.run("systemctl", "start", UNIT)
@@ -282,7 +296,8 @@ def test_free_memory_failure_recovers_and_the_warning_explains_it(supervisor: Co
         explained = supervisor.run("journalctl", "--no-pager", "-x", "-u", UNIT, "-p", "warning").stdout
         assert "Defined-By: gb10d" in explained, explained[-3000:]
     finally:
-        supervisor.write(MEMINFO, meminfo(total_gib=121.69, free_gib=115.0))
+        supervisor.run("systemctl", "stop", UNIT)  # its stand-in gives its memory back first
+        set_memory(supervisor, total_gib=121.69, free_gib=115.0)
 
 
 def test_instance_serves_from_its_own_config_beside_the_main_unit(supervisor: Container) -> None:
@@ -305,6 +320,50 @@ def test_instance_serves_from_its_own_config_beside_the_main_unit(supervisor: Co
     supervisor.run("systemctl", "stop", UNIT)
     assert supervisor.show(INSTANCE, "ActiveState")["ActiveState"] == "active"
     assert supervisor.exists("/run/gb10d-second/state.json"), "stopping gb10d.service must not touch an instance's files"
+
+
+def test_install_creates_the_memory_ledger_the_instances_share(installed: Container) -> None:
+    listed = installed.run("stat", "-c", "%a %U %G", "/run/gb10d-ledger").stdout.split()
+    assert listed == ["2775", "root", "gb10d"], listed
+
+
+def test_two_instances_started_at_once_both_serve_without_a_memory_failure(supervisor: Container) -> None:
+    # Two shares of 0.5 (2 x 61.85 GiB reserved) do not fit in 119.69 GiB available together: without the
+    # ledger both would start on the same free memory and one would fail. With it, the one that asked second
+    # waits for the first, then starts beside it with what is left.
+    units = ("gb10d@one.service", "gb10d@two.service")
+    set_memory(supervisor, total_gib=121.69, free_gib=115.0)
+    for index, name in enumerate(("one", "two"), start=1):
+        supervisor.write(
+            f"/etc/gb10d/{name}.toml",
+            sim_config(
+                utilization=0.5,
+                port=8000 + index,
+                preflight=True,
+                extra=f'\n[metrics]\nlisten = "127.0.0.1:{9400 + index}"\n\n[daemon]\n'
+                f'state_file = "/run/gb10d-{name}/state.json"\nlearned_file = "/var/lib/gb10d/{name}/state.toml"\n',
+            ),
+        )
+    try:
+        supervisor.run("systemctl", "start", *units, timeout=300)  # one job each, run at the same time
+        for unit in units:
+            state = supervisor.show(unit, "ActiveState", "StatusText", "NRestarts")
+            assert state["ActiveState"] == "active" and state["StatusText"].startswith("serving"), (unit, state)
+            assert state["NRestarts"] == "0", (unit, state)
+        logs = {unit: journal(supervisor, unit) for unit in units}
+        for unit, log in logs.items():
+            assert not re.search(r"Free memory on device|CUDA out of memory|gb10d: free memory .* is below", log), (unit, log[-3000:])
+        waited = [unit for unit, log in logs.items() if "waiting until they serve or stop" in log]
+        assert len(waited) == 1, logs
+        first = next(u for u in units if u not in waited).removesuffix(".service")
+        assert f"does not fit beside the starts of {first} (61.8" in logs[waited[0]], logs[waited[0]][-3000:]
+        shown = supervisor.run("gb10d", "status", "--all", check=False)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        table = {line.split()[0]: line.split()[1] for line in shown.stdout.splitlines()[2:4]}
+        assert table == {"gb10d@one": "serving", "gb10d@two": "serving"}, shown.stdout
+    finally:
+        supervisor.run("systemctl", "stop", *units, check=False)
+        supervisor.run("systemctl", "reset-failed", *units, check=False)
 
 
 def repacked(deb: Path, version: str, out: Path) -> Path:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from systemd_harness import REPO, Container
-from test_systemd_e2e import MEMINFO, http_get, journal, meminfo
+from test_systemd_e2e import MEMINFO, http_get, journal, set_memory
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -109,7 +109,7 @@ def operator(container: Container, build_deb: Callable[[str], Path]) -> Containe
     script = start_script()
     container.write(f"{HOME}/start.sh", script, mode="0755")
     container.run("chown", f"{USER}:{USER}", f"{HOME}/start.sh")
-    container.write(MEMINFO, meminfo(total_gib=121.69, free_gib=115.0))
+    set_memory(container, total_gib=121.69, free_gib=115.0)
     container.write("/etc/gb10d.d/90-test-rig.toml", RIG)
     # The README's commands, in its order.
     container.run("dpkg", "-i", container.put(build_deb("amd64"), "gb10d.deb"))

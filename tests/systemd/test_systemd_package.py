@@ -76,6 +76,7 @@ def test_package_ships_config_units_manual_catalog_and_docs_but_no_bytecode(
         "usr/share/man/man8/gb10d.8.gz",
         "usr/lib/systemd/catalog/gb10d.catalog",
         "usr/lib/sysusers.d/gb10d.conf",
+        "usr/lib/tmpfiles.d/gb10d.conf",
         "usr/share/doc/gb10d/changelog.gz",
         "usr/share/doc/gb10d/copyright",
         "usr/share/doc/gb10d/examples/gb10d.toml",
