@@ -75,6 +75,10 @@ MESSAGE_IDS: dict[str, str] = {
     "ipc_removed": "8b9d65696cf540c88f01a1130f622502",
     "shm_removed": "eb974528cdf74a88a20b334b880fb17f",
     "kernel_log": "69a385c2f39548478c3bb694a441cfdd",
+    "image": "8468e725c0ed4df085b26ba6672302bd",
+    "image_moved": "65d3d8c8e4a7477d8a67a73ce2f6db91",
+    "image_pull": "a89ed8e9b5114c1f96939f95c3bc19d0",
+    "container_removed": "f61d1c6e6cd447c08b1840ed652e8a92",
 }
 
 

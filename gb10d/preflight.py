@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from . import shm
-from .command import Tunables
+from .command import Tunables, model_on_host
 from .config import Config
 from .devices import check_gpu_access
 from .host import HostFacts, read_host_facts, warnings
@@ -45,7 +45,13 @@ class Preflight:
         self.reporter = reporter
 
     def gpu(self) -> None:
-        """Refuse to start (as a config error) when the unit's device policy denies the NVIDIA devices."""
+        """Refuse to start (as a config error) when the unit's device policy denies the NVIDIA devices.
+
+        vLLM in a container gets the GPU from the engine, outside this unit's
+        device policy: gb10d itself opens no device then.
+        """
+        if self._config().vllm.image is not None:
+            return
         problem = check_gpu_access(unit_name())
         if problem is not None:
             raise GiveUp(problem, EXIT_CONFIG)
@@ -93,7 +99,8 @@ class Preflight:
             mem = self.meminfo()
             if mem is None:
                 return tunables, ""
-            files = safetensors_files(config.vllm.model, self._env()) if m.evict_page_cache else []
+            located = model_on_host(config, self._env()) if m.evict_page_cache else None
+            files = safetensors_files(*located) if located is not None else []
             decision = preflight(tunables.gpu_memory_utilization, mem, m.headroom_gib, m.min_gpu_memory_utilization, evicted, bool(files))
             if isinstance(decision, PreflightRefused):
                 raise GiveUp(f"preflight: {decision.reason}; {top_memory_users()}", EXIT_GAVE_UP)

@@ -19,9 +19,10 @@ from dataclasses import replace
 from .command import Tunables
 from .config import Config
 from .events import DriverOutOfMemory, Event, GpuXid
+from .image import PreparedImage
 from .journal import Journal
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
-from .lifecycle import Say, XidSeen, kernel_said
+from .lifecycle import Action, Extend, LivenessFailed, Observe, Say, ShowPhase, XidSeen, kernel_said
 from .memory import MemInfo
 from .metrics import Metrics
 from .notify import Notifier
@@ -46,6 +47,7 @@ class Reporter:
         self.last_failure: LastFailure | None = None
         self.cluster: ClusterRecord | None = None
         self.host: str | None = None  # this machine's kernel, driver and CMA, for `gb10d status`
+        self.image: PreparedImage | None = None  # the container image the current starts run, for `gb10d status`
         self.status_text = ""
         # What the state file shows of the attempt in progress (None between attempts).
         self._number = 0
@@ -132,6 +134,8 @@ class Reporter:
 
     def doing(self) -> str:
         """What the daemon is doing between attempts, for `received SIGTERM while ...; stopping`."""
+        if self._startup is not None and self._startup.phase is Phase.PULLING:
+            return "pulling the image"
         return {
             DaemonState.WAITING: "waiting for the Ray cluster",
             DaemonState.JOINING: "waiting to join the Ray cluster",
@@ -214,6 +218,10 @@ class Reporter:
             metrics_url=f"http://{self.config.metrics.listen}/metrics" if self.config.metrics.listen else None,
             cluster=self.cluster,
             host=self.host,
+            image=self.image.info.reference if self.image else None,
+            image_digest=self.image.info.identity if self.image else None,
+            container=self.image.container or None if self.image else None,
+            engine=self.image.engine or None if self.image else None,
         )
         if self.cluster is not None and self.cluster.role == "worker":
             # vLLM and its API run on the head: here there is only Ray, ready once joined.
@@ -223,10 +231,26 @@ class Reporter:
     def kernel(self, event: DriverOutOfMemory | GpuXid) -> None:
         """A driver message of the kernel's while no vLLM runs: told and counted, nothing to stop."""
         for action in kernel_said(event):
-            if isinstance(action, Say):
-                self.say(action.kind, action.message, action.priority, **dict(action.fields))
-            elif isinstance(action, XidSeen):
-                self.metrics.xid(action.xid)
+            self.tell(action, None)
+
+    def tell(self, action: Action, startup: StartupState | None) -> bool:
+        """Carry out an action of the lifecycle core that only reports (extend the start timeout, show the phase,
+        a journal line, a metric); False for the others, which the caller carries out."""
+        if isinstance(action, Extend):
+            self.notifier.extend_timeout(action.seconds)
+        elif isinstance(action, ShowPhase) and startup is not None:
+            self.phase(startup, action.text)
+        elif isinstance(action, Say):
+            self.say(action.kind, action.message, action.priority, **dict(action.fields))
+        elif isinstance(action, Observe):
+            self.observe(action.event)
+        elif isinstance(action, LivenessFailed):
+            self.metrics.liveness_failure(action.label)
+        elif isinstance(action, XidSeen):
+            self.metrics.xid(action.xid)
+        else:
+            return False
+        return True
 
     # --- metrics ------------------------------------------------------------
 

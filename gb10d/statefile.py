@@ -156,6 +156,12 @@ class StateRecord:
     metrics_url: str | None = None
     cluster: ClusterRecord | None = None
     host: str | None = None  # kernel, NVIDIA driver, CMA figures
+    # vLLM from a container image: the reference, the image it named when started (registry digest, else local id),
+    # and the container's name and engine.
+    image: str | None = None
+    image_digest: str | None = None
+    container: str | None = None
+    engine: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)  # fields of another gb10d version, passed through
 
     def to_json(self) -> dict[str, Any]:
@@ -195,6 +201,10 @@ class StateRecord:
             metrics_url=_text(data, "metrics_url"),
             cluster=_cluster(data.get("cluster")),
             host=_text(data, "host"),
+            image=_text(data, "image"),
+            image_digest=_text(data, "image_digest"),
+            container=_text(data, "container"),
+            engine=_text(data, "engine"),
             extra={k: v for k, v in data.items() if k not in known},
         )
 

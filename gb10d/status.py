@@ -165,6 +165,10 @@ def render(state: StateRecord | None, now: float, alive: bool) -> str:
     if state.gpu_memory_utilization is not None:
         strategy = f", load strategy {state.load_strategy}" if state.load_strategy else ""
         rows.append(("GPU memory", f"gpu_memory_utilization {state.gpu_memory_utilization:g}{strategy}"))
+    if state.image is not None:
+        rows.append(("Image", f"{state.image} ({state.image_digest})" if state.image_digest else state.image))
+    if state.container is not None:
+        rows.append(("Container", f"{state.container} ({state.engine})" if state.engine else state.container))
     rows.append(("Memory", _memory_line(state)))
     rows.append(("Host", state.host))
     if state.pid is not None:
