@@ -26,7 +26,20 @@ from typing import Any, Iterator
 
 import pytest
 
-from containers import engine_or_skip, engine_run, ensure_sim_image, remove_image, run_args_for
+from containers import (
+    Registry,
+    SlowLink,
+    engine_or_skip,
+    engine_run,
+    ensure_sim_image,
+    live_pull_clients,
+    plain_http_registry,
+    push_image,
+    push_random_image,
+    registries_conf,
+    remove_image,
+    run_args_for,
+)
 from gb10d.command import CONTAINER_LABEL, Engine, EngineKind
 from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP
 from harness import Daemon, NotifySocket, Setup, wait_until
@@ -57,6 +70,10 @@ class ContainerSetup(Setup):
 
     engine: Engine = field(default_factory=lambda: Engine("docker", ("docker",)))
     image: str = ""
+
+    def __post_init__(self) -> None:
+        self.image_local = self.image  # the sim image as built here, whatever vllm.image names later
+        super().__post_init__()
 
     def data(self) -> dict[str, Any]:
         data = super().data()
@@ -289,3 +306,120 @@ def test_nothing_is_left_after_a_give_up(deployment: ContainerSetup, notify: Not
     assert daemon.wait_exit(120) == EXIT_CONFIG
     assert len(starts(daemon)) == 1 and containers(deployment) == []
     wait_until(lambda: containers(deployment) == [], 10, "no container of the config")
+
+
+# --- pulling ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def registry(tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Iterator[Registry]:
+    with plain_http_registry(tmp_path, monkeypatch) as started:
+        yield started
+
+
+def with_random_layer(setup: ContainerSetup, size_mib: int) -> str:
+    """The sim image plus a layer of `size_mib` random bytes (so a pull has that much to fetch), as a local image."""
+    name, variant = f"{setup.name}-variant", f"localhost/gb10d-test/variant:{os.getpid()}-{setup.root.name[-12:]}"
+    fill = f"import os\nopen('/random', 'wb').write(os.urandom({size_mib << 20}))"
+    engine_run(setup.engine, "run", "--name", name, *run_args_for(setup.engine.kind), setup.image_local, "python3", "-c", fill)
+    engine_run(setup.engine, "commit", name, variant)
+    engine_run(setup.engine, "rm", name)
+    return variant
+
+
+def test_a_missing_image_is_pulled_with_progress_in_status_then_serves(
+    deployment: ContainerSetup, registry: Registry, notify: NotifySocket, daemons: list[Daemon], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the random layer is new here, and the link brings it at 8 MiB/s: two seconds of a pull's progress.
+    variant = with_random_layer(deployment, 16)
+    digest = push_image(deployment.engine, variant, f"{registry.address}/gb10d/sim:{os.getpid()}")
+    remove_image(deployment.engine, variant)
+    link = SlowLink(registry.address, rate_bps=8 << 20)
+    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registries_conf(tmp_path, link.address)))
+    remote = f"{link.address}/gb10d/sim:{os.getpid()}"
+    try:
+        deployment.image = remote
+        deployment.extra["container.pull"] = "missing"
+        deployment.write_config()
+        daemon = run(deployment, notify, daemons)
+        ready(notify)
+        daemon.wait_line(rf'gb10d: pulling {re.escape(remote)} \(container.pull = "missing"\)')
+        daemon.wait_line(rf"gb10d: pulled {re.escape(remote)} in \d+ s")
+        daemon.wait_line(rf"gb10d: vLLM runs from the image {re.escape(remote)} \({digest}\), as the container")
+        statuses = notify.statuses()
+        pulling = [text for text in statuses if text.startswith(f"pulling {remote}")]
+        downloaded = [float(m.group(1)) for text in pulling if (m := re.search(r": (\d+\.\d+) of \d+\.\d+ GB downloaded", text))]
+        assert len(downloaded) >= 3 and downloaded == sorted(downloaded) and downloaded[0] < downloaded[-1], statuses
+        first_start = next(i for i, (_, m) in enumerate(notify.messages) if m.get("STATUS", "").startswith("starting vllm"))
+        assert any("EXTEND_TIMEOUT_USEC" in m for _, m in notify.messages[:first_start]), "the pull extends systemd's start timeout"
+        stopped_and_nothing_left(daemon, deployment)
+    finally:
+        link.close()
+        remove_image(deployment.engine, remote)
+
+
+def test_a_stalled_pull_is_cancelled_pulled_again_and_given_up(
+    deployment: ContainerSetup, registry: Registry, notify: NotifySocket, daemons: list[Daemon], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The link delivers 4 MiB of the 32 MiB layer, then nothing, holding the connection open.
+    push_random_image(deployment.engine, tmp_path, f"{registry.address}/gb10d/stalled:1", size_mib=32)
+    link = SlowLink(registry.address, rate_bps=8 << 20, stall_after=4 << 20)
+    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registries_conf(tmp_path, link.address)))
+    image = f"{link.address}/gb10d/stalled:1"
+    try:
+        deployment.image = image
+        deployment.extra.update({"container.pull": "missing", "startup.stall_timeout_s": 3.0, "restart.max_attempts": 2})
+        deployment.write_config()
+        daemon = run(deployment, notify, daemons)
+        stalled = rf"the image's pull made no progress for \d+ s \(startup.stall_timeout_s 3\): pulling {re.escape(image)}.*; cancelling it"
+        daemon.wait_line(rf"<3>gb10d: {stalled}")
+        daemon.wait_line(r"<4>gb10d: pull_stalled: stalled while pulling .*; pulling again in 0.2 s \(attempt 2/2\)")
+        failed(daemon, notify, EXIT_GAVE_UP, r"giving up after 2 failed starts \(last: pull_stalled: stalled while pulling ")
+        assert len([line for line in daemon.own_lines() if re.search(stalled, line)]) == 2
+        assert starts(daemon) == [] and containers(deployment) == []
+        assert live_pull_clients(image) == [], "cancelling the pull ends the engine's client"
+    finally:
+        link.close()
+        remove_image(deployment.engine, image)
+
+
+def test_a_tag_that_moved_is_told_and_what_was_learned_with_the_old_image_is_not_applied(
+    deployment: ContainerSetup, registry: Registry, notify: NotifySocket, daemons: list[Daemon]
+) -> None:
+    remote = f"{registry.address}/gb10d/moving:{os.getpid()}"
+    engine = deployment.engine
+    first = push_image(engine, deployment.image, remote)
+    variant = ""
+    try:
+        # The first image needs a lower utilization: 103.45 GiB free of 121.69 are too few for 0.92, so 0.84 is learned with it.
+        deployment.image, deployment.utilization = remote, 0.92
+        deployment.extra.update({"container.pull": "always", "memory.preflight": False})
+        deployment.write_meminfo(103.45)
+        deployment.write_config()
+        daemon = run(deployment, notify, daemons)
+        ready(notify)
+        assert daemon.stop() == 0
+        assert f'image_digest = "{first}"' in (deployment.root / "lib" / "state.toml").read_text()
+
+        # The registry's tag moves to another image (pushed under its other name, so this machine keeps the first).
+        variant = with_random_layer(deployment, 1)
+        second = push_image(engine, variant, remote.replace("127.0.0.1", "localhost"))
+        deployment.write_meminfo(115.0)
+        since = len(notify.messages)
+        daemon = run(deployment, notify, daemons)
+        ready(notify, since)
+        moved = daemon.wait_line(
+            rf"<4>gb10d: the tag {re.escape(remote)} now points to another image: (sha256:[0-9a-f]{{64}}) \(was {first}\); "
+            "settings learned with the old image are not applied until this one has started"
+        ).group(1)
+        # docker names the registry's digest. podman lists every digest an image had under each of its names, and
+        # this one was made here before it was pushed: gb10d names the first, which is this machine's own manifest.
+        assert moved == second or (engine.kind == "podman" and moved in engine_run(engine, "image", "inspect", "--format", "{{.RepoDigests}}", remote).stdout)
+        daemon.wait_line(rf"gb10d: not applying the settings learned .* \(gpu_memory_utilization 0.84\): they were learned with the image "
+                         rf"{re.escape(remote)} as {first}, and it is now {moved}, another vLLM; starting from the config's values")
+        assert "--gpu-memory-utilization 0.92" in starts(daemon)[0]
+        stopped_and_nothing_left(daemon, deployment)
+    finally:
+        for leftover in (remote, variant):
+            if leftover:
+                remove_image(engine, leftover)
