@@ -497,6 +497,8 @@ async def prepare_image(engine: Engine, reference: str, policy: str, on_progress
 class ContainerRuntime:
     """One running container: the attached client gb10d started, and the container the engine runs for it."""
 
+    reaches = "its container"
+
     def __init__(self, client: ProcessGroup, engine: Engine, name: str, env: Mapping[str, str], cgroup: ContainerCgroup | None) -> None:
         self._client = client
         self._engine = engine

@@ -40,6 +40,11 @@ class Runtime(Protocol):
         """How the journal names it: `pid 4242`, or a container's name and its client's pid."""
         ...
 
+    @property
+    def reaches(self) -> str:
+        """What its stop ladder reaches, for the journal: `its process group`, `its container`."""
+        ...
+
     def readers(self, on_stdout: ChunkHandler, on_stderr: ChunkHandler) -> list[Awaitable[None]]:
         """Coroutines that drain vLLM's stdout and stderr until EOF, handing each chunk over at once."""
         ...

@@ -286,7 +286,7 @@ class Supervisor:
         if attempt is not None:
             self.reporter.say(
                 "stopping",
-                f"stopping vLLM ({attempt.runtime.label}): SIGTERM to its process group, SIGKILL after {grace:g} s",
+                f"stopping vLLM ({attempt.runtime.label}): SIGTERM to {attempt.runtime.reaches}, SIGKILL after {grace:g} s",
                 PRIORITY_INFO,
             )
             stop = asyncio.create_task(attempt.runtime.stop(grace, self._on_escalate))
@@ -294,14 +294,15 @@ class Supervisor:
                 second = asyncio.create_task(self.loop.queue.get())
                 done, _ = await asyncio.wait({stop, second}, return_when=asyncio.FIRST_COMPLETED)
                 if second in done and isinstance(second.result(), Stop):
-                    self.reporter.say("stopping", "second stop signal: killing vLLM's process group now", PRIORITY_WARNING)
+                    self.reporter.say("stopping", f"second stop signal: killing vLLM ({attempt.runtime.reaches}) now", PRIORITY_WARNING)
                     await attempt.runtime.kill()
                 if not second.done():
                     second.cancel()
             await stop
         if self.pair is not None:
             await self.pair.close()
-        self.reporter.say("stopped", "vLLM stopped; no process of its group is left", PRIORITY_INFO)
+        left = f"nothing of {attempt.runtime.reaches} is left" if attempt is not None else "nothing of it is left"
+        self.reporter.say("stopped", f"vLLM stopped; {left}", PRIORITY_INFO)
         self.reporter.stopped()
         return EXIT_OK
 

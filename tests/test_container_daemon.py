@@ -423,3 +423,28 @@ def test_a_tag_that_moved_is_told_and_what_was_learned_with_the_old_image_is_not
         for leftover in (remote, variant):
             if leftover:
                 remove_image(engine, leftover)
+
+
+def cleanup(setup: ContainerSetup) -> subprocess.CompletedProcess[str]:
+    """`gb10d cleanup`, as the unit's ExecStopPost= runs it."""
+    return subprocess.run([sys.executable, "-m", "gb10d", "cleanup", "--config", str(setup.config)], capture_output=True, text=True, timeout=120)
+
+
+def test_cleanup_removes_the_container_of_a_dead_gb10d_and_refuses_while_one_runs(
+    deployment: ContainerSetup, notify: NotifySocket, daemons: list[Daemon]
+) -> None:
+    daemon = run(deployment, notify, daemons)
+    ready(notify)
+    refused = cleanup(deployment)
+    assert refused.returncode == 1 and containers(deployment) == [deployment.name]
+    assert refused.stderr == (
+        f"gb10d: gb10d (pid {daemon.proc.pid}) is running with {deployment.config} and its container is in use; stop it first (systemctl stop gb10d)\n"
+    )
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.wait_exit()
+    removed = cleanup(deployment)
+    assert removed.returncode == 0, removed.stderr
+    assert re.fullmatch(rf"removed the container {deployment.name} \([0-9a-f]{{12}}, up [^)]*\) that an earlier gb10d left behind\n", removed.stdout)
+    assert containers(deployment) == []
+    again = cleanup(deployment)
+    assert (again.returncode, again.stdout) == (0, f"no container of {deployment.config} is left\n")
