@@ -163,7 +163,7 @@ def _print_container_command(loaded: LoadedConfig, argv: list[str], with_env: bo
     if problem is not None:
         print(f"gb10d: {problem}; showing the {engine.kind} command", file=sys.stderr)
     if config.container.pull != "never":
-        when = "before every start" if config.container.pull == "always" else "when it is missing"
+        when = "each time gb10d starts and at each reload that replaces the container" if config.container.pull == "always" else "when it is missing"
         print(f"gb10d: gb10d pulls the image {when} (container.pull = \"{config.container.pull}\"): "
               f"{shell_line([*engine.client, 'pull', config.vllm.image])}", file=sys.stderr)
     try:

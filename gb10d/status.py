@@ -172,7 +172,8 @@ def render(state: StateRecord | None, now: float, alive: bool) -> str:
     rows.append(("Memory", _memory_line(state)))
     rows.append(("Host", state.host))
     if state.pid is not None:
-        rows.append(("PID", f"{state.pid} (gb10d)" + (f", {state.vllm_pid} (vLLM)" if state.vllm_pid is not None else "")))
+        started = f"{state.engine} run" if state.engine else "vLLM"  # in a container, gb10d's child is the engine's client
+        rows.append(("PID", f"{state.pid} (gb10d)" + (f", {state.vllm_pid} ({started})" if state.vllm_pid is not None else "")))
     failure = state.last_failure
     if failure is not None:
         rows.append(("Last failure", f"{failure.cause}, {duration(now - failure.at)} ago"))

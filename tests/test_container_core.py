@@ -199,6 +199,7 @@ def test_status_names_the_image_its_digest_and_the_container() -> None:
     text = render(state, 1000.0, alive=True)
     assert f"    Image: {IMAGE} ({OLD})\n" in text
     assert "Container: gb10d (docker)\n" in text
+    assert "      PID: 10 (gb10d), 11 (docker run)\n" in text
     assert StateRecord.from_json(state.to_json()) == state
 
 
