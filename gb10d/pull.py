@@ -69,6 +69,7 @@ class Pull:
             prepared = self._task.result()
         except (PullFailed, EngineUnavailable) as exc:
             raise GiveUp(str(exc), exc.exit_status) from None
+        self.reporter.image = prepared
         if prepared is None:
             return None
         info = prepared.info
@@ -84,7 +85,6 @@ class Pull:
         )
         if prepared.moved is not None:
             self.reporter.say("image_moved", prepared.moved, PRIORITY_WARNING, image=info.reference, image_digest=info.identity)
-        self.reporter.image = prepared
         return prepared
 
     @property

@@ -134,7 +134,8 @@ class Supervisor:
         and counted as starts are; a pull that cannot succeed is a GiveUp."""
         history = History()
         while True:
-            config = self.keeper.config
+            # This fetch is for the config in force now, a reload during a back-off included.
+            self._fresh_start, config = False, self.keeper.config
             launcher = await self.launchers(config)
             history = History(history.attempts + 1, history.backoffs)
             self._serial += 1

@@ -27,6 +27,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Iterator
 
@@ -169,8 +170,12 @@ def import_rootfs(engine: Engine, root: Path, reference: str) -> None:
         engine_run(engine, "import", "--change", "ENV PATH=/usr/local/bin:/usr/bin:/bin", str(archive), reference, timeout=600)
 
 
+# Another tree's sim image younger than this may be in use by a test run of that tree on the same engine.
+STALE_IMAGE_S = 24 * 3600
+
+
 def ensure_sim_image(engine: Engine) -> str:
-    """The sim image in this engine, built if this tree's tag is missing; older tags of it are removed."""
+    """The sim image in this engine, built if this tree's tag is missing; other trees' tags of it a day old are removed."""
     reference = sim_image_tag()
     if engine_run(engine, "image", "inspect", reference, check=False).returncode == 0:
         return reference
@@ -179,9 +184,21 @@ def ensure_sim_image(engine: Engine) -> str:
         import_rootfs(engine, Path(scratch) / "root", reference)
     listed = engine_run(engine, "images", "--format", "{{.Repository}}:{{.Tag}}", check=False).stdout.split()
     for old in listed:
-        if old.startswith(f"{SIM_REPOSITORY}:") and old != reference:
+        if old.startswith(f"{SIM_REPOSITORY}:") and old != reference and _age_s(engine, old) > STALE_IMAGE_S:
             engine_run(engine, "rmi", "--force", old, check=False)
     return reference
+
+
+def _age_s(engine: Engine, reference: str) -> float:
+    """How long ago the image was made; 0 if unknown. docker writes `Created` as RFC 3339, podman as Go's
+    default (`2026-12-04 08:44:33.99984106 +0000 UTC`), both with up to nanoseconds."""
+    created = engine_run(engine, "image", "inspect", "--format", "{{.Created}}", reference, check=False).stdout.strip()
+    match = re.match(r"(\d{4}-\d\d-\d\d)[T ](\d\d:\d\d:\d\d)(?:\.\d+)?\s*(Z|[+-]\d\d:?\d\d)", created)
+    if match is None:
+        return 0.0
+    offset = "+00:00" if match.group(3) == "Z" else match.group(3)[:3] + ":" + match.group(3)[-2:]
+    made = datetime.fromisoformat(f"{match.group(1)}T{match.group(2)}{offset}")
+    return (datetime.now(UTC) - made).total_seconds()
 
 
 def remove_image(engine: Engine, reference: str) -> None:
