@@ -202,8 +202,15 @@ def _age_s(engine: Engine, reference: str) -> float:
 
 
 def remove_image(engine: Engine, reference: str) -> None:
-    """Remove the tag, and the digests docker keeps of its repository after a pull or push (the image itself goes with its last name)."""
+    """Remove the tag, and the digests docker keeps of its repository after a pull or push (the image itself goes with its last name).
+
+    podman keeps no digest names of their own (its RepoDigests are each name
+    with each digest), and `podman rmi NAME@DIGEST` would remove the image
+    under all its names.
+    """
     engine_run(engine, "rmi", "--force", reference, check=False)
+    if engine.kind != "docker":
+        return
     repository = reference.rsplit(":", 1)[0] if ":" in reference.rsplit("/", 1)[-1] else reference
     listed = engine_run(engine, "images", "--digests", "--format", "{{.Repository}} {{.Digest}}", repository, check=False).stdout.split("\n")
     for line in listed:

@@ -383,6 +383,12 @@ def test_a_stalled_pull_is_cancelled_pulled_again_and_given_up(
         remove_image(deployment.engine, image)
 
 
+def digests(engine: Engine, reference: str) -> str:
+    """The digests the engine lists for the local image (docker: the registry's; podman: every digest the image had
+    under each of its names, its own manifest's first when it was made here before it was pushed, as in these tests)."""
+    return engine_run(engine, "image", "inspect", "--format", "{{.RepoDigests}}", reference).stdout
+
+
 def test_a_tag_that_moved_is_told_and_what_was_learned_with_the_old_image_is_not_applied(
     deployment: ContainerSetup, registry: Registry, notify: NotifySocket, daemons: list[Daemon]
 ) -> None:
@@ -398,8 +404,10 @@ def test_a_tag_that_moved_is_told_and_what_was_learned_with_the_old_image_is_not
         deployment.write_config()
         daemon = run(deployment, notify, daemons)
         ready(notify)
+        started = daemon.wait_line(rf"gb10d: vLLM runs from the image {re.escape(remote)} \((sha256:[0-9a-f]{{64}})\)").group(1)
+        assert started == first or (engine.kind == "podman" and started in digests(engine, remote))
         assert daemon.stop() == 0
-        assert f'image_digest = "{first}"' in (deployment.root / "lib" / "state.toml").read_text()
+        assert f'image_digest = "{started}"' in (deployment.root / "lib" / "state.toml").read_text()
 
         # The registry's tag moves to another image (pushed under its other name, so this machine keeps the first).
         variant = with_random_layer(deployment, 1)
@@ -409,14 +417,12 @@ def test_a_tag_that_moved_is_told_and_what_was_learned_with_the_old_image_is_not
         daemon = run(deployment, notify, daemons)
         ready(notify, since)
         moved = daemon.wait_line(
-            rf"<4>gb10d: the tag {re.escape(remote)} now points to another image: (sha256:[0-9a-f]{{64}}) \(was {first}\); "
+            rf"<4>gb10d: the tag {re.escape(remote)} now points to another image: (sha256:[0-9a-f]{{64}}) \(was {started}\); "
             "settings learned with the old image are not applied until this one has started"
         ).group(1)
-        # docker names the registry's digest. podman lists every digest an image had under each of its names, and
-        # this one was made here before it was pushed: gb10d names the first, which is this machine's own manifest.
-        assert moved == second or (engine.kind == "podman" and moved in engine_run(engine, "image", "inspect", "--format", "{{.RepoDigests}}", remote).stdout)
+        assert moved == second or (engine.kind == "podman" and moved in digests(engine, remote))
         daemon.wait_line(rf"gb10d: not applying the settings learned .* \(gpu_memory_utilization 0.84\): they were learned with the image "
-                         rf"{re.escape(remote)} as {first}, and it is now {moved}, another vLLM; starting from the config's values")
+                         rf"{re.escape(remote)} as {started}, and it is now {moved}, another vLLM; starting from the config's values")
         assert "--gpu-memory-utilization 0.92" in starts(daemon)[0]
         stopped_and_nothing_left(daemon, deployment)
     finally:
