@@ -193,6 +193,22 @@ def test_stall_is_a_restart_with_the_next_load_strategy(deployment: ContainerSet
     stopped_and_nothing_left(daemon, deployment)
 
 
+def test_a_silent_shard_slower_than_the_stall_timeout_is_no_stall_while_the_container_reads(
+    deployment: ContainerSetup, notify: NotifySocket, daemons: list[Daemon]
+) -> None:
+    # Each of the 2 shards takes 4 s without a line, longer than the 3 s stall timeout; the loader reads meanwhile,
+    # and the gb10d user sees that in the container's cgroup, as it cannot read /proc/PID/io of root's processes.
+    deployment.scenario = "slow_shards=400"
+    deployment.sim_env["GB10D_SIM_SHARDS"] = "2"
+    deployment.extra["startup.stall_timeout_s"] = 3.0
+    deployment.write_config()
+    daemon = run(deployment, notify, daemons)
+    ready(notify)
+    assert not [line for line in daemon.own_lines() if "no loading progress" in line]
+    assert len(starts(daemon)) == 1
+    stopped_and_nothing_left(daemon, deployment)
+
+
 def test_the_start_after_a_sigkilled_gb10d_removes_its_container(deployment: ContainerSetup, notify: NotifySocket, daemons: list[Daemon]) -> None:
     first = run(deployment, notify, daemons)
     ready(notify)
