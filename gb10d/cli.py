@@ -222,7 +222,11 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     from .status import pid_alive
 
     path = _config_path(args).absolute()
-    config = load_config_explained(path).config
+    try:
+        config = load_config_explained(path).config
+    except ConfigError:
+        # Once is enough: check-config and gb10d run have said what is wrong, line by line.
+        raise Gb10dError(f"{path} does not load, so no container of it is removed; gb10d check-config says what to fix") from None
     if config.vllm.image is None:
         return EXIT_OK
     state = read_state(config.daemon.state_file)

@@ -327,3 +327,11 @@ def test_cleanup_through_an_engine_that_is_not_running_says_how_to_start_it(tmp_
     result = cli("cleanup", "--config", str(config))
     assert result.returncode == EXIT_GAVE_UP and result.stdout == ""
     assert result.stderr.startswith("gb10d: docker version failed: ") and "start it: sudo systemctl enable --now docker" in result.stderr
+
+
+def test_cleanup_of_a_config_that_does_not_load_says_so_once(tmp_path: Path) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text('[vllm]\nimage = "nvcr.io/NVIDIA/vllm:26.05"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n')
+    result = cli("cleanup", "--config", str(config))
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == f"gb10d: {config} does not load, so no container of it is removed; gb10d check-config says what to fix\n"
