@@ -1,6 +1,7 @@
 """`python -m bench`: run the benchmarks, write results JSON and Markdown tables, enforce the quick bounds.
 
-The full run (all six items of issue 7, about 12 minutes) writes
+The full run (all six items of issue 7, and item 7: vLLM in a container
+next to the venv; about 14 minutes) writes
 `bench/results/latest.json` and `latest.md`. `--quick` (under 2 minutes:
 readiness and forwarding only, fewer repeats) writes `quick.json` and
 `quick.md`. Either run exits 1 when a regression bound (readiness or
@@ -18,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import footprint, forwarding, readiness, recovery, report, shutdown, stall
+from . import container, footprint, forwarding, readiness, recovery, report, shutdown, stall
 from .lab import Workspace
 
 SUITES: dict[str, ModuleType] = {
@@ -28,6 +29,7 @@ SUITES: dict[str, ModuleType] = {
     "forwarding": forwarding,
     "footprint": footprint,
     "shutdown": shutdown,
+    "container": container,
 }
 QUICK = ("readiness", "forwarding")
 ROOT = Path(__file__).resolve().parent.parent

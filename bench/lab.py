@@ -103,6 +103,9 @@ class Deployment:
     utilization: float = 0.8
     executable: Path | None = None
     port: int = field(default_factory=free_port)
+    # vLLM from this image instead, with this [container] table (the stand-in's image, see bench/container.py).
+    image: str | None = None
+    container: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.meminfo = write_meminfo(self.dir / "meminfo", self.total_gib, self.free_gib)
@@ -115,7 +118,9 @@ class Deployment:
         return {"GB10D_SIM_MEMINFO": str(self.meminfo), **self.sim_env}
 
     def data(self) -> dict[str, Any]:
-        program: dict[str, Any] = {"executable": str(self.executable)} if self.executable else {"venv": str(self.venv)}
+        program: dict[str, Any] = (
+            {"image": self.image} if self.image else {"executable": str(self.executable)} if self.executable else {"venv": str(self.venv)}
+        )
         data: dict[str, Any] = {
             "vllm": {
                 **program,
@@ -138,6 +143,7 @@ class Deployment:
                 "learned_file": str(self.dir / "learned.toml"),
                 "watch_config": False,
             },
+            **({"container": self.container} if self.image else {}),
         }
         return with_overrides(data, self.overrides)
 

@@ -262,4 +262,18 @@ def markdown(results: dict[str, Any]) -> str:
             f"| stand-in alone: SIGTERM to its group gone | {_spread_s(sd['vllm_alone'])} |",
             "",
         ]
+    ct = results.get("container")
+    if ct:
+        parts += [
+            "### 7. vLLM in a container, next to the venv", "",
+            f"{ct['repeats']} starts each, alternating; stand-in at GB10D_SIM_SPEED {ct['sim_speed']}, `startup.warmup = false`.", "",
+            "| runs from | measure | median | p25–p75 | min–max | n |", "|---|---|---|---|---|---|",
+        ]
+        measures = (("ready_s", "readiness latency (startup line to READY=1)", _spread_ms),
+                    ("to_first_line_s", "gb10d start to vLLM's first line", _spread_s),
+                    ("stop_s", "SIGTERM to gb10d exited, nothing left", _spread_s))
+        for label, way in ct["ways"].items():
+            parts += [f"| {label} | {what} | {show(way[key])} |" for key, what, show in measures]
+        parts += ["", *(f"Not measured: {kind}: {why}." for kind, why in ct["skipped"].items())] if ct["skipped"] else []
+        parts.append("")
     return "\n".join(parts)

@@ -109,6 +109,24 @@ def utilization_that_fits(utilization: float) -> str:
     )
 
 
+def image_without_vllm(image: str, program: str | None, reason: str) -> str:
+    """The container started, but its init could not run vLLM's program: the image is not a vLLM image."""
+    what = f"run {program}" if program else "run vllm"
+    return (
+        f"the image {image} cannot {what} ({reason}): it has no vllm program on its PATH; set vllm.image to a vLLM "
+        'image (NVIDIA\'s is nvcr.io/nvidia/vllm:TAG); docker run --rm IMAGE vllm --version checks one'
+    )
+
+
+def ptxas_in_image(image: str) -> str:
+    """Triton's ptxas in a container image does not know sm_121a; the host's CUDA toolkit is not the container's."""
+    return (
+        f"Triton in the image {image} cannot compile for sm_121a; use an image built for DGX Spark (NVIDIA's "
+        "nvcr.io/nvidia/vllm has one), or set vllm.env.TRITON_PTXAS_PATH to the ptxas of a CUDA 12.9 or later "
+        "toolkit inside the image; not retrying"
+    )
+
+
 def gave_up(attempts: int, last: str) -> str:
     """The restart budget is spent."""
     return f"giving up after {attempts} failed starts (last: {last}); fix the cause, then: systemctl restart gb10d"

@@ -22,7 +22,7 @@ from .errors import GiveUp, SpawnError
 from .events import Event, Failure
 from .facts import AttemptFact, Exited, ExitSeen, Fact, Parsed, ProbeKind, Probed, Tick
 from .journal import Journal
-from .levels import PRIORITY_ERR, PRIORITY_INFO
+from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from .lifecycle import Action, AttemptState
 from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
 from .memory import MemInfo
@@ -119,9 +119,17 @@ class Attempt:
     async def launch(
         cls, start: Start, launcher: Launcher, config: Config, reporter: Reporter, post: Callable[[Fact], None], on_ready: Callable[[Tunables], None]
     ) -> Attempt:
-        """Start vLLM and the tasks that follow it; a program that cannot start at all is a GiveUp."""
+        """Start vLLM and the tasks that follow it; a program that cannot start at all is a GiveUp.
+
+        What an earlier gb10d left running under this config (a container
+        whose gb10d was SIGKILLed) is removed first: it would hold the port,
+        the name and the memory.
+        """
         number, tunables, argv, env, baseline = start.number, start.tunables, start.argv, start.env, start.baseline
         try:
+            removed = await launcher.clear_leftovers()
+            if removed is not None:
+                reporter.say("container_removed", removed, PRIORITY_WARNING, attempt=number)
             runtime = await launcher.launch(argv, env)
         except SpawnError as exc:
             raise GiveUp(str(exc), exc.exit_status) from None
@@ -172,24 +180,14 @@ class Attempt:
 
     async def _carry_out(self, actions: list[Action]) -> Failed | None:
         for action in actions:
-            if isinstance(action, lifecycle.Extend):
-                self.reporter.extend(action.seconds)
-            elif isinstance(action, lifecycle.ShowPhase):
-                self.reporter.phase(self.state.startup, action.text)
-            elif isinstance(action, lifecycle.Say):
-                self.reporter.say(action.kind, action.message, action.priority, **dict(action.fields))
-            elif isinstance(action, lifecycle.Observe):
-                self.reporter.observe(action.event)
-            elif isinstance(action, lifecycle.StartReadiness):
+            if self.reporter.tell(action, self.state.startup):
+                continue
+            if isinstance(action, lifecycle.StartReadiness):
                 self._start_readiness()
             elif isinstance(action, lifecycle.BecomeReady):
                 self._became_ready(action)
             elif isinstance(action, lifecycle.ProcessExited):
                 self.reporter.metrics.set_vllm_up(False)
-            elif isinstance(action, lifecycle.LivenessFailed):
-                self.reporter.metrics.liveness_failure(action.label)
-            elif isinstance(action, lifecycle.XidSeen):
-                self.reporter.metrics.xid(action.xid)
             elif isinstance(action, lifecycle.Finish):
                 await self.kill()
                 outcome = action.outcome

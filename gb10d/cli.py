@@ -163,7 +163,7 @@ def _print_container_command(loaded: LoadedConfig, argv: list[str], with_env: bo
     if problem is not None:
         print(f"gb10d: {problem}; showing the {engine.kind} command", file=sys.stderr)
     if config.container.pull != "never":
-        when = "before every start" if config.container.pull == "always" else "when it is missing"
+        when = "each time gb10d starts and at each reload that replaces the container" if config.container.pull == "always" else "when it is missing"
         print(f"gb10d: gb10d pulls the image {when} (container.pull = \"{config.container.pull}\"): "
               f"{shell_line([*engine.client, 'pull', config.vllm.image])}", file=sys.stderr)
     try:
@@ -207,14 +207,37 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .service import this_process, unit_for_config
 
     loaded = _load(args)
-    if loaded.config.vllm.image is not None:
-        # The supervisor does not drive a container yet; running `vllm` from the host's PATH instead would be wrong.
-        raise ConfigError([loaded.problem("vllm.image", "gb10d run does not supervise vLLM in a container yet; until it does, run vLLM from "
-                                          "vllm.venv or vllm.executable (gb10d print-command shows the container's run line)")])
     report = check_paths(loaded, this_process(unit_for_config(_config_path(args))), caches=False)
     if report.problems:
         raise PathsUnreachable(report)
     return run_daemon(_config_path(args))
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    """Remove the container a gb10d of this config left behind when it died (the unit's ExecStopPost=); nothing for a venv."""
+    import asyncio
+
+    from .container import ContainerLauncher, choose_engine
+    from .statefile import read_state
+    from .status import pid_alive
+
+    path = _config_path(args).absolute()
+    try:
+        config = load_config_explained(path).config
+    except ConfigError:
+        # Once is enough: check-config and gb10d run have said what is wrong, line by line.
+        raise Gb10dError(f"{path} does not load, so no container of it is removed; gb10d check-config says what to fix") from None
+    if config.vllm.image is None:
+        return EXIT_OK
+    state = read_state(config.daemon.state_file)
+    if state is not None and state.pid is not None and state.state is not None and not state.state.final and pid_alive(state.pid):
+        raise Gb10dError(f"gb10d (pid {state.pid}) is running with {path} and its container is in use; stop it first (systemctl stop gb10d)")
+    engine, problem = choose_engine(config.container)
+    if problem is not None:
+        raise problem
+    removed = asyncio.run(ContainerLauncher(config, path, engine).clear_leftovers())
+    print(removed or f"no container of {path} is left")
+    return EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -357,6 +380,15 @@ def build_parser() -> argparse.ArgumentParser:
         "run the supervisor in the foreground",
         "Start vLLM from the config and supervise it in the foreground, as the systemd unit's ExecStart does: "
         "READY=1 once vLLM serves, corrected restarts on known failures, vLLM's output on stdout for the journal.",
+    )
+    add(
+        "cleanup",
+        cmd_cleanup,
+        "remove the container a gb10d that died left behind",
+        "For vLLM in a container: remove the container of this config that a gb10d which did not stop it left "
+        "behind (killed, crashed), through docker or podman, as every start does first. The unit runs it as "
+        "ExecStopPost, so a container never outlives its gb10d. Refuses while a gb10d runs with this config; "
+        "does nothing for vLLM from a venv. Exit 0 when nothing of the config's container is left.",
     )
     p = add(
         "status",

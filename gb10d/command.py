@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 from .config import DEFAULT_CONFIG_PATH, Config, ContainerSection, VllmSection, normalize_flag
+from .hfcache import hub_cache
 from .errors import ConfigError, ConfigProblem
 
 # Variables that belong to gb10d's own contract with systemd; vLLM must never see them.
@@ -185,6 +186,11 @@ def env_additions(vllm: VllmSection) -> dict[str, str]:
     return env
 
 
+def inherited_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a child inherits of gb10d's environment (`base`, else gb10d's own): all of it but systemd's variables."""
+    return {k: v for k, v in (os.environ if base is None else base).items() if k not in _SYSTEMD_ONLY}
+
+
 def build_env(vllm: VllmSection, base: Mapping[str, str] | None = None, added: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
     """vLLM's environment: gb10d's own minus systemd's variables, plus `env_additions`, plus `added`
     (a `Tunables.env`) where the config sets no value of its own.
@@ -192,7 +198,7 @@ def build_env(vllm: VllmSection, base: Mapping[str, str] | None = None, added: S
     With a venv, its bin directory goes first on PATH, as `activate` would
     do, so tools vLLM runs (ninja, the Triton compiler) come from the venv.
     """
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in _SYSTEMD_ONLY}
+    env = inherited_env(base)
     if vllm.venv is not None:
         env["PATH"] = f"{vllm.venv / 'bin'}{os.pathsep}{env.get('PATH', os.defpath)}"
     configured = env_additions(vllm)
@@ -265,19 +271,63 @@ def container_argv(config: Config, config_path: Path, engine: Engine, vllm_argv:
     argv += ["--init"] if c.init else []
     argv += gpu_options(engine.kind, c.gpu)
     argv += ["--stop-timeout", str(math.ceil(config.daemon.stop_timeout_s)), "--log-driver", "none"]
-    argv += ["-v", f"{c.cache_dir}:{CONTAINER_CACHE}"]
-    inside = [m.split(":")[1] for m in c.mounts]
-    if vllm.model.startswith("/") and not any(vllm.model == d or vllm.model.startswith(d.rstrip("/") + "/") for d in inside):
-        # A local model directory is seen at the same path inside, so the config means the same in both places;
-        # a model in a directory mounted by container.mounts is a path inside the container already.
-        argv += ["-v", f"{vllm.model}:{vllm.model}:ro"]
-    for mount in c.mounts:
+    for mount in container_mounts(config):
         argv += ["-v", mount]
     for name, value in env.items():
         argv += ["-e", name if is_secret_name(name) else f"{name}={value}"]
     argv += c.run_args
     argv += [vllm.image, *vllm_argv]
     return argv
+
+
+def container_mounts(config: Config) -> list[str]:
+    """The container's `-v` mounts, `HOST:INSIDE[:OPTIONS]`: the cache directory, a local model, container.mounts."""
+    c, model = config.container, config.vllm.model
+    mounts = [f"{c.cache_dir}:{CONTAINER_CACHE}"]
+    if model.startswith("/") and not any(_under(model, m.split(":")[1]) for m in c.mounts):
+        # A local model directory is seen at the same path inside, so the config means the same in both places;
+        # a model in a directory mounted by container.mounts is a path inside the container already.
+        mounts.append(f"{model}:{model}:ro")
+    return mounts + list(c.mounts)
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def host_path(config: Config, inside: str) -> Path | None:
+    """Where a path inside the container lies on this host, through the deepest mount that holds it; None when none does."""
+    holding = [(h, i) for h, i, *_ in (m.split(":") for m in container_mounts(config)) if _under(inside, i)]
+    if not holding:
+        return None
+    host, directory = max(holding, key=lambda mount: len(mount[1]))
+    rest = inside[len(directory.rstrip("/")):].lstrip("/")
+    return Path(host) / rest if rest else Path(host)
+
+
+# The variables that decide where huggingface_hub keeps its cache.
+HF_CACHE_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+
+
+def model_on_host(config: Config, env: Mapping[str, str]) -> tuple[str, dict[str, str]] | None:
+    """The model and the Hugging Face cache variables as this host finds its files (`memory.safetensors_files` takes them).
+
+    For a venv that is the model and vLLM's environment as they are. For a
+    container it is the host side of the mounts: a local model's directory,
+    or the hub cache the image resolves (under /root/.cache unless the config
+    moves it), mapped to where it lies here; None when no mount shows it. The
+    Hugging Face variables are taken from `env`, vLLM's environment with the
+    config's additions, which set HF_HOME for a container.
+    """
+    model = config.vllm.model
+    if config.vllm.image is None:
+        return model, dict(env)
+    if model.startswith("/"):
+        local = host_path(config, model)
+        return (str(local), {}) if local is not None else None
+    inside = {name: env[name] for name in HF_CACHE_VARIABLES if name in env}
+    hub = host_path(config, hub_cache(inside, "/root"))
+    return (model, {"HF_HUB_CACHE": str(hub)}) if hub is not None else None
 
 
 def redact_argv(argv: list[str]) -> list[str]:

@@ -27,13 +27,13 @@ import signal
 import struct
 import subprocess
 import termios
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Awaitable, Callable, Mapping, Sequence
 
-from .command import CONTAINER_LABEL, PODMAN_SOCKET, Engine, EngineKind, build_env, container_argv, container_name, engine_client, env_additions
+from .command import CONTAINER_LABEL, PODMAN_SOCKET, Engine, EngineKind, build_env, container_argv, container_name, engine_client, inherited_env
 from .config import Config, ContainerSection, LoadedConfig, VllmSection
-from .errors import ConfigProblem, SpawnError
+from .errors import EXIT_CONFIG, EXIT_GAVE_UP, ConfigProblem, SpawnError
 from .image import ImageInfo, PreparedImage, PullProgress, PullState, advance_pull, image_info, not_present, pull_failure, pull_lines
 from .process import ChunkHandler, ProcessGroup
 from .runtime import Escalation
@@ -49,6 +49,12 @@ ProgressHandler = Callable[[PullProgress], None]
 
 class EngineUnavailable(SpawnError):
     """The container engine cannot be reached, or refused to run the container."""
+
+    def __init__(self, message: str, exit_status: int = EXIT_CONFIG) -> None:
+        # 78 when the operator must change something (a permission, a package, the GPU toolkit);
+        # 75 when the engine may come back by itself (its daemon not started yet, or hung).
+        self.exit_status = exit_status
+        super().__init__(message)
 
 
 # --- what the engine's words mean -------------------------------------------------------------------
@@ -77,6 +83,13 @@ def unreachable_advice(engine: Engine, text: str, user: str) -> str | None:
     if engine.kind == "docker":
         return f"docker's daemon is not running (nothing answers on {path}); start it: sudo systemctl enable --now docker"
     return f"podman's API service is not running (nothing answers on {path}); start it: sudo systemctl enable --now podman.socket"
+
+
+def unreachable_status(text: str) -> int:
+    """The exit status for an engine that cannot be reached: 75 when its daemon is not running (it may yet start), else 78."""
+    if "permission denied" in text:
+        return EXIT_CONFIG
+    return EXIT_GAVE_UP
 
 
 def run_failure(engine: Engine, image: str, text: str, status: int) -> str:
@@ -201,12 +214,20 @@ class ContainerCgroup:
     memory_stat: Path | None = None
 
     @classmethod
-    def of(cls, pid: int) -> ContainerCgroup | None:
-        """The cgroup of the container whose process is `pid`; None when it cannot be seen from here."""
+    def of(cls, pid: int, container_id: str) -> ContainerCgroup | None:
+        """The cgroup of the container `container_id` whose process is `pid` on the engine's host; None when it cannot be seen from here.
+
+        The engine names a pid of its own host's pid namespace. Where gb10d
+        runs in another one (a booted container that reaches the host's
+        engine through its socket), the same number is some other process
+        or none: only a cgroup that names the container's id is its own.
+        """
         try:
             proc_cgroup = Path(f"/proc/{pid}/cgroup").read_text()
             mounts = cgroup_mounts(Path("/proc/self/mountinfo").read_text())
         except OSError:
+            return None
+        if not container_id or container_id not in proc_cgroup:
             return None
         return cgroup_files(proc_cgroup, mounts)
 
@@ -268,7 +289,8 @@ def _unreachable(engine: Engine, result: EngineResult, what: str) -> EngineUnava
     text = result.stderr.strip() or result.stdout.strip()
     advice = unreachable_advice(engine, text, _user())
     last = text.splitlines()[-1] if text else f"exit status {result.status}"
-    return EngineUnavailable(f"{engine.kind} {what} failed: {last}" + (f"; {advice}" if advice else ""))
+    status = unreachable_status(text) if advice is not None else EXIT_CONFIG
+    return EngineUnavailable(f"{engine.kind} {what} failed: {last}" + (f"; {advice}" if advice else ""), status)
 
 
 async def engine_call(engine: Engine, *args: str, env: Mapping[str, str] | None = None, timeout_s: float | None = ENGINE_TIMEOUT_S) -> EngineResult:
@@ -288,7 +310,9 @@ async def engine_call(engine: Engine, *args: str, env: Mapping[str, str] | None 
     except asyncio.TimeoutError:
         _kill_group(proc.pid)
         await proc.wait()
-        raise EngineUnavailable(f"{engine.kind} {' '.join(args[:2])} did not answer within {timeout_s:g} s; is the {engine.kind} daemon hung? ({engine.kind} info)") from None
+        raise EngineUnavailable(
+            f"{engine.kind} {' '.join(args[:2])} did not answer within {timeout_s:g} s; is the {engine.kind} daemon hung? ({engine.kind} info)", EXIT_GAVE_UP
+        ) from None
     except asyncio.CancelledError:
         _kill_group(proc.pid)
         raise
@@ -308,21 +332,21 @@ def _not_installed(engine: Engine) -> str:
     return f"{engine.client[0]} is not installed: sudo apt install {package}, or set container.engine = \"{other}\""
 
 
-def probe(engine: Engine, env: Mapping[str, str] | None = None) -> str | None:
-    """Whether the engine answers (synchronous, for check-config and print-command); None when it does, else what to do."""
+def probe(engine: Engine, env: Mapping[str, str] | None = None) -> EngineUnavailable | None:
+    """Whether the engine answers (synchronous); None when it does, else what to do about it."""
     args = ["version", "--format", "{{.Server.Version}}"] if engine.kind == "docker" else ["info", "--format", "{{.Version.Version}}"]
     try:
         done = subprocess.run([*engine.client, *args], capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, env=env, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
-        return _not_installed(engine)
+        return EngineUnavailable(_not_installed(engine))
     except subprocess.TimeoutExpired:
-        return f"{engine.kind} did not answer within {ENGINE_TIMEOUT_S:g} s; is its daemon hung? ({engine.kind} info)"
+        return EngineUnavailable(f"{engine.kind} did not answer within {ENGINE_TIMEOUT_S:g} s; is its daemon hung? ({engine.kind} info)", EXIT_GAVE_UP)
     if done.returncode == 0:
         return None
-    return str(_unreachable(engine, EngineResult(done.returncode, done.stdout, done.stderr), "info" if engine.kind == "podman" else "version"))
+    return _unreachable(engine, EngineResult(done.returncode, done.stdout, done.stderr), "info" if engine.kind == "podman" else "version")
 
 
-def choose_engine(container: ContainerSection, env: Mapping[str, str] | None = None) -> tuple[Engine, str | None]:
+def choose_engine(container: ContainerSection, env: Mapping[str, str] | None = None) -> tuple[Engine, EngineUnavailable | None]:
     """The engine to use and, when it cannot be reached, what to do about it.
 
     `auto` takes docker when its daemon answers, else podman when it
@@ -332,7 +356,7 @@ def choose_engine(container: ContainerSection, env: Mapping[str, str] | None = N
     if container.engine != "auto":
         engine = engine_client(container.engine, container.socket, as_root)
         return engine, probe(engine, env)
-    problems: list[str] = []
+    problems: list[EngineUnavailable] = []
     kinds: tuple[EngineKind, ...] = ("docker", "podman")
     for kind in kinds:
         engine = engine_client(kind, container.socket, as_root)
@@ -340,7 +364,10 @@ def choose_engine(container: ContainerSection, env: Mapping[str, str] | None = N
         if problem is None:
             return engine, None
         problems.append(problem)
-    return engine_client("docker", container.socket, as_root), "neither docker nor podman can be reached: " + "; ".join(problems)
+    # Only when both may still come up is it worth systemd's starting gb10d again later.
+    status = EXIT_GAVE_UP if all(p.exit_status == EXIT_GAVE_UP for p in problems) else EXIT_CONFIG
+    text = "neither docker nor podman can be reached: " + "; ".join(str(p) for p in problems)
+    return engine_client("docker", container.socket, as_root), EngineUnavailable(text, status)
 
 
 def engine_problems(loaded: LoadedConfig) -> tuple[Engine, list[ConfigProblem]]:
@@ -350,7 +377,7 @@ def engine_problems(loaded: LoadedConfig) -> tuple[Engine, list[ConfigProblem]]:
     engine, problem = choose_engine(config.container)
     where = "container.engine" if loaded.location_of("container.engine") else "vllm.image"
     if problem is not None:
-        return engine, [loaded.problem(where, problem)]
+        return engine, [loaded.problem(where, str(problem))]
     problems: list[ConfigProblem] = []
     if config.container.pull == "never":
         found = subprocess.run([*engine.client, "image", "inspect", config.vllm.image], capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, stdin=subprocess.DEVNULL)
@@ -470,12 +497,15 @@ async def prepare_image(engine: Engine, reference: str, policy: str, on_progress
 class ContainerRuntime:
     """One running container: the attached client gb10d started, and the container the engine runs for it."""
 
+    reaches = "its container"
+
     def __init__(self, client: ProcessGroup, engine: Engine, name: str, env: Mapping[str, str], cgroup: ContainerCgroup | None) -> None:
         self._client = client
         self._engine = engine
         self.name = name
         self._env = dict(env)
         self._cgroup = cgroup
+        self._removed = False
 
     @property
     def pid(self) -> int:
@@ -515,8 +545,12 @@ class ContainerRuntime:
         return fields[0] == "true", int(fields[1])
 
     def alive(self) -> bool:
-        """Whether the client or any process of the container is left."""
-        return self._client.alive() or bool(self._container_pids())
+        """Whether anything of it is left: the client, a process of the container, or the container itself until removed.
+
+        An exited container stays with the engine until it is removed, so
+        the attempt that saw it exit still removes it.
+        """
+        return not self._removed or self._client.alive() or bool(self._container_pids())
 
     def _container_pids(self) -> list[int]:
         return self._cgroup.procs() if self._cgroup is not None else []
@@ -574,7 +608,8 @@ class ContainerRuntime:
             except asyncio.TimeoutError:
                 await self._client.kill()
         gone = await self._tell("container", "inspect", "--format", "{{.Id}}", self.name)
-        return gone is not None and gone.status != 0 and not self.alive()
+        self._removed = gone is not None and gone.status != 0
+        return not self.alive()
 
 
 class ContainerLauncher:
@@ -588,20 +623,21 @@ class ContainerLauncher:
         self.name = container_name(config.container, config_path)
         self.image = config.vllm.image
 
-    def environment(self, vllm: VllmSection) -> dict[str, str]:
-        """The container's environment: gb10d's defaults, the cache variables, env_file and [vllm.env] (not the host's)."""
-        return env_additions(vllm)
+    def environment(self, vllm: VllmSection, added: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+        """The container's environment: gb10d's defaults, the cache variables, env_file, [vllm.env] and `added` (not the host's)."""
+        return build_env(vllm, base={}, added=added)
 
     def command_line(self, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
         return container_argv(self.config, self.config_path, self.engine, argv, env)
 
     def _client_env(self, env: Mapping[str, str]) -> dict[str, str]:
         """The client's own environment: gb10d's (PATH, HOME for registry credentials), less systemd's, plus the values of `-e NAME`."""
-        return build_env(self.config.vllm, base=None) | dict(env)
+        return inherited_env() | dict(env)
 
     async def prepare(self, on_progress: ProgressHandler) -> PreparedImage:
-        """Make sure the image is present as container.pull says, pulling it with progress; which image will start."""
-        return await prepare_image(self.engine, self.image, self.config.container.pull, on_progress, self._client_env({}))
+        """Make sure the image is present as container.pull says, pulling it with progress; which image will start, and as what."""
+        prepared = await prepare_image(self.engine, self.image, self.config.container.pull, on_progress, self._client_env({}))
+        return replace(prepared, container=self.name, engine=self.engine.kind)
 
     async def launch(self, argv: Sequence[str], env: Mapping[str, str]) -> ContainerRuntime:
         """Run the container attached; returns once it has a process, or raises SpawnError with the engine's reason."""
@@ -612,9 +648,9 @@ class ContainerLauncher:
             raise SpawnError(f"cannot create container.cache_dir {cache}: {exc.strerror or exc}; create it, owned by the user running gb10d") from None
         client_env = self._client_env(env)
         client = await ProcessGroup.spawn(self.command_line(argv, env), client_env, name=f"{self.engine.kind} run", key="container.engine")
-        pid = await self._container_pid(client, client_env)
-        runtime = ContainerRuntime(client, self.engine, self.name, client_env, ContainerCgroup.of(pid) if pid else None)
-        if pid is not None:
+        running = await self._container_pid(client, client_env)
+        runtime = ContainerRuntime(client, self.engine, self.name, client_env, ContainerCgroup.of(*running) if running else None)
+        if running is not None:
             return runtime
         if client.alive():
             await runtime.kill()
@@ -630,18 +666,18 @@ class ContainerLauncher:
             raise EngineUnavailable(f"{self.engine.kind} run failed: {last}; {advice}" if advice else run_failure(self.engine, self.image, stderr, status))
         return runtime  # vLLM ran and exited at once: its output and status tell why
 
-    async def _container_pid(self, client: ProcessGroup, env: Mapping[str, str]) -> int | None:
-        """The host pid of the container's first process once it runs; None when the client exited first."""
+    async def _container_pid(self, client: ProcessGroup, env: Mapping[str, str]) -> tuple[int, str] | None:
+        """The host pid of the container's first process once it runs, and the container's id; None when the client exited first."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + START_TIMEOUT_S
         pause = 0.05
         exited = asyncio.ensure_future(client.wait())
         try:
             while loop.time() < deadline:
-                result = await engine_call(self.engine, "container", "inspect", "--format", "{{.State.Running}} {{.State.Pid}}", self.name, env=env)
-                running, _, pid = result.stdout.strip().partition(" ")  # docker shows a pid already while it creates the container
+                result = await engine_call(self.engine, "container", "inspect", "--format", "{{.State.Running}} {{.State.Pid}} {{.Id}}", self.name, env=env)
+                running, pid, cid = (result.stdout.split() + ["", "", ""])[:3]  # docker shows a pid already while it creates the container
                 if result.status == 0 and running == "true" and pid.isdigit() and int(pid) > 0:
-                    return int(pid)
+                    return int(pid), cid
                 # Until the engine has created it, wait for the client to exit or a moment to pass.
                 done, _ = await asyncio.wait({exited}, timeout=pause)
                 if done:

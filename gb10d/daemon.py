@@ -2,10 +2,11 @@
 
 The parts are small objects with one job each: the fact loop (`loop`),
 the reporter (`reporter`), the config keeper (`keeper`), the checks around
-a start (`preflight`), how vLLM runs (`runtime`), this machine's part in a
-pair (`pair`), and the two kinds of daemon: the `Supervisor`, which runs
-vLLM, and the `WorkerDaemon` of a pair's second machine, which runs only
-Ray. This module wires them together, and gives every run the same frame:
+a start (`preflight`), how vLLM runs (`runtime`: a local process group, or
+a container through docker or podman, picked here by `EngineChoice`), this
+machine's part in a pair (`pair`), and the two kinds of daemon: the
+`Supervisor`, which runs vLLM, and the `WorkerDaemon` of a pair's second
+machine, which runs only Ray. This module wires them together, and gives every run the same frame:
 signals and the watchdog, the metrics listener, the config watcher, the
 GPU device check, a give-up reported the same way everywhere, and nothing
 left running afterwards.
@@ -17,7 +18,9 @@ import asyncio
 import sys
 from pathlib import Path
 
-from .config import load_config
+from .command import Engine
+from .config import Config, load_config
+from .container import ContainerLauncher, choose_engine
 from .errors import GiveUp
 from .facts import Edited
 from .journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal
@@ -33,9 +36,36 @@ from .preflight import Preflight
 from .process import become_subreaper
 from .reload import ConfigSnapshot
 from .reporter import Reporter
-from .runtime import LocalLauncher
+from .runtime import Launcher, LocalLauncher
 from .supervisor import Supervisor
 from .worker import WorkerDaemon
+
+
+class EngineChoice:
+    """How vLLM runs for a config: a local process group, or a container through the engine chosen once.
+
+    `container.engine = "auto"` asks which engine answers; the answer holds
+    until a reload changes the engine or its socket, so every start of a
+    run uses the same engine. An engine that cannot be reached is a GiveUp
+    with what to do about it.
+    """
+
+    def __init__(self, config_path: Path) -> None:
+        # The container's label names the config absolutely, as `gb10d cleanup` and print-command name it.
+        self._config_path = config_path.absolute()
+        self._chosen: tuple[object, Engine] | None = None
+
+    async def __call__(self, config: Config) -> Launcher:
+        if config.vllm.image is None:
+            return LocalLauncher()
+        asked = (config.container.engine, config.container.socket)
+        if self._chosen is None or self._chosen[0] != asked:
+            # The engine's client answers in milliseconds, or within ENGINE_TIMEOUT_S when its daemon hangs.
+            engine, problem = await asyncio.to_thread(choose_engine, config.container)
+            if problem is not None:
+                raise GiveUp(str(problem), problem.exit_status)
+            self._chosen = (asked, engine)
+        return ContainerLauncher(config, self._config_path, self._chosen[1])
 
 
 async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier: Notifier, metrics: Metrics) -> int:
@@ -63,7 +93,7 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
             config.memory.ledger_path, instance_name(path), str(path), lambda text: reporter.say("memory_ledger", text, PRIORITY_WARNING)
         )
         reporter.booking = preflight.booking = booking
-        supervisor = Supervisor(keeper, reporter, loop, preflight, LocalLauncher(), pair, host)
+        supervisor = Supervisor(keeper, reporter, loop, preflight, EngineChoice(path), pair, host)
         return await supervisor.supervise()
     except GiveUp as exc:
         reporter.gave_up(exc.reason, exc.exit_status)

@@ -236,6 +236,18 @@ class HiddenInitFailure(EngineStartFailed):
     """
 
 
+@dataclass(frozen=True)
+class ProgramNotRun(Failure):
+    """A container's init could not run vLLM's program (`[FATAL tini (7)] exec vllm failed: No such file or directory`).
+
+    Docker's init (tini) names the program, podman's (catatonit) does not;
+    `reason` is the system's error text. The image has no usable `vllm`.
+    """
+
+    program: str | None
+    reason: str
+
+
 # --- GB10 platform failures (the known-issues table, `known.ISSUES`) ----------
 
 

@@ -16,6 +16,7 @@ from typing import Union
 
 from .cluster import View
 from .events import DriverOutOfMemory, Event, GpuXid
+from .image import PullProgress
 
 REFUSED = "connection refused"
 
@@ -120,11 +121,26 @@ class Probed:
 
 
 @dataclass(frozen=True)
+class Pulled:
+    """The pull of the container image moved (a layer's bytes, a layer done); before the start it belongs to."""
+
+    attempt: int
+    progress: PullProgress
+
+
+@dataclass(frozen=True)
+class PullEnded:
+    """The image is there (pulled, or present already), or the pull failed: the fetch's task is done."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
 class Tick:
     """A deadline of the attempt passed; `io_bytes` is vLLM's I/O total sampled just now (None: unreadable)."""
 
     io_bytes: int | None
 
 
-Fact = Union[Stop, Reload, Edited, KernelSaid, ClusterSeen, Parsed, ExitSeen, Exited, Probed]
-AttemptFact = Union[Parsed, ExitSeen, Exited, Probed, Tick]
+Fact = Union[Stop, Reload, Edited, KernelSaid, ClusterSeen, Parsed, ExitSeen, Exited, Probed, Pulled, PullEnded]
+AttemptFact = Union[Parsed, ExitSeen, Exited, Probed, Pulled, Tick]

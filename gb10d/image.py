@@ -290,11 +290,14 @@ def image_info(reference: str, image_id: str, repo_digests: list[str], digest: s
 
 @dataclass(frozen=True)
 class PreparedImage:
-    """The image an attempt will start: what it is, whether gb10d just pulled it, and what the tag named before."""
+    """The image an attempt will start: what it is, whether gb10d just pulled it, what the tag named before, and
+    the container it runs as (its name and engine, once the launcher says)."""
 
     info: ImageInfo
     pulled: bool
     previous: ImageInfo | None
+    container: str = ""
+    engine: str = ""
 
     @property
     def moved(self) -> str | None:

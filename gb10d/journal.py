@@ -78,6 +78,10 @@ MESSAGE_IDS: dict[str, str] = {
     "memory_wait": "0bb3e03be1b94daeb90d30b8404d063e",
     "memory_admitted": "9a4669c3d93340b39cdee08885efeb56",
     "memory_ledger": "79fd0205c95b4bdbb97117329cbdbce4",
+    "image": "8468e725c0ed4df085b26ba6672302bd",
+    "image_moved": "65d3d8c8e4a7477d8a67a73ce2f6db91",
+    "image_pull": "a89ed8e9b5114c1f96939f95c3bc19d0",
+    "container_removed": "f61d1c6e6cd447c08b1840ed652e8a92",
 }
 
 

@@ -34,6 +34,8 @@ class ConfigKeeper:
         self.reporter = reporter
         # Why the settings now in use differ from the config's, for the learned-settings file.
         self.correction = ""
+        # The identity of the container image the current sequence of starts runs (None: not a container).
+        self.image: str | None = None
         self._watcher: ConfigWatcher | None = None
 
     @property
@@ -111,14 +113,14 @@ class ConfigKeeper:
 
     # --- learned settings -------------------------------------------------------
 
-    def starting_tunables(self) -> Tunables:
-        """The config's settings, or what a corrected start learned for this very config."""
+    def starting_tunables(self, image: str | None = None) -> Tunables:
+        """The config's settings, or what a corrected start learned for this very config (and container `image`)."""
         base = Tunables.from_config(self.config.vllm)
-        self.correction = ""
+        self.correction, self.image = "", image
         state = load(self.config.daemon.learned_file)
         if state.problem:
             self.reporter.say("learned_discarded", f"{state.problem}; starting from the config's values", PRIORITY_WARNING)
-        verdict = learned.applicable(state, self.config)
+        verdict = learned.applicable(state, self.config, image)
         if verdict.entry is not None:
             self.reporter.say("learned_applied", verdict.reason, PRIORITY_INFO, gpu_memory_utilization=verdict.entry.gpu_memory_utilization)
             self.correction = verdict.entry.reason
@@ -129,7 +131,7 @@ class ConfigKeeper:
 
     def remember(self, tunables: Tunables) -> None:
         """After a corrected start reached ready, keep what worked for the next boot."""
-        entry = learned.remember(self.config, tunables, self.correction or "a corrected start", datetime.now(UTC))
+        entry = learned.remember(self.config, tunables, self.correction or "a corrected start", datetime.now(UTC), self.image)
         if entry is None:
             return
         try:

@@ -15,7 +15,9 @@ safetensors-load-strategy, kv-cache-dtype, speculative-config among them)
 and extra_args. In short the command line as configured (the tuned values as
 requested, not as last used), minus where vLLM listens and any API key.
 Those settings are stored readably beside the hash, so a discarded entry
-can name the keys that changed.
+can name the keys that changed. For vLLM from a container image the image's
+digest counts too: a tag that moved to another image since brings another
+vLLM, and what the old one needed is not applied to it blindly.
 
 Everything here is pure; reading and writing the file is `gb10d.learnedfile`.
 """
@@ -34,6 +36,8 @@ from .reload import Change, canonical
 
 # The fields of Tunables that are learned, each on its own: None in an entry means "not learned".
 TUNABLE_NAMES = ("gpu_memory_utilization", "load_strategy", "max_model_len", "env", "without")
+# The basis key of the image a container ran: its registry digest, else its local id (`ImageInfo.identity`).
+IMAGE_DIGEST = "image_digest"
 
 
 @dataclass(frozen=True)
@@ -87,16 +91,18 @@ class Applicability:
 # --- the core -------------------------------------------------------------------
 
 
-def learned_for(config: Config) -> dict[str, Any]:
-    """The settings a learned value depends on, by dotted config key (unset keys left out)."""
+def learned_for(config: Config, image: str | None = None) -> dict[str, Any]:
+    """The settings a learned value depends on, by dotted config key (unset keys left out), and the image's digest."""
     v = config.vllm
-    program_key = "vllm.venv" if v.venv is not None else "vllm.executable"
+    program_key = "vllm.venv" if v.venv is not None else "vllm.image" if v.image is not None else "vllm.executable"
     basis: dict[str, Any] = {
         "vllm.model": v.model,
         "vllm.served_model_name": v.served_names,
-        program_key: str(v.venv or v.executable),
+        program_key: str(v.venv or v.image or v.executable),
         "vllm.gpu_memory_utilization": v.gpu_memory_utilization,
     }
+    if image is not None:
+        basis[IMAGE_DIGEST] = image
     for key, value in sorted(v.args.items(), key=lambda item: normalize_flag(item[0])):
         dotted = f"vllm.args.{normalize_flag(key)}"
         # A secret (--api-key) has nothing to do with memory and must not be written to disk.
@@ -107,19 +113,27 @@ def learned_for(config: Config) -> dict[str, Any]:
     return basis
 
 
-def fingerprint(config: Config) -> str:
-    """A short hash of `learned_for(config)`: equal exactly when learned values carry over."""
-    return hashlib.sha256(canonical(learned_for(config)).encode("utf-8")).hexdigest()[:16]
+def fingerprint(config: Config, image: str | None = None) -> str:
+    """A short hash of `learned_for(config, image)`: equal exactly when learned values carry over."""
+    return hashlib.sha256(canonical(learned_for(config, image)).encode("utf-8")).hexdigest()[:16]
 
 
-def applicable(state: LearnedState, config: Config) -> Applicability:
-    """The learned entry if it was learned for this config; otherwise None and which keys changed since."""
+def applicable(state: LearnedState, config: Config, image: str | None = None) -> Applicability:
+    """The learned entry if it was learned for this config (and image); otherwise None and what changed since."""
     entry = state.entry
     if entry is None:
         return Applicability(None)
-    if entry.fingerprint == fingerprint(config):
+    if entry.fingerprint == fingerprint(config, image):
         return Applicability(entry, f"starting from the settings learned for this config: {entry.describe()}; gb10d forget discards them")
-    now = learned_for(config)
+    now = learned_for(config, image)
+    was = entry.learned_for.get(IMAGE_DIGEST)
+    if was is not None and image is not None and was != image and {**entry.learned_for, IMAGE_DIGEST: image} == now:
+        return Applicability(
+            None,
+            f"not applying the settings learned {entry.learned_at} ({entry.values()}): they were learned with the image "
+            f"{config.vllm.image} as {was}, and it is now {image}, another vLLM; starting from the config's values "
+            "(this image's start learns its own)",
+        )
     changed = [
         Change(key, entry.learned_for.get(key), now.get(key)).describe()
         for key in {**entry.learned_for, **now}
@@ -133,15 +147,15 @@ def applicable(state: LearnedState, config: Config) -> Applicability:
     )
 
 
-def remember(config: Config, tunables: Tunables, reason: str, at: datetime) -> LearnedEntry | None:
-    """An entry for the settings a start reached ready with, or None when they are just the config's own."""
+def remember(config: Config, tunables: Tunables, reason: str, at: datetime, image: str | None = None) -> LearnedEntry | None:
+    """An entry for the settings a start reached ready with (from `image`, a container's), or None when they are just the config's own."""
     requested = Tunables.from_config(config.vllm)
     learned = {name: getattr(tunables, name) if getattr(tunables, name) != getattr(requested, name) else None for name in TUNABLE_NAMES}
     if all(value is None for value in learned.values()):
         return None
     return LearnedEntry(
-        fingerprint=fingerprint(config),
-        learned_for=learned_for(config),
+        fingerprint=fingerprint(config, image),
+        learned_for=learned_for(config, image),
         learned_at=at.isoformat(timespec="seconds"),
         reason=reason,
         **learned,

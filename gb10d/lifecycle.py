@@ -18,7 +18,10 @@ The rules that matter, each a table test:
   does a stall or start timeout reached while its last words are read;
 - a liveness verdict of "dead" waits `EXIT_GRACE_S` for an exit to explain
   it, since a killed server closes its port a moment before it can be
-  reaped.
+  reaped;
+- the pull of a container image before a start (`begin_pull`) is watched
+  the same way: each step of it is progress, none for the stall timeout is
+  a stalled pull.
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ from typing import Sequence, Union
 from .command import Tunables
 from .config import Config
 from .events import DriverOutOfMemory, EngineDied, Event, Failure, GpuXid, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged
-from .facts import AttemptFact, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Tick
+from .facts import AttemptFact, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Pulled, Tick
 from .kernel import describe as describe_kernel
 from .kernel import xid_meaning
 from .levels import PRIORITY_ERR, PRIORITY_WARNING
 from .outcome import Cause, Failed, describe_exit
-from .phases import Phase, StartupState, advance, enter, note_io, start, status_text
+from .phases import Phase, StartupState, advance, describe, enter, note_io, note_pull, start, status_text
 from .policy import classify
 
 # How much longer than the stall timeout systemd waits after each sign of progress:
@@ -159,8 +162,17 @@ def begin(number: int, tunables: Tunables, now: float, config: Config) -> tuple[
     return state, [*extend, ShowPhase(_status(state, config))]
 
 
+def begin_pull(number: int, tunables: Tunables, now: float) -> AttemptState:
+    """The fetch of what a sequence of starts runs from, watched for stalls; quiet until the engine reports a pull
+    (an image that is there already, or a venv, needs none)."""
+    return AttemptState(number, tunables, now, enter(start(now), Phase.PULLING, now), next_io_at=now)
+
+
 def deadline(state: AttemptState, config: Config) -> float | None:
     """When the attempt must be looked at again without news (a `Tick`): I/O sample, stall, start timeout, grace."""
+    if state.startup.phase is Phase.PULLING:
+        last = state.startup.last_progress_at if state.startup.last_progress_at is not None else state.spawned_at
+        return last + config.startup.stall_timeout_s
     times: list[float] = []
     if state.dead is not None:
         times.append(state.dead_at + EXIT_GRACE_S)
@@ -181,7 +193,29 @@ def step(state: AttemptState, fact: AttemptFact, now: float, config: Config) -> 
         return state, [ProcessExited(), Finish(_exit_outcome(state, fact.status))]
     if isinstance(fact, Probed):
         return _on_probe(state, fact, now, config)
+    if isinstance(fact, Pulled):
+        state = replace(state, startup=note_pull(state.startup, fact.progress, now))
+        state, extend = _extend(state, now, config)
+        return state, [*extend, ShowPhase(_status(state, config))]
+    if state.startup.phase is Phase.PULLING:
+        return state, _pull_stalled(state, now, config)
     return _on_tick(state, fact, now, config)
+
+
+def _pull_stalled(state: AttemptState, now: float, config: Config) -> list[Action]:
+    """A tick while pulling: nothing moved for the stall timeout means the pull stalled (a registry or network that hangs)."""
+    last = state.startup.last_progress_at if state.startup.last_progress_at is not None else state.spawned_at
+    stall_s = config.startup.stall_timeout_s
+    if now < last + stall_s:
+        return []
+    where = describe(state.startup)
+    say = Say(
+        "stall_detected",
+        f"the image's pull made no progress for {now - last:.0f} s (startup.stall_timeout_s {stall_s:g}): {where}; cancelling it",
+        PRIORITY_ERR,
+        (("attempt", state.number), ("phase", Phase.PULLING.value)),
+    )
+    return [say, Finish(Failed(cause=Cause.PULL_STALLED, detail=f"stalled while {where}"))]
 
 
 def _exit_outcome(state: AttemptState, status: int) -> Failed:

@@ -52,6 +52,7 @@ from .events import (
     ModelNotFound,
     NoKvCacheMemory,
     PortInUse,
+    ProgramNotRun,
     RayWorkerLost,
     ServerStarting,
     ShardsProgressed,
@@ -848,6 +849,10 @@ def _failures(msg: str) -> list[Event]:
     if "gated repo" in msg:
         m = _GATED_URL.search(msg)
         out.append(ModelGated(m.group("model") if m else None))
+    if "exec" in msg:
+        init = _INIT_EXEC.match(msg)
+        if init is not None:
+            out.append(ProgramNotRun(init.group("program"), init.group("reason").strip()))
     bad = _bad_argument(msg) if _ARGUMENT_WORDS.search(msg) else None
     if bad is not None:
         out.append(bad)
@@ -876,6 +881,8 @@ _MODEL_WORDS = re.compile(
     "is not a local folder|Repository Not Found|load the configuration of|Repo id must|does not appear to have a file"
     "|No such file or directory: '.*json'|couldn't connect to|LocalEntryNotFound|OfflineModeIsEnabled"
 )
+# A container's init that could not start the image's program: docker's tini names it, podman's catatonit does not.
+_INIT_EXEC = re.compile(r"(?:\[FATAL tini \(\d+\)\] exec (?P<program>\S+) failed|ERROR \(catatonit:\d+\): failed to exec pid1): (?P<reason>.+)")
 _ARGUMENT_WORDS = re.compile("parser|: error: |--enable-auto-tool-choice|first positional argument|Config file must be of a yaml")
 
 

@@ -42,6 +42,9 @@ class Cause(enum.Enum):
     NCCL_KHO = "nccl_kho"
     IPC_REMOVED = "ipc_removed"
     HIDDEN_INIT = "hidden_init_failure"
+    # vLLM from a container image.
+    NO_PROGRAM = "image_without_vllm"  # the container's init could not run the image's vllm
+    PULL_STALLED = "pull_stalled"  # the image's pull made no progress for startup.stall_timeout_s
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ event counted as *progress*. The supervisor extends systemd's start timeout
 only on progress and calls a load stalled when progress stops, so what counts
 is decided here, once: a shard or download advancing, a new phase, compile,
 KV-cache and weight lines, and growth in the bytes vLLM's processes read or
-wrote (`note_io`). Periodic stats and failure lines are not progress.
+wrote (`note_io`), and before a container starts, each step of its image's
+pull (`note_pull`). Periodic stats and failure lines are not progress.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from .events import (
     VersionSeen,
     WeightsLoaded,
 )
+from .image import PullProgress
 
 
 class Phase(str, Enum):
     """A start's phases in order; the values are the names STATUS=, metrics and `gb10d status` show."""
 
+    PULLING = "pulling"  # a container image, before the first start of a sequence
     PREFLIGHT = "preflight"
     SPAWNING = "spawning"
     DOWNLOADING = "downloading"
@@ -82,6 +85,7 @@ class StartupState:
     download_description: str = ""
     server_started: bool = False
     io_bytes: int = 0
+    pull: PullProgress | None = None
 
     @property
     def load_progress_ratio(self) -> float:
@@ -112,6 +116,12 @@ def note_io(state: StartupState, io_bytes: int, now: float) -> StartupState:
     if io_bytes > state.io_bytes:
         return replace(state, io_bytes=io_bytes, last_progress_at=now, progressed=True)
     return replace(state, io_bytes=io_bytes, progressed=False)
+
+
+def note_pull(state: StartupState, progress: PullProgress, now: float) -> StartupState:
+    """Fold in a step of the image's pull: the engine reports one only when a layer moved, so each is progress."""
+    return replace(state, phase=Phase.PULLING, pull=progress, last_progress_at=now, progressed=True,
+                   phase_since=state.phase_since if state.phase is Phase.PULLING else now)
 
 
 def _to(state: StartupState, phase: Phase, now: float, progressed: bool = True, back: bool = False,
@@ -200,6 +210,8 @@ def _ascii(text: str) -> str:
 def describe(state: StartupState) -> str:
     """The phase and its progress in words, e.g. `loading weights 33/66 (50%)`."""
     phase = state.phase
+    if phase == Phase.PULLING and state.pull is not None:
+        return state.pull.describe()
     if phase == Phase.DOWNLOADING:
         what = state.download_description or "model"
         if state.download_total:
@@ -221,6 +233,7 @@ def describe(state: StartupState) -> str:
 
 
 _WORDS = {
+    Phase.PULLING: "pulling the image",
     Phase.PREFLIGHT: "preflight checks",
     Phase.SPAWNING: "starting vllm",
     Phase.DOWNLOADING: "downloading model",
@@ -237,5 +250,10 @@ _WORDS = {
 
 
 def status_text(state: StartupState, attempt: int, max_attempts: int, utilization: float) -> str:
-    """The ASCII STATUS= text, e.g. `loading weights 33/66 (50%), attempt 2/5, gpu_memory_utilization=0.83`."""
+    """The ASCII STATUS= text, e.g. `loading weights 33/66 (50%), attempt 2/5, gpu_memory_utilization=0.83`.
+
+    A pull says nothing of the utilization: the settings of the start are decided once the image is known.
+    """
+    if state.phase is Phase.PULLING:
+        return _ascii(f"{describe(state)}, attempt {attempt}/{max_attempts}")
     return _ascii(f"{describe(state)}, attempt {attempt}/{max_attempts}, gpu_memory_utilization={utilization:g}")

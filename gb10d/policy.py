@@ -37,6 +37,7 @@ from .events import (
     ModelNotFound,
     NoKvCacheMemory,
     PortInUse,
+    ProgramNotRun,
     RayWorkerLost,
 )
 from .host import HostFacts
@@ -48,7 +49,7 @@ from .outcome import Cause, Failed
 # Causes that no retry can fix: the operator must change the config or the machine.
 CONFIG_CAUSES = frozenset(
     {Cause.PORT_IN_USE, Cause.MODEL_NOT_FOUND, Cause.MODEL_GATED, Cause.BAD_ARGUMENT, Cause.SERVED_NAME,
-     Cause.UNSUPPORTED_BUILD, Cause.NCCL_KHO}
+     Cause.UNSUPPORTED_BUILD, Cause.NCCL_KHO, Cause.NO_PROGRAM}
 )
 # The variable that points Triton at another ptxas, and the allocator setting reported to keep the driver's memory in check.
 TRITON_PTXAS_PATH = "TRITON_PTXAS_PATH"
@@ -59,6 +60,7 @@ OOM_MARGIN = 0.05
 
 # More specific failures win over the generic wrappers printed after them.
 _PRECEDENCE: tuple[tuple[type[Failure], Cause], ...] = (
+    (ProgramNotRun, Cause.NO_PROGRAM),
     (FreeMemoryShort, Cause.FREE_MEMORY),
     (KvCacheInsufficient, Cause.KV_CACHE),
     (NoKvCacheMemory, Cause.NO_KV_MEMORY),
@@ -95,6 +97,7 @@ _EVENT_KINDS = {
     Cause.NCCL_KHO: "nccl_kho",
     Cause.IPC_REMOVED: "ipc_removed",
     Cause.HIDDEN_INIT: "crashed",
+    Cause.PULL_STALLED: "image_pull",
 }
 
 
@@ -225,6 +228,9 @@ def next_attempt(
         )
         if isinstance(retry, Retry):
             retry = Retry(used.with_(gpu_memory_utilization=retry.tunables.gpu_memory_utilization), 0.0, retry.message)
+    elif outcome.cause is Cause.PULL_STALLED:
+        # The network or the registry may recover; the pull starts over, paced by the back-off.
+        retry = Retry(used, backoff_delay(config, history.backoffs), "pulling again")
     elif outcome.cause is Cause.STALL:
         ladder = config.startup.load_strategy_ladder
         following = ladder[ladder.index(used.load_strategy) + 1 :] if used.load_strategy in ladder else ladder
@@ -262,6 +268,9 @@ def next_attempt(
 def _ptxas(used: Tunables, config: Config, host: HostFacts | None) -> Retry | GiveUp:
     """Triton's bundled ptxas is older than sm_121a: point it at the CUDA toolkit's, once, if there is one."""
     given = dict(used.env).get(TRITON_PTXAS_PATH) or config.vllm.env.get(TRITON_PTXAS_PATH)
+    if config.vllm.image is not None and not given:
+        # The host's CUDA toolkit is not in the container: its ptxas path would mean nothing there.
+        return GiveUp(advice.ptxas_in_image(config.vllm.image), EXIT_CONFIG)
     if given:
         return GiveUp(
             f"Triton still fails to compile for sm_121a with TRITON_PTXAS_PATH={given}; point it at the ptxas of a CUDA "
@@ -329,6 +338,8 @@ def _config_advice(outcome: Failed, config: Config) -> str:
     issue = issue_for(failure) if failure is not None else None
     if issue is not None and failure is not None:
         return f"{issue.meaning}; {advice.platform(failure)}"
+    if isinstance(failure, ProgramNotRun):
+        return advice.image_without_vllm(v.image or str(v.program), failure.program, failure.reason)
     if outcome.cause is Cause.PORT_IN_USE:
         return advice.port_in_use(v.port)
     if outcome.cause is Cause.MODEL_GATED:

@@ -22,7 +22,7 @@ from typing import Awaitable, Callable, Sequence
 
 from . import budget, shm
 from .budget import Admit, Refuse, Reservation, Stage
-from .command import Tunables
+from .command import Tunables, model_on_host
 from .config import Config
 from .devices import check_gpu_access
 from .host import HostFacts, read_host_facts, warnings
@@ -56,7 +56,13 @@ class Preflight:
         self.booking = booking  # this instance's record in the machine's memory ledger, if it has one
 
     def gpu(self) -> None:
-        """Refuse to start (as a config error) when the unit's device policy denies the NVIDIA devices."""
+        """Refuse to start (as a config error) when the unit's device policy denies the NVIDIA devices.
+
+        vLLM in a container gets the GPU from the engine, outside this unit's
+        device policy: gb10d itself opens no device then.
+        """
+        if self._config().vllm.image is not None:
+            return
         problem = check_gpu_access(unit_name())
         if problem is not None:
             raise GiveUp(problem, EXIT_CONFIG)
@@ -155,7 +161,8 @@ class Preflight:
             mem = self.meminfo()
             if mem is None:
                 return tunables, ""
-            files = safetensors_files(config.vllm.model, self._env()) if m.evict_page_cache else []
+            located = model_on_host(config, self._env()) if m.evict_page_cache else None
+            files = safetensors_files(*located) if located is not None else []
             decision = preflight(
                 tunables.gpu_memory_utilization, mem, m.headroom_gib, m.min_gpu_memory_utilization, evicted, bool(files), around
             )

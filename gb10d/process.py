@@ -183,6 +183,9 @@ class ProcessGroup:
     not when the last holder of the pipes goes away.
     """
 
+    # What the stop ladder reaches, as the journal says it (`runtime.Runtime.reaches`).
+    reaches = "its process group"
+
     def __init__(self, popen: subprocess.Popen[bytes], argv: Sequence[str], loop: asyncio.AbstractEventLoop) -> None:
         self.popen = popen
         self.argv = argv

@@ -3,7 +3,9 @@
 `diff_configs` compares two `ConfigSnapshot`s (a config and its env_file
 contents), names every changed key (old -> new, secrets masked) and
 decides whether vLLM must be restarted, which is only the case when its
-command line or environment comes out different. Restarting vLLM costs
+command line or environment comes out different, or, for vLLM in a
+container, its image or how the container runs (`[container]`: engine,
+mounts, GPU, run arguments): a container is replaced, never changed. Restarting vLLM costs
 minutes of loading, so a change to gb10d's own settings (timeouts, restart
 policy, metrics, logging) never does. Noticing edits on disk is the
 watcher's job (`gb10d.watcher`).
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from .command import REDACTED, build_argv, build_env, is_secret_name, read_env_file, redact_setting
-from .config import Config, normalize_flag
+from .config import Config, VllmSection, normalize_flag
 
 NOT_SET = "(not set)"
 
@@ -43,16 +45,20 @@ class ConfigSnapshot:
         path = config.vllm.env_file
         return cls(config, read_env_file(path) if path is not None else {})
 
-    def env(self, base: Mapping[str, str] | None = None, added: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
-        """vLLM's environment as of this snapshot (plus a `Tunables.env`): the env_file as it was read, never read again.
+    @property
+    def vllm(self) -> VllmSection:
+        """[vllm] with the env_file's contents as read inlined under [vllm.env] (which wins over the file).
 
-        An edit of the env_file takes effect at the next reload, not at the
-        next crash-restart; a deleted one does not stop a running gb10d.
+        Whatever builds vLLM's environment from it never reads the file
+        again: an edit of the env_file takes effect at the next reload, not
+        at the next crash-restart, and a deleted one does not stop a running gb10d.
         """
         vllm = self.config.vllm
-        # The file's contents go under [vllm.env], which wins over the file.
-        inlined = vllm.model_copy(update={"env_file": None, "env": {**self.env_file, **vllm.env}})
-        return build_env(inlined, base, added)
+        return vllm.model_copy(update={"env_file": None, "env": {**self.env_file, **vllm.env}})
+
+    def env(self, base: Mapping[str, str] | None = None, added: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+        """vLLM's environment as a process as of this snapshot (plus a `Tunables.env`): the env_file as it was read."""
+        return build_env(self.vllm, base, added)
 
 
 @dataclass(frozen=True)
@@ -112,16 +118,22 @@ def diff_configs(old: ConfigSnapshot, new: ConfigSnapshot) -> ConfigDiff:
         key=lambda key: position[".".join(key.split(".")[:2])],
     )
     changes = tuple(Change(key, _masked(key, before.get(key)), _masked(key, after.get(key))) for key in changed)
-    vllm_keys = tuple(key for key in changed if key.startswith("vllm."))
-    live = tuple(key for key in changed if not key.startswith("vllm."))
+    vllm_keys = tuple(key for key in changed if key.startswith(_RUNS_VLLM))
+    live = tuple(key for key in changed if not key.startswith(_RUNS_VLLM))
     if _vllm_sees(old) != _vllm_sees(new):
         return ConfigDiff(changes, restart_keys=vllm_keys, live_keys=live)
     return ConfigDiff(changes, live_keys=live, no_effect_keys=vllm_keys)
 
 
-def _vllm_sees(snapshot: ConfigSnapshot) -> tuple[list[str], dict[str, str]]:
-    """The argv and added environment vLLM gets, with the env_file contents taken from the snapshot."""
-    return build_argv(snapshot.config.vllm), snapshot.env(base={})
+# The tables whose keys say how vLLM runs; gb10d's own settings are all the others.
+_RUNS_VLLM = ("vllm.", "container.")
+
+
+def _vllm_sees(snapshot: ConfigSnapshot) -> tuple[list[str], dict[str, str], str | None, dict[str, Any] | None]:
+    """The argv and added environment vLLM gets (the env_file contents from the snapshot); in a container, its image and [container]."""
+    config = snapshot.config
+    container = config.container.model_dump(mode="json") if config.vllm.image is not None else None
+    return build_argv(config.vllm), snapshot.env(base={}), config.vllm.image, container
 
 
 def _fields(config: Config) -> Iterator[tuple[str, Any]]:

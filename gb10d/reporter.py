@@ -23,9 +23,10 @@ from .budget import Stage, Wait
 from .command import Tunables
 from .config import Config
 from .events import DriverOutOfMemory, Event, GpuXid
+from .image import PreparedImage
 from .journal import Journal
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
-from .lifecycle import Say, XidSeen, kernel_said
+from .lifecycle import Action, Extend, LivenessFailed, Observe, Say, ShowPhase, XidSeen, kernel_said
 from .ledger import Booking
 from .memory import MemInfo, read_meminfo
 from .metrics import Metrics
@@ -53,6 +54,7 @@ class Reporter:
         self.host: str | None = None  # this machine's kernel, driver and CMA, for `gb10d status`
         self.booking: Booking | None = None  # this instance's record in the machine's memory ledger, if there is one
         self.waiting_for: tuple[str, ...] = ()  # while the start waits for other instances: who, with their shares
+        self.image: PreparedImage | None = None  # the container image the current starts run, for `gb10d status`
         self.status_text = ""
         # What the state file shows of the attempt in progress (None between attempts).
         self._number = 0
@@ -165,6 +167,8 @@ class Reporter:
 
     def doing(self) -> str:
         """What the daemon is doing between attempts, for `received SIGTERM while ...; stopping`."""
+        if self._startup is not None and self._startup.phase is Phase.PULLING:
+            return "pulling the image"
         return {
             DaemonState.WAITING: "waiting for the Ray cluster",
             DaemonState.JOINING: "waiting to join the Ray cluster",
@@ -255,6 +259,10 @@ class Reporter:
             instance=self.booking.name if self.booking else None,
             reservation_bytes=self.booking.record.bytes if self.booking and self.booking.record else None,
             waiting_for=self.waiting_for,
+            image=self.image.info.reference if self.image else None,
+            image_digest=self.image.info.identity if self.image else None,
+            container=self.image.container or None if self.image else None,
+            engine=self.image.engine or None if self.image else None,
         )
         if self.cluster is not None and self.cluster.role == "worker":
             # vLLM and its API run on the head: here there is only Ray, ready once joined.
@@ -264,10 +272,26 @@ class Reporter:
     def kernel(self, event: DriverOutOfMemory | GpuXid) -> None:
         """A driver message of the kernel's while no vLLM runs: told and counted, nothing to stop."""
         for action in kernel_said(event):
-            if isinstance(action, Say):
-                self.say(action.kind, action.message, action.priority, **dict(action.fields))
-            elif isinstance(action, XidSeen):
-                self.metrics.xid(action.xid)
+            self.tell(action, None)
+
+    def tell(self, action: Action, startup: StartupState | None) -> bool:
+        """Carry out an action of the lifecycle core that only reports (extend the start timeout, show the phase,
+        a journal line, a metric); False for the others, which the caller carries out."""
+        if isinstance(action, Extend):
+            self.extend(action.seconds)
+        elif isinstance(action, ShowPhase) and startup is not None:
+            self.phase(startup, action.text)
+        elif isinstance(action, Say):
+            self.say(action.kind, action.message, action.priority, **dict(action.fields))
+        elif isinstance(action, Observe):
+            self.observe(action.event)
+        elif isinstance(action, LivenessFailed):
+            self.metrics.liveness_failure(action.label)
+        elif isinstance(action, XidSeen):
+            self.metrics.xid(action.xid)
+        else:
+            return False
+        return True
 
     # --- metrics ------------------------------------------------------------
 

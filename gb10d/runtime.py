@@ -40,6 +40,11 @@ class Runtime(Protocol):
         """How the journal names it: `pid 4242`, or a container's name and its client's pid."""
         ...
 
+    @property
+    def reaches(self) -> str:
+        """What its stop ladder reaches, for the journal: `its process group`, `its container`."""
+        ...
+
     def readers(self, on_stdout: ChunkHandler, on_stderr: ChunkHandler) -> list[Awaitable[None]]:
         """Coroutines that drain vLLM's stdout and stderr until EOF, handing each chunk over at once."""
         ...
@@ -72,8 +77,11 @@ class Runtime(Protocol):
 class Launcher(Protocol):
     """Starts vLLM the configured way, once per attempt."""
 
-    def environment(self, vllm: VllmSection) -> dict[str, str]:
-        """vLLM's environment: gb10d's own plus its additions for a process, only the additions in a container."""
+    def environment(self, vllm: VllmSection, added: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+        """vLLM's environment: gb10d's own plus its additions for a process, only the additions in a container.
+
+        `added` is what a correction adds (`Tunables.env`), where the config sets no value of its own.
+        """
         ...
 
     async def prepare(self, on_progress: Callable[[PullProgress], None]) -> PreparedImage | None:
@@ -100,8 +108,8 @@ class Launcher(Protocol):
 class LocalLauncher:
     """vLLM as a child process group of gb10d (a venv or an executable)."""
 
-    def environment(self, vllm: VllmSection) -> dict[str, str]:
-        return build_env(vllm)
+    def environment(self, vllm: VllmSection, added: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+        return build_env(vllm, added=added)
 
     async def prepare(self, on_progress: Callable[[PullProgress], None]) -> PreparedImage | None:
         return None  # the venv or executable is there or not; check-config says which

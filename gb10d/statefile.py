@@ -160,6 +160,12 @@ class StateRecord:
     instance: str | None = None  # the name in the machine's memory ledger
     reservation_bytes: int | None = None  # this instance's share in it
     waiting_for: tuple[str, ...] = ()  # while waiting for memory: the instances waited for, with their shares
+    # vLLM from a container image: the reference, the image it named when started (registry digest, else local id),
+    # and the container's name and engine.
+    image: str | None = None
+    image_digest: str | None = None
+    container: str | None = None
+    engine: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)  # fields of another gb10d version, passed through
 
     def to_json(self) -> dict[str, Any]:
@@ -203,6 +209,10 @@ class StateRecord:
             instance=_text(data, "instance"),
             reservation_bytes=_int(data, "reservation_bytes"),
             waiting_for=_texts(data, "waiting_for"),
+            image=_text(data, "image"),
+            image_digest=_text(data, "image_digest"),
+            container=_text(data, "container"),
+            engine=_text(data, "engine"),
             extra={k: v for k, v in data.items() if k not in known},
         )
 

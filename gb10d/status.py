@@ -179,6 +179,10 @@ def render(state: StateRecord | None, now: float, alive: bool) -> str:
     if state.gpu_memory_utilization is not None:
         strategy = f", load strategy {state.load_strategy}" if state.load_strategy else ""
         rows.append(("GPU memory", f"gpu_memory_utilization {state.gpu_memory_utilization:g}{strategy}"))
+    if state.image is not None:
+        rows.append(("Image", f"{state.image} ({state.image_digest})" if state.image_digest else state.image))
+    if state.container is not None:
+        rows.append(("Container", f"{state.container} ({state.engine})" if state.engine else state.container))
     rows.append(("Memory", _memory_line(state)))
     if state.instance is not None:
         reserved = f": {_gib(state.reservation_bytes)} reserved" if state.reservation_bytes is not None else ""
@@ -187,7 +191,8 @@ def render(state: StateRecord | None, now: float, alive: bool) -> str:
         rows.append(("Waiting for", ", ".join(state.waiting_for)))
     rows.append(("Host", state.host))
     if state.pid is not None:
-        rows.append(("PID", f"{state.pid} (gb10d)" + (f", {state.vllm_pid} (vLLM)" if state.vllm_pid is not None else "")))
+        started = f"{state.engine} run" if state.engine else "vLLM"  # in a container, gb10d's child is the engine's client
+        rows.append(("PID", f"{state.pid} (gb10d)" + (f", {state.vllm_pid} ({started})" if state.vllm_pid is not None else "")))
     failure = state.last_failure
     if failure is not None:
         rows.append(("Last failure", f"{failure.cause}, {duration(now - failure.at)} ago"))

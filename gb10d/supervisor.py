@@ -1,6 +1,9 @@
 """The supervisor: the loop over attempts, config changes during them, and the stop ladder.
 
-One coroutine owns the sequence of attempts. Each attempt (`attempt.Attempt`)
+One coroutine owns the sequence of attempts. A sequence begins by fetching
+what vLLM runs from (`pull.Pull`: a container image, pulled with progress;
+nothing for a venv), so that the settings learned for that very image apply.
+Each attempt (`attempt.Attempt`)
 follows one start of vLLM and returns how it ended; the supervisor decides
 what comes next with the pure `policy` (retry with corrected settings, back
 off, or give up), runs the checks around each start (`preflight`: the
@@ -14,14 +17,17 @@ nothing sleeps blindly.
 from __future__ import annotations
 
 import asyncio
+from typing import Awaitable, Callable
 
 from . import budget, policy
 from .attempt import Attempt, Start
 from .cluster import vllm_flags
 from .command import Tunables, build_argv
+from .config import Config
 from .errors import EXIT_OK, GiveUp
-from .facts import ClusterSeen, Edited, Exited, Fact, KernelSaid, Parsed, Reload, Stop
+from .facts import ClusterSeen, Edited, Exited, Fact, KernelSaid, Parsed, PullEnded, Pulled, Reload, Stop, Tick
 from .host import HostFacts
+from .image import PreparedImage
 from .keeper import ConfigKeeper
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from .lifecycle import EXTEND_MARGIN_S
@@ -31,8 +37,12 @@ from .outcome import Cause, Ended, Failed, NodeLost, Reloaded, Stopped
 from .pair import Pair
 from .policy import History
 from .preflight import Preflight
+from .pull import Pull
 from .reporter import STATUS_MAX, Reporter
 from .runtime import Launcher
+
+# How vLLM runs for a config (a local process, a container through an engine), as daemon.py picks it.
+Launchers = Callable[[Config], Awaitable[Launcher]]
 
 
 class Supervisor:
@@ -44,7 +54,7 @@ class Supervisor:
         reporter: Reporter,
         loop: FactLoop,
         preflight: Preflight,
-        launcher: Launcher,
+        launchers: Launchers,
         pair: Pair | None,
         host: HostFacts | None = None,
     ) -> None:
@@ -52,7 +62,7 @@ class Supervisor:
         self.reporter = reporter
         self.loop = loop
         self.preflight = preflight
-        self.launcher = launcher
+        self.launchers = launchers
         self.pair = pair
         self.host = host
         self.attempt: Attempt | None = None
@@ -65,14 +75,22 @@ class Supervisor:
         """Start vLLM, restart it as the policy says, until a stop signal (exit 0) or GiveUp."""
         if self.pair is not None and await self.pair.start(self._between):
             return await self._stop()
-        tunables = self.keeper.starting_tunables()
+        tunables: Tunables | None = None  # None: a new sequence, which fetches its image and then picks its settings
         history = History()
         reason = "initial"
         while True:
             if self.pair is not None and await self.pair.wait_whole(self._between):
                 return await self._stop()
             if self._fresh_start:
-                self._fresh_start, tunables, history = False, self.keeper.starting_tunables(), History()
+                self._fresh_start, tunables, history = False, None, History()
+            if tunables is None:
+                prepared = await self._prepare()
+                if isinstance(prepared, Stopped):
+                    return await self._stop()
+                if isinstance(prepared, Reloaded):
+                    history, reason = History(), "reload"
+                    continue
+                tunables = self.keeper.starting_tunables(prepared.info.identity if prepared else None)
             self.preflight.clear_shm()
             others = await self.preflight.admit(tunables, history.attempts > 0, self._pause)
             if others is None:
@@ -88,7 +106,7 @@ class Supervisor:
                 return await self._stop()
             if isinstance(ended, Reloaded):
                 await self.close()
-                tunables, history, reason = self.keeper.starting_tunables(), History(), "reload"
+                tunables, history, reason = None, History(), "reload"
                 continue
             if isinstance(ended, Failed) and ended.cause is Cause.WORKER_LOST and self.pair is not None:
                 confirmed = await self._confirm_node_loss(ended)
@@ -120,14 +138,61 @@ class Supervisor:
             tunables, reason = decision.tunables, ended.cause.value
             self.reporter.metrics.restart(reason)
 
+    async def _prepare(self) -> PreparedImage | Stopped | Reloaded | None:
+        """Fetch what a new sequence of starts runs from (a container image); a stalled pull is pulled again, paced
+        and counted as starts are; a pull that cannot succeed is a GiveUp."""
+        history = History()
+        while True:
+            # This fetch is for the config in force now, a reload during a back-off included.
+            self._fresh_start, config = False, self.keeper.config
+            launcher = await self.launchers(config)
+            history = History(history.attempts + 1, history.backoffs)
+            self._serial += 1
+            ended = await self._pull(Pull(self._serial, history.attempts, launcher, config, self.reporter, self.loop.post))
+            if not isinstance(ended, Failed):
+                return ended
+            history, decision = policy.after_failure(ended, Tunables.from_config(config.vllm), history, config, self.host)
+            self._tell_failure(ended, decision, history)
+            if isinstance(decision, policy.GiveUp):
+                raise GiveUp(decision.message, decision.exit_status)
+            self.reporter.metrics.restart(ended.cause.value)
+            self.reporter.notifier.extend_timeout(decision.delay_s + config.startup.stall_timeout_s + EXTEND_MARGIN_S)
+            if await self._pause(decision.delay_s):
+                return Stopped("")
+
+    async def _pull(self, pull: Pull) -> PreparedImage | Failed | Stopped | Reloaded | None:
+        """Follow one fetch until the image is there, it stalls, or a stop or a reload that changes vLLM ends it."""
+        try:
+            while True:
+                fact = await self.loop.next(pull.deadline())
+                ended: Failed | None = None
+                if fact is None:
+                    ended = pull.handle(Tick(None))
+                elif isinstance(fact, PullEnded) and fact.attempt == pull.serial:
+                    return pull.result()
+                elif isinstance(fact, Pulled):
+                    ended = pull.handle(fact) if fact.attempt == pull.serial else None
+                elif isinstance(fact, (Reload, Edited)):
+                    diff = self.keeper.take(requested=isinstance(fact, Reload))
+                    if diff is not None and diff.needs_vllm_restart:
+                        self.reporter.say("reload_applied", f"{diff.describe()}; fetching again for the new settings", PRIORITY_INFO)
+                        return Reloaded(diff.describe())
+                elif self._between(fact):
+                    return Stopped(fact.signame if isinstance(fact, Stop) else "")
+                if ended is not None:
+                    return ended
+        finally:
+            await pull.close()
+
     async def _run_attempt(self, tunables: Tunables, number: int, reason: str) -> Ended:
         """Start vLLM once and follow it until it ends."""
         config = self.keeper.config
+        launcher = await self.launchers(config)
         argv = build_argv(config.vllm, tunables, vllm_flags(config.cluster) if config.cluster else ())
-        env = {**self.keeper.env(tunables), **(self.pair.env() if self.pair else {})}
+        env = {**launcher.environment(self.keeper.snapshot.vllm, tunables.env), **(self.pair.env() if self.pair else {})}
         self._serial += 1
         start = Start(self._serial, number, tunables, argv, env, reason, self.preflight.meminfo(), self.pair.view if self.pair else None)
-        self.attempt = attempt = await Attempt.launch(start, self.launcher, config, self.reporter, self.loop.post, self.keeper.remember)
+        self.attempt = attempt = await Attempt.launch(start, launcher, config, self.reporter, self.loop.post, self.keeper.remember)
         while True:
             fact = await self.loop.next(attempt.deadline())
             ended: Ended | None
@@ -143,8 +208,8 @@ class Supervisor:
                 ended = self.pair.on_view(fact.view, attempt.start.start_view, attempt.runtime.pid, attempt.ready) if self.pair else None
                 if ended is not None:
                     await attempt.kill()
-            elif fact.attempt != attempt.serial:
-                continue  # a late fact about an attempt already over
+            elif isinstance(fact, PullEnded) or fact.attempt != attempt.serial:
+                continue  # a late fact about an attempt (or a fetch) already over
             else:
                 ended = await attempt.handle(fact)
                 if isinstance(ended, Failed) and isinstance(fact, Exited) and self.pair is not None:
@@ -231,7 +296,7 @@ class Supervisor:
         if attempt is not None:
             self.reporter.say(
                 "stopping",
-                f"stopping vLLM ({attempt.runtime.label}): SIGTERM to its process group, SIGKILL after {grace:g} s",
+                f"stopping vLLM ({attempt.runtime.label}): SIGTERM to {attempt.runtime.reaches}, SIGKILL after {grace:g} s",
                 PRIORITY_INFO,
             )
             stop = asyncio.create_task(attempt.runtime.stop(grace, self._on_escalate))
@@ -239,14 +304,15 @@ class Supervisor:
                 second = asyncio.create_task(self.loop.queue.get())
                 done, _ = await asyncio.wait({stop, second}, return_when=asyncio.FIRST_COMPLETED)
                 if second in done and isinstance(second.result(), Stop):
-                    self.reporter.say("stopping", "second stop signal: killing vLLM's process group now", PRIORITY_WARNING)
+                    self.reporter.say("stopping", f"second stop signal: killing vLLM ({attempt.runtime.reaches}) now", PRIORITY_WARNING)
                     await attempt.runtime.kill()
                 if not second.done():
                     second.cancel()
             await stop
         if self.pair is not None:
             await self.pair.close()
-        self.reporter.say("stopped", "vLLM stopped; no process of its group is left", PRIORITY_INFO)
+        left = f"nothing of {attempt.runtime.reaches} is left" if attempt is not None else "nothing of it is left"
+        self.reporter.say("stopped", f"vLLM stopped; {left}", PRIORITY_INFO)
         self.reporter.stopped()
         return EXIT_OK
 

@@ -25,8 +25,11 @@ import tarfile
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
+from datetime import datetime, UTC
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -44,6 +47,11 @@ import sys
 sys.path.insert(0, "/opt/gb10d")
 runpy.run_module("gb10d.sim", run_name="__main__", alter_sys=True)
 """
+# What a registry may hold for a tag: docker's and OCI's manifests (and their lists).
+MANIFEST_TYPES = ", ".join([
+    "application/vnd.docker.distribution.manifest.v2+json", "application/vnd.docker.distribution.manifest.list.v2+json",
+    "application/vnd.oci.image.manifest.v1+json", "application/vnd.oci.image.index.v1+json",
+])
 _SKIPPED_STDLIB = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "site-packages", "dist-packages"}
 _CAP_SYS_RESOURCE = 24
 
@@ -162,8 +170,12 @@ def import_rootfs(engine: Engine, root: Path, reference: str) -> None:
         engine_run(engine, "import", "--change", "ENV PATH=/usr/local/bin:/usr/bin:/bin", str(archive), reference, timeout=600)
 
 
+# Another tree's sim image younger than this may be in use by a test run of that tree on the same engine.
+STALE_IMAGE_S = 24 * 3600
+
+
 def ensure_sim_image(engine: Engine) -> str:
-    """The sim image in this engine, built if this tree's tag is missing; older tags of it are removed."""
+    """The sim image in this engine, built if this tree's tag is missing; other trees' tags of it a day old are removed."""
     reference = sim_image_tag()
     if engine_run(engine, "image", "inspect", reference, check=False).returncode == 0:
         return reference
@@ -172,13 +184,67 @@ def ensure_sim_image(engine: Engine) -> str:
         import_rootfs(engine, Path(scratch) / "root", reference)
     listed = engine_run(engine, "images", "--format", "{{.Repository}}:{{.Tag}}", check=False).stdout.split()
     for old in listed:
-        if old.startswith(f"{SIM_REPOSITORY}:") and old != reference:
+        if old.startswith(f"{SIM_REPOSITORY}:") and old != reference and _age_s(engine, old) > STALE_IMAGE_S:
             engine_run(engine, "rmi", "--force", old, check=False)
     return reference
 
 
+def _age_s(engine: Engine, reference: str) -> float:
+    """How long ago the image was made; 0 if unknown. docker writes `Created` as RFC 3339, podman as Go's
+    default (`2026-12-04 08:44:33.99984106 +0000 UTC`), both with up to nanoseconds."""
+    created = engine_run(engine, "image", "inspect", "--format", "{{.Created}}", reference, check=False).stdout.strip()
+    match = re.match(r"(\d{4}-\d\d-\d\d)[T ](\d\d:\d\d:\d\d)(?:\.\d+)?\s*(Z|[+-]\d\d:?\d\d)", created)
+    if match is None:
+        return 0.0
+    offset = "+00:00" if match.group(3) == "Z" else match.group(3)[:3] + ":" + match.group(3)[-2:]
+    made = datetime.fromisoformat(f"{match.group(1)}T{match.group(2)}{offset}")
+    return (datetime.now(UTC) - made).total_seconds()
+
+
 def remove_image(engine: Engine, reference: str) -> None:
+    """Remove the tag, and the digests docker keeps of its repository after a pull or push (the image itself goes with its last name).
+
+    podman keeps no digest names of their own (its RepoDigests are each name
+    with each digest), and `podman rmi NAME@DIGEST` would remove the image
+    under all its names.
+    """
     engine_run(engine, "rmi", "--force", reference, check=False)
+    if engine.kind != "docker":
+        return
+    repository = reference.rsplit(":", 1)[0] if ":" in reference.rsplit("/", 1)[-1] else reference
+    listed = engine_run(engine, "images", "--digests", "--format", "{{.Repository}} {{.Digest}}", repository, check=False).stdout.split("\n")
+    for line in listed:
+        name, _, digest = line.partition(" ")
+        if name == repository and digest.startswith("sha256:"):
+            engine_run(engine, "rmi", f"{name}@{digest}", check=False)
+
+
+def push_image(engine: Engine, local: str, reference: str) -> str:
+    """Push the local image `local` as `reference` (REGISTRY/REPOSITORY:TAG), leaving no local tag of it; the registry's digest.
+
+    The digest is asked of the registry: podman converts the image on push,
+    so its local digest is not the one a pull will find.
+    """
+    if local != reference:
+        engine_run(engine, "tag", local, reference)
+    engine_run(engine, "push", *(["--tls-verify=false"] if engine.kind == "podman" else []), reference, timeout=600)
+    engine_run(engine, "rmi", reference)  # the tag only: `local` keeps the image
+    registry, _, rest = reference.partition("/")
+    repository, _, tag = rest.rpartition(":")
+    request = urllib.request.Request(f"http://{registry}/v2/{repository}/manifests/{tag}", method="HEAD", headers={"Accept": MANIFEST_TYPES})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return str(answer.headers["Docker-Content-Digest"])
+
+
+def push_random_image(engine: Engine, tmp_path: Path, reference: str, size_mib: int = 64) -> str:
+    """A one-layer image of random bytes (so no layer is present already), pushed as `reference`; the registry's digest of it."""
+    root = tmp_path / f"layer-{time.monotonic_ns()}"
+    root.mkdir()
+    (root / "blob").write_bytes(os.urandom(size_mib << 20))
+    archive = tmp_path / f"{root.name}.tar"
+    subprocess.run(["tar", "-C", str(root), "-cf", str(archive), "."], check=True)
+    engine_run(engine, "import", str(archive), reference)
+    return push_image(engine, reference, reference)
 
 
 @dataclass
@@ -235,6 +301,17 @@ def start_registry(directory: Path, auth: bool = False) -> Registry:
                 registry.stop()
                 raise AssertionError(f"docker-registry did not come up on {registry.address}") from None
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def plain_http_registry(directory: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Registry]:
+    """A local registry that podman (and whatever it runs, gb10d included) may use over plain HTTP; docker allows 127.0.0.1 by itself."""
+    started = start_registry(directory / "registry")
+    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registries_conf(directory, started.address, started.address.replace("127.0.0.1", "localhost"))))
+    try:
+        yield started
+    finally:
+        started.stop()
 
 
 def registries_conf(directory: Path, *addresses: str) -> Path:
@@ -301,6 +378,13 @@ class SlowLink:
             with contextlib.suppress(OSError):
                 end.shutdown(socket.SHUT_RDWR)
                 end.close()
+
+
+def live_pull_clients(image: str) -> list[int]:
+    """The engine clients still pulling `image` (their command line names it)."""
+    from harness import live_pids
+
+    return live_pids(lambda entry, _fields: b"pull" in (entry / "cmdline").read_bytes().split(b"\0") and image.encode() in (entry / "cmdline").read_bytes())
 
 
 def sigterm_ignoring_program() -> list[str]:

@@ -17,7 +17,7 @@ from containers import engine_or_skip, ensure_sim_image, sim_image_tag
 from gb10d.cli import main
 from gb10d.command import Engine, build_argv, container_argv, env_additions
 from gb10d.config import Config, load_config, load_config_explained
-from gb10d.errors import EXIT_CONFIG
+from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP
 
 ROOT = Path(__file__).parent.parent
 SHIPPED = ROOT / "etc" / "gb10d.toml"
@@ -56,12 +56,12 @@ def test_help_lists_the_subcommands_exit_codes_and_config_variable(capsys: pytes
         main(["--help"])
     assert exited.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for name in ("check-config", "print-command", "import-script", "run"):
+    for name in ("check-config", "print-command", "import-script", "run", "cleanup"):
         assert name in text
     assert "$GB10D_CONFIG" in text and "/etc/gb10d.toml" in text and "78 config error" in text
 
 
-@pytest.mark.parametrize("name", ["check-config", "print-command", "import-script", "run"])
+@pytest.mark.parametrize("name", ["check-config", "print-command", "import-script", "run", "cleanup"])
 def test_every_subcommand_has_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main([name, "--help"])
@@ -318,10 +318,25 @@ def test_print_command_of_an_image_is_the_exact_run_line_and_names_the_pull_firs
     assert result.stderr == 'gb10d: gb10d pulls the image when it is missing (container.pull = "missing"): docker pull nvcr.io/nvidia/vllm:26.05-py3\n'
 
 
-@pytest.mark.slow
-def test_run_refuses_an_image_until_the_supervisor_drives_containers(tmp_path: Path) -> None:
+def test_cleanup_of_vllm_from_a_venv_has_nothing_to_do(tmp_path: Path) -> None:
+    # The unit runs it after every stop: for a venv it must not need an engine, nor say anything.
     config = tmp_path / "gb10d.toml"
-    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3"))
-    result = cli("run", "--config", str(config))
-    assert result.returncode == EXIT_CONFIG and result.stdout == ""
-    assert result.stderr.startswith(f"gb10d: {config}:2: vllm.image: gb10d run does not supervise vLLM in a container yet")
+    config.write_text('[vllm]\nvenv = "/opt/vllm"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n')
+    result = cli("cleanup", "--config", str(config))
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_cleanup_through_an_engine_that_is_not_running_says_how_to_start_it(tmp_path: Path) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine="docker", socket=str(tmp_path / "absent.sock")))
+    result = cli("cleanup", "--config", str(config))
+    assert result.returncode == EXIT_GAVE_UP and result.stdout == ""
+    assert result.stderr.startswith("gb10d: docker version failed: ") and "start it: sudo systemctl enable --now docker" in result.stderr
+
+
+def test_cleanup_of_a_config_that_does_not_load_says_so_once(tmp_path: Path) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text('[vllm]\nimage = "nvcr.io/NVIDIA/vllm:26.05"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n')
+    result = cli("cleanup", "--config", str(config))
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == f"gb10d: {config} does not load, so no container of it is removed; gb10d check-config says what to fix\n"

@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,6 +29,8 @@ from containers import (
     engine_or_skip,
     engine_run,
     ensure_sim_image,
+    plain_http_registry,
+    push_random_image,
     registries_conf,
     remove_image,
     run_args_for,
@@ -58,11 +59,6 @@ from harness import DEADLINE_S, free_port, live_pids, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
-# What a registry may hold for a tag: docker's and OCI's manifests (and their lists).
-MANIFEST_TYPES = ", ".join([
-    "application/vnd.docker.distribution.manifest.v2+json", "application/vnd.docker.distribution.manifest.list.v2+json",
-    "application/vnd.oci.image.manifest.v1+json", "application/vnd.oci.image.index.v1+json",
-])
 # The sim at 1/50 of GB10's pace: serving about three seconds after its container starts.
 SIM_SPEED = "0.02"
 
@@ -481,31 +477,8 @@ def test_pull_from_an_unreachable_registry_fails_quickly_and_says_so(engine: Eng
 @pytest.fixture
 def registry(tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Iterator[Registry]:
     """A local registry this test's engine may use over plain HTTP."""
-    started = start_registry(tmp_path / "registry")
-    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registries_conf(tmp_path, started.address, started.address.replace("127.0.0.1", "localhost"))))
-    yield started
-    started.stop()
-
-
-def push_random_image(engine: Engine, tmp_path: Path, reference: str, size_mib: int = 64) -> str:
-    """A one-layer image of random bytes (so no layer is present already), pushed as `reference`; the registry's digest of it.
-
-    The digest is asked of the registry: podman converts the image on push,
-    so its local digest is not the one a pull will find.
-    """
-    root = tmp_path / f"layer-{time.monotonic_ns()}"
-    root.mkdir()
-    (root / "blob").write_bytes(os.urandom(size_mib << 20))
-    archive = tmp_path / f"{root.name}.tar"
-    subprocess.run(["tar", "-C", str(root), "-cf", str(archive), "."], check=True)
-    engine_run(engine, "import", str(archive), reference)
-    engine_run(engine, "push", *(["--tls-verify=false"] if engine.kind == "podman" else []), reference)
-    remove_image(engine, reference)
-    registry, _, rest = reference.partition("/")
-    repository, _, tag = rest.rpartition(":")
-    request = urllib.request.Request(f"http://{registry}/v2/{repository}/manifests/{tag}", method="HEAD", headers={"Accept": MANIFEST_TYPES})
-    with urllib.request.urlopen(request, timeout=30) as answer:
-        return str(answer.headers["Docker-Content-Digest"])
+    with plain_http_registry(tmp_path, monkeypatch) as started:
+        yield started
 
 
 @pytest.mark.slow

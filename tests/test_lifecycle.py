@@ -24,7 +24,8 @@ from gb10d.events import (
     StartupCompleted,
     StatsLogged,
 )
-from gb10d.facts import AttemptFact, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Tick
+from gb10d.facts import AttemptFact, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Pulled, Tick
+from gb10d.image import PullProgress
 from gb10d.levels import PRIORITY_ERR
 from gb10d.lifecycle import (
     EXIT_GRACE_S,
@@ -41,6 +42,7 @@ from gb10d.lifecycle import (
     ShowPhase,
     StartReadiness,
     begin,
+    begin_pull,
     deadline,
     served_name_problem,
     step,
@@ -306,3 +308,50 @@ def test_models_that_do_not_answer_say_what_came_back() -> None:
     assert served_name_problem(["qwen"], ProbeResult(401, "Unauthorized", 0.01)) == (
         "vLLM serves nothing (HTTP 401) but the config expects qwen: clients asking for qwen would get 404"
     )
+
+
+# --- the pull of a container image -------------------------------------------------------
+
+
+def pulling(layers_done: int, downloaded: int, total: int = 9_800_000_000) -> Pulled:
+    progress = PullProgress("nvcr.io/nvidia/vllm:26.05-py3", layers_done, 12, downloaded, downloaded // 2, total)
+    return Pulled(1, progress)
+
+
+def pull_started() -> Run:
+    return Run(begin_pull(1, Tunables(0.8), T0), [])
+
+
+def test_a_pull_says_nothing_until_the_engine_reports_one() -> None:
+    # An image that is there already (or a venv) needs no pull: no STATUS= flashes by, no extension is asked for.
+    run = pull_started()
+    assert run.state.startup.phase.value == "pulling" and deadline(run.state, CONFIG) == T0 + STALL_S
+
+
+def test_each_step_of_a_pull_is_progress_shown_in_status_and_extends_the_start_timeout() -> None:
+    run = pull_started()
+    actions = run(pulling(3, 4_100_000_000), T0 + 30)
+    assert actions == [
+        Extend(STALL_S + 60),
+        ShowPhase("pulling nvcr.io/nvidia/vllm:26.05-py3: 4.10 of 9.80 GB downloaded, 2.05 GB unpacked (3 of 12 layers), attempt 1/5"),
+    ]
+    assert deadline(run.state, CONFIG) == T0 + 30 + STALL_S
+    assert not any(isinstance(a, Extend) for a in run(pulling(3, 4_200_000_000), T0 + 30.5)), "throttled to once a second"
+
+
+def test_a_pull_that_moves_nothing_for_the_stall_timeout_is_cancelled_as_stalled() -> None:
+    run = pull_started()
+    run(pulling(3, 4_100_000_000), T0 + 30)
+    assert run(Tick(None), T0 + 30 + STALL_S - 1) == []
+    actions = run(Tick(None), T0 + 30 + STALL_S)
+    where = "pulling nvcr.io/nvidia/vllm:26.05-py3: 4.10 of 9.80 GB downloaded, 2.05 GB unpacked (3 of 12 layers)"
+    assert says(actions) == [("stall_detected", f"the image's pull made no progress for 300 s (startup.stall_timeout_s 300): {where}; cancelling it")]
+    assert finished(actions) == Failed(cause=Cause.PULL_STALLED, detail=f"stalled while {where}")
+
+
+def test_a_long_pull_that_keeps_moving_is_never_a_start_timeout() -> None:
+    # startup.ready_timeout_s counts from vLLM's start; a 40 GB image over a slow link may take longer to pull.
+    run = pull_started()
+    for minute in range(1, 90):
+        assert finished(run(pulling(minute // 10, minute * 100_000_000), T0 + minute * 60)) is None
+        assert finished(run(Tick(None), T0 + minute * 60 + 1)) is None

@@ -50,7 +50,7 @@ def run(events: list[Event], state: StartupState | None = None, t0: float = 100.
 
 def test_phase_values_are_the_names_everyone_shows() -> None:
     assert [p.value for p in Phase] == [
-        "preflight", "spawning", "downloading", "loading_weights", "compiling", "kv_cache", "capturing_graphs",
+        "pulling", "preflight", "spawning", "downloading", "loading_weights", "compiling", "kv_cache", "capturing_graphs",
         "starting_server", "warming_up", "ready", "stopping", "exited",
     ]
 

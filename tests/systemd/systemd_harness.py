@@ -168,8 +168,15 @@ class Container:
                 _kill(self.nspawn, self.init_pid)
 
 
-def boot(root: Path, share: Path, log: Path) -> Container:
-    """Boot `root` as a container with `share` visible read-only inside; console output goes to `log`."""
+def boot(root: Path, share: Path, log: Path, host_network: bool = False, binds: tuple[Path, ...] = ()) -> Container:
+    """Boot `root` as a container with `share` visible read-only inside; console output goes to `log`.
+
+    `host_network` shares the host's network namespace instead of a private
+    one (a container engine of the host then serves its ports where the
+    booted system sees them); each of `binds` is a host path bound at the
+    same path inside, writable (an engine's socket, a directory both sides
+    must see alike).
+    """
     with open(log, "wb") as console:
         nspawn = subprocess.Popen(
             [
@@ -178,9 +185,10 @@ def boot(root: Path, share: Path, log: Path) -> Container:
                 "--keep-unit",
                 "--quiet",
                 "--volatile=overlay",
-                "--private-network",
-                f"--machine=gb10d-test-{os.getpid()}",
+                *([] if host_network else ["--private-network"]),
+                f"--machine=gb10d-test-{os.getpid()}-{share.name[-8:]}",
                 f"--bind-ro={share}:{SHARE_IN_CONTAINER}",
+                *(f"--bind={path}" for path in binds),
                 "-D",
                 str(root),
                 "-b",
