@@ -22,7 +22,7 @@ from .errors import GiveUp, SpawnError
 from .events import Event, Failure
 from .facts import AttemptFact, Exited, ExitSeen, Fact, Parsed, ProbeKind, Probed, Tick
 from .journal import Journal
-from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
+from .levels import PRIORITY_ERR, PRIORITY_INFO
 from .lifecycle import Action, AttemptState
 from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
 from .memory import MemInfo
@@ -119,17 +119,9 @@ class Attempt:
     async def launch(
         cls, start: Start, launcher: Launcher, config: Config, reporter: Reporter, post: Callable[[Fact], None], on_ready: Callable[[Tunables], None]
     ) -> Attempt:
-        """Start vLLM and the tasks that follow it; a program that cannot start at all is a GiveUp.
-
-        What an earlier gb10d left running under this config (a container
-        whose gb10d was SIGKILLed) is removed first: it would hold the port,
-        the name and the memory.
-        """
+        """Start vLLM and the tasks that follow it; a program that cannot start at all is a GiveUp."""
         number, tunables, argv, env, baseline = start.number, start.tunables, start.argv, start.env, start.baseline
         try:
-            removed = await launcher.clear_leftovers()
-            if removed is not None:
-                reporter.say("container_removed", removed, PRIORITY_WARNING, attempt=number)
             runtime = await launcher.launch(argv, env)
         except SpawnError as exc:
             raise GiveUp(str(exc), exc.exit_status) from None

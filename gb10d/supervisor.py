@@ -24,7 +24,7 @@ from .attempt import Attempt, Start
 from .cluster import vllm_flags
 from .command import Tunables, build_argv
 from .config import Config
-from .errors import EXIT_OK, GiveUp
+from .errors import EXIT_OK, GiveUp, SpawnError
 from .facts import ClusterSeen, Edited, Exited, Fact, KernelSaid, Parsed, PullEnded, Pulled, Reload, Stop, Tick
 from .host import HostFacts
 from .image import PreparedImage
@@ -91,7 +91,7 @@ class Supervisor:
                     history, reason = History(), "reload"
                     continue
                 tunables = self.keeper.starting_tunables(prepared.info.identity if prepared else None)
-            self.preflight.clear_shm()
+            await self._clear_leftovers(history.attempts + 1)
             others = await self.preflight.admit(tunables, history.attempts > 0, self._pause)
             if others is None:
                 return await self._stop()
@@ -183,6 +183,23 @@ class Supervisor:
                     return ended
         finally:
             await pull.close()
+
+    async def _clear_leftovers(self, number: int) -> None:
+        """Remove what a dead gb10d left under this config, before this start's memory is counted.
+
+        A container whose gb10d was SIGKILLed still holds vLLM's port, its
+        name and all its memory: measured first, that memory would make the
+        free-memory check lower or refuse the start that replaces it. Its
+        shared-memory segments are stale only once it is gone.
+        """
+        launcher = await self.launchers(self.keeper.config)
+        try:
+            removed = await launcher.clear_leftovers()
+        except SpawnError as exc:
+            raise GiveUp(str(exc), exc.exit_status) from None
+        if removed is not None:
+            self.reporter.say("container_removed", removed, PRIORITY_WARNING, attempt=number)
+        self.preflight.clear_shm()
 
     async def _run_attempt(self, tunables: Tunables, number: int, reason: str) -> Ended:
         """Start vLLM once and follow it until it ends."""

@@ -48,6 +48,9 @@ Knobs (environment):
   taking more than MemAvailable fails as CUDA does. Its directory must be
   writable (a lock file and an atomic replace). Not in Ray mode, whose
   workers hold their memory on their own machines.
+  `GB10D_SIM_MEMINFO_HOLD=0` reads the file at the check but holds nothing
+  in it: in a container the engine kills every process at once, the keeper
+  that gives the memory back included, so what it held would stay taken.
 
 Ray mode (`--distributed-executor-backend ray`, as vLLM across two GB10s):
 the EngineCore becomes the driver of a real Ray cluster, `ray.init(address=

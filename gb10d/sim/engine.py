@@ -245,7 +245,7 @@ class EngineCore:
     def run(self) -> NoReturn:
         """vLLM's EngineCore startup, phase by phase (REFERENCE §2), then serving until killed."""
         set_process_title("VLLM::EngineCore")
-        if self.settings.meminfo is not None and not self.ray:
+        if self.settings.meminfo is not None and self.settings.hold_memory and not self.ray:
             self.hold = Hold(self.settings.meminfo)
         self.settings.sleep(SPAWN_S)
         self.log("v1/engine/core.py:113", self._config_line())

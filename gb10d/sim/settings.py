@@ -121,6 +121,7 @@ class SimSettings:
     speed: float
     shards: int | None
     meminfo: Path | None
+    hold_memory: bool  # the EngineCore holds its memory in `meminfo` (GB10D_SIM_MEMINFO_HOLD)
     total_gib: float
     free_gib: float
     style: LogStyle
@@ -224,6 +225,7 @@ def from_environ(env: Mapping[str, str] | None = None) -> SimSettings:
         speed=speed,
         shards=shards,
         meminfo=meminfo,
+        hold_memory=_flag(env, "GB10D_SIM_MEMINFO_HOLD", True),
         total_gib=total,
         free_gib=free,
         style=style,

@@ -63,6 +63,17 @@ def test_kill_9_of_the_whole_group_gives_the_memory_back_as_the_kernel_would(sim
     wait_until(lambda: taken(meminfo, (start.free, start.available)) == (0, 0), what="the memory of the killed stand-in given back")
 
 
+def test_without_holding_the_stand_in_reads_the_file_for_its_check_and_leaves_it_as_it_was(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # For a stand-in in a container, whose engine kills its keeper with it: the file is only read.
+    meminfo = machine(tmp_path, free_gib=50.0)
+    too_much = sim("m", "--gpu-memory-utilization", "0.5", env={"GB10D_SIM_MEMINFO": str(meminfo), "GB10D_SIM_MEMINFO_HOLD": "0"})
+    assert too_much.wait_exit() == 1, "50 GiB free is less than 0.5 of 121.69 GiB: the check reads the file"
+    meminfo.write_text(meminfo_text(121.69, 100.0, 112.0))
+    s = sim("m", "--gpu-memory-utilization", "0.5", env={"GB10D_SIM_MEMINFO": str(meminfo), "GB10D_SIM_MEMINFO_HOLD": "0"})
+    s.wait_ready()
+    assert meminfo.read_text() == meminfo_text(121.69, 100.0, 112.0)
+
+
 def test_a_second_stand_in_fails_vllms_free_memory_check_when_the_first_holds_the_memory(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     meminfo = machine(tmp_path)
     first = sim("m", "--gpu-memory-utilization", "0.5", env={"GB10D_SIM_MEMINFO": str(meminfo)})
