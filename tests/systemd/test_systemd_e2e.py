@@ -170,8 +170,6 @@ def installed(container: Container, debian: Debian, build_deb: Callable[[str, st
 @pytest.fixture
 def supervisor(installed: Container) -> Iterator[Container]:
     """The installed container for a test that runs `gb10d run`; units are stopped and reset afterwards."""
-    if installed.run("gb10d", "run", "--help", check=False).returncode != 0:
-        pytest.skip("gb10d run is not implemented in this tree yet (gb10d run --help fails)")
     yield installed
     installed.run("systemctl", "stop", UNIT, INSTANCE, check=False)
     installed.run("systemctl", "reset-failed", UNIT, INSTANCE, check=False)
