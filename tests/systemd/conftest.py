@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report ends with what gb10d and systemd logged in its container, read before teardown."""
+    report = yield
+    if report.when == "call" and report.failed:
+        boxes = [value for value in getattr(item, "funcargs", {}).values() if isinstance(value, Container)]
+        if boxes and boxes[0].nspawn.poll() is None:
+            log = boxes[0].run("journalctl", "--no-pager", "-b", "-n", "150", "-u", "gb10d*", check=False)
+            report.sections.append(("the journal of gb10d's units in the container (last 150 lines)", log.stdout + log.stderr))
+    return report
 
 
 def skip_unless_tools(*names: str, package_hint: str) -> None:

@@ -6,13 +6,22 @@ import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 
 from systemd_harness import gb10d_version
 
-# ELF e_machine values of the extension modules each target must carry.
-TARGETS = {
+class Target(TypedDict):
+    """What the package as shipped for one architecture must carry."""
+
+    python: str
+    machine: int  # ELF e_machine of the extension modules
+    triplet: str
+    tag: str
+
+
+TARGETS: dict[str, Target] = {
     "arm64": {"python": "3.12", "machine": 183, "triplet": "aarch64-linux-gnu", "tag": "cp312-cp312-manylinux2014_aarch64"},
     "amd64": {"python": "3.11", "machine": 62, "triplet": "x86_64-linux-gnu", "tag": "cp311-cp311-manylinux2014_x86_64"},
 }
