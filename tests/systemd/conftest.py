@@ -18,7 +18,7 @@ from systemd_harness import BOOT_TIMEOUT_S, DEBIAN_12_AMD64, REPO, BootFailed, C
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "native_only(reason): left out where the container runs under qemu-user emulation")
+    config.addinivalue_line("markers", "emulated_too: also runs where the container's programs run under qemu-user emulation")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

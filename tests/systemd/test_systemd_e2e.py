@@ -136,21 +136,18 @@ def debian(request: pytest.FixtureRequest) -> Debian:
     return result
 
 
-def native_only(reason: str) -> pytest.MarkDecorator:
-    """Marks a test left out under emulation, where every gb10d start takes 15-40 s; `reason` says why it can be.
-
-    What runs there is the subset that proves the arm64 package: install, its
-    extension module, a config error, start to READY, STATUS= phases, reload,
-    stop, a free-memory recovery, purge. On an arm64 machine all tests run.
-    """
-    return pytest.mark.native_only(reason=reason)
+# Each emulated start of gb10d takes 15 to 40 s, so under emulation only the
+# tests marked with this run: the subset that proves the arm64 package (install,
+# its extension module, the units, a config error, start to READY, STATUS=
+# phases, reload, stop, a free-memory recovery, purge). The others check what
+# the architecture does not change. On an arm64 machine every test runs.
+emulated_too = pytest.mark.emulated_too
 
 
 @pytest.fixture(autouse=True)
-def _leave_out_under_emulation(request: pytest.FixtureRequest, debian: Debian) -> None:
-    marker = request.node.get_closest_marker("native_only")
-    if marker is not None and debian.emulated():
-        pytest.skip(f"not under emulation: {marker.kwargs['reason']}")
+def _only_the_subset_under_emulation(request: pytest.FixtureRequest, debian: Debian) -> None:
+    if debian.emulated() and request.node.get_closest_marker("emulated_too") is None:
+        pytest.skip(f"{debian.name} runs under emulation, where only the tests marked emulated_too run")
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +172,7 @@ def supervisor(installed: Container) -> Iterator[Container]:
     installed.run("systemctl", "reset-failed", UNIT, INSTANCE, check=False)
 
 
+@emulated_too
 def test_install_creates_the_user_compiles_and_starts_nothing(installed: Container) -> None:
     output = (installed.share / "dpkg-install.log").read_text()
     assert "systemctl start gb10d" in output, output
@@ -186,6 +184,7 @@ def test_install_creates_the_user_compiles_and_starts_nothing(installed: Contain
     assert installed.show(UNIT, "ActiveState", "UnitFileState") == {"ActiveState": "inactive", "UnitFileState": "disabled"}
 
 
+@emulated_too
 def test_the_vendored_extension_module_is_the_one_for_this_cpu_and_python(installed: Container, debian: Debian) -> None:
     # pydantic-core is the only compiled part of the package: a wrong or missing
     # one fails every gb10d command at import, before anything can be logged.
@@ -204,7 +203,6 @@ def test_the_vendored_extension_module_is_the_one_for_this_cpu_and_python(instal
     assert check.returncode == 0 and "Traceback" not in check.stderr, check.stdout + check.stderr
 
 
-@native_only("the config-error test below shows exit 78 without a restart on every system")
 def test_starting_the_unedited_config_fails_once_and_names_what_to_edit(supervisor: Container) -> None:
     # The shipped /etc/gb10d.toml points at a vLLM venv this machine does not have.
     assert supervisor.run("systemctl", "start", UNIT, check=False).returncode != 0
@@ -216,6 +214,7 @@ def test_starting_the_unedited_config_fails_once_and_names_what_to_edit(supervis
     assert re.search(r"/etc/gb10d.toml:\d+: vllm.venv", journal(supervisor, UNIT)), journal(supervisor, UNIT)
 
 
+@emulated_too
 def test_units_pass_systemd_analyze_verify(installed: Container, debian: Debian) -> None:
     # Documentation=man:gb10d(8) is checked with man where the root has man-db
     # (Debian 12; under emulation its triggers would slow every dpkg run).
@@ -224,11 +223,13 @@ def test_units_pass_systemd_analyze_verify(installed: Container, debian: Debian)
     assert result.returncode == 0 and result.stdout + result.stderr == "", result.stdout + result.stderr
 
 
+@emulated_too
 def test_catalog_explains_gb10d_messages(installed: Container) -> None:
     catalog = installed.run("journalctl", "--list-catalog").stdout
     assert "gb10d" in catalog, "the dpkg trigger did not index /usr/lib/systemd/catalog/gb10d.catalog"
 
 
+@emulated_too
 def test_config_error_fails_the_start_with_78_and_is_not_restarted(supervisor: Container) -> None:
     supervisor.write("/etc/gb10d.toml", sim_config().replace("port = 8000", 'port = "eighty"'))
     start = supervisor.run("systemctl", "start", UNIT, check=False)
@@ -241,6 +242,7 @@ def test_config_error_fails_the_start_with_78_and_is_not_restarted(supervisor: C
     assert "Traceback" not in log, log
 
 
+@emulated_too
 def test_start_returns_only_once_vllm_serves(supervisor: Container) -> None:
     supervisor.write("/etc/gb10d.toml", sim_config())
     supervisor.run("systemctl", "start", UNIT)
@@ -254,6 +256,7 @@ def test_start_returns_only_once_vllm_serves(supervisor: Container) -> None:
     assert status.returncode == 0 and "qwen-test" in status.stdout + status.stderr, status.stdout + status.stderr
 
 
+@emulated_too
 def test_reload_keeps_the_same_vllm_serving(supervisor: Container) -> None:
     supervisor.write("/etc/gb10d.toml", sim_config())
     supervisor.run("systemctl", "start", UNIT)
@@ -273,6 +276,7 @@ def test_reload_keeps_the_same_vllm_serving(supervisor: Container) -> None:
     assert unit_processes(supervisor) == processes_before, "an unchanged config must not restart vLLM"
 
 
+@emulated_too
 def test_stop_leaves_no_process_of_the_unit(supervisor: Container) -> None:
     supervisor.write("/etc/gb10d.toml", sim_config())
     supervisor.run("systemctl", "start", UNIT)
@@ -283,6 +287,7 @@ def test_stop_leaves_no_process_of_the_unit(supervisor: Container) -> None:
     assert unit_processes(supervisor) == []
 
 
+@emulated_too
 def test_slow_start_shows_its_phases_and_outlasts_a_short_start_timeout(supervisor: Container, debian: Debian) -> None:
     # 8 shards, 150 simulated seconds each at speed 0.01: 12 s of loading,
     # longer than the 8 s start timeout, which only progress can extend. Under
@@ -309,7 +314,6 @@ def test_slow_start_shows_its_phases_and_outlasts_a_short_start_timeout(supervis
     assert seen[-1].startswith("serving") and seen.index(shards[-1]) < len(seen) - 1, seen
 
 
-@native_only("the pings come from gb10d's own timer, the same Python code on any CPU")
 def test_watchdog_is_answered_while_serving(supervisor: Container) -> None:
     supervisor.write("/etc/gb10d.toml", sim_config())
     with drop_in(supervisor, UNIT, "[Service]\nWatchdogSec=2s\n"):
@@ -326,6 +330,7 @@ def test_watchdog_is_answered_while_serving(supervisor: Container) -> None:
     assert state == {"ActiveState": "active", "NRestarts": "0"}, state
 
 
+@emulated_too
 def test_free_memory_failure_recovers_and_the_warning_explains_it(supervisor: Container) -> None:
     # 0.9 of 121.69 GiB is 109.52 GiB, more than the 100 GiB free.
     supervisor.write(MEMINFO, meminfo(total_gib=121.69, free_gib=100.0))
@@ -344,7 +349,6 @@ def test_free_memory_failure_recovers_and_the_warning_explains_it(supervisor: Co
         supervisor.write(MEMINFO, meminfo(total_gib=121.69, free_gib=115.0))
 
 
-@native_only("the template unit is the same file in both packages, and a second start doubles the cost")
 def test_instance_serves_from_its_own_config_beside_the_main_unit(supervisor: Container) -> None:
     supervisor.write("/etc/gb10d.toml", sim_config(utilization=0.4))
     supervisor.write(
@@ -383,7 +387,6 @@ def repacked(deb: Path, version: str, out: Path) -> Path:
     return target
 
 
-@native_only("the maintainer scripts are the same shell scripts in both packages; install and purge run them here")
 def test_upgrade_keeps_the_edited_conffile_and_does_not_restart(
     supervisor: Container, debian: Debian, build_deb: Callable[[str, str], Path], tmp_path: Path
 ) -> None:
@@ -400,6 +403,7 @@ def test_upgrade_keeps_the_edited_conffile_and_does_not_restart(
     assert supervisor.run("dpkg-query", "-W", "-f", "${Version}", "gb10d").stdout == f"{gb10d_version()}+test1"
 
 
+@emulated_too
 def test_remove_stops_gb10d_and_purge_removes_state_but_keeps_models(supervisor: Container) -> None:
     supervisor.write("/etc/gb10d.toml", sim_config())
     supervisor.run("systemctl", "start", UNIT)
