@@ -1,5 +1,6 @@
 """Fixtures for the packaging tests: real .deb builds and a real systemd in a container.
 
+A module boots Debian 12 on amd64 unless it overrides the `debian` fixture.
 Set GB10D_REQUIRE_SYSTEMD_E2E=1 (as .ci/run does) to turn "cannot boot a
 container here" from a skip into a failure.
 """
@@ -8,12 +9,16 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
 
-from systemd_harness import REPO, BootFailed, Container, boot, cached_root, gb10d_version, missing_tools
+from systemd_harness import BOOT_TIMEOUT_S, DEBIAN_12_AMD64, REPO, BootFailed, Container, Debian, boot, cached_root, gb10d_version, missing_tools
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "emulated_too: also runs where the container's programs run under qemu-user emulation")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -24,6 +29,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report ends with what gb10d and systemd logged in its container, read before teardown."""
+    report = yield
+    if report.when == "call" and report.failed:
+        boxes = [value for value in getattr(item, "funcargs", {}).values() if isinstance(value, Container)]
+        if boxes and boxes[0].nspawn.poll() is None:
+            log = boxes[0].run("journalctl", "--no-pager", "-b", "-n", "150", "-u", "gb10d*", check=False)
+            report.sections.append(("the journal of gb10d's units in the container (last 150 lines)", log.stdout + log.stderr))
+    return report
+
+
 def skip_unless_tools(*names: str, package_hint: str) -> None:
     """Skip the test, naming what to install, when a build tool is missing."""
     missing = missing_tools(*names)
@@ -32,24 +49,29 @@ def skip_unless_tools(*names: str, package_hint: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def build_deb(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """Build (once per session and architecture) the .deb with packaging/build-deb, into a temporary dist dir."""
-    built: dict[str, Path] = {}
+def build_deb(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
+    """Build the .deb with packaging/build-deb, once per session, architecture and Python minor.
+
+    `build("arm64", "3.12")` is the package GB10 owners install;
+    `build("arm64", "3.13")` the same scripts with the wheels for Debian 13's
+    python3. Each build gets its own directory: both are gb10d_VERSION_arm64.deb.
+    """
+    built: dict[tuple[str, str], Path] = {}
     root = tmp_path_factory.mktemp("deb")
 
-    def build(arch: str) -> Path:
-        if arch in built:
-            return built[arch]
+    def build(arch: str, python: str) -> Path:
+        if (arch, python) in built:
+            return built[arch, python]
         tools = ["dpkg-buildpackage", "dh"] + (["aarch64-linux-gnu-objdump"] if arch == "arm64" else [])
         skip_unless_tools(*tools, package_hint="dpkg-dev debhelper binutils-aarch64-linux-gnu")
-        env = dict(os.environ, GB10D_BUILD_DIR=str(root / "build"), GB10D_DIST_DIR=str(root / "dist"))
-        result = subprocess.run(
-            [str(REPO / "packaging" / "build-deb"), arch], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-        )
-        assert result.returncode == 0, f"build-deb {arch} failed:\n{result.stdout}\n{result.stderr}"
-        deb = root / "dist" / f"gb10d_{gb10d_version()}_{arch}.deb"
+        out = root / f"{arch}-python{python}"
+        env = dict(os.environ, GB10D_BUILD_DIR=str(out / "build"), GB10D_DIST_DIR=str(out / "dist"))
+        argv = [str(REPO / "packaging" / "build-deb"), arch, python]
+        result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{' '.join(argv[1:])}: build-deb failed:\n{result.stdout}\n{result.stderr}"
+        deb = out / "dist" / f"gb10d_{gb10d_version()}_{arch}.deb"
         assert deb.is_file(), f"build-deb {arch} did not write {deb}:\n{result.stdout}"
-        built[arch] = deb
+        built[arch, python] = deb
         return deb
 
     return build
@@ -63,17 +85,23 @@ def _cannot_boot(reason: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def container(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
+def debian() -> Debian:
+    """The Debian release and architecture the module's container boots."""
+    return DEBIAN_12_AMD64
+
+
+@pytest.fixture(scope="module")
+def container(debian: Debian, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
     """One booted container for all checks of a module; always torn down, even on failure."""
     if os.geteuid() != 0:
         _cannot_boot("needs root to debootstrap and boot a systemd-nspawn container")
     missing = missing_tools("debootstrap", "systemd-nspawn", "nsenter")
     if missing:
         _cannot_boot(f"needs {', '.join(missing)} (apt-get install debootstrap systemd-container util-linux)")
-    share = tmp_path_factory.mktemp("share")
+    share = tmp_path_factory.mktemp(f"share-{debian.name}")
     log = share.parent / f"{share.name}-console.log"
     try:
-        box = boot(cached_root(), share, log)
+        box = boot(cached_root(debian), share, log, BOOT_TIMEOUT_S * debian.time_scale())
     except BootFailed as exc:
         _cannot_boot(str(exc))
     try:

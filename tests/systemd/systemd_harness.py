@@ -1,12 +1,18 @@
-"""The container harness behind tests/systemd: a cached Debian 12 root and a booted systemd.
+"""The container harness behind tests/systemd: cached Debian roots and a booted systemd.
 
-The root is made by debootstrap once per machine (keyed by a hash of what
-goes into it) and booted with `systemd-nspawn --volatile=overlay`, so every
-boot starts from the pristine cache and nothing the tests do is written back.
-The container has its own network namespace (only loopback), so vLLM's port
-and the metrics port never meet the host's. Commands run inside it through
+A root is made by debootstrap once per machine (keyed by a hash of what goes
+into it) and booted with `systemd-nspawn --volatile=overlay`, so every boot
+starts from the pristine cache and nothing the tests do is written back. The
+container has its own network namespace (only loopback), so vLLM's port and
+the metrics port never meet the host's. Commands run inside it through
 `nsenter` into the namespaces of its systemd; no system bus is needed on the
 host.
+
+A root of another architecture (arm64 on an x86_64 machine) runs under
+qemu-user through binfmt_misc: debootstrap's second stage, the container's
+systemd and everything it starts are emulated. The handler must be registered
+with the F flag, so that the kernel uses the emulator it opened at
+registration and the root needs no copy of it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import ctypes
 import fcntl
 import hashlib
 import os
+import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -25,12 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-SUITE = "bookworm"
 MIRROR = os.environ.get("GB10D_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-# systemd and dbus to boot; python3 and procps (/bin/kill for ExecReload)
-# because the package depends on them and dpkg -i resolves nothing; man-db
-# because `systemd-analyze verify` runs `man` for Documentation=man:gb10d(8).
-ROOT_PACKAGES = ("systemd", "dbus", "python3", "procps", "man-db")
 CACHE_DIR = Path(os.environ.get("GB10D_CI_CACHE", "/var/cache/gb10d-ci"))
 SHARE_IN_CONTAINER = "/srv/gb10d-test"
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -39,6 +42,62 @@ BOOT_TIMEOUT_S = 120.0
 COMMAND_TIMEOUT_S = 120.0
 HALT_TIMEOUT_S = 30.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+BINFMT_MISC = Path("/proc/sys/fs/binfmt_misc")
+# Debian architecture -> the machine name qemu and the kernel use.
+MACHINES = {"amd64": "x86_64", "arm64": "aarch64"}
+
+# Only in an emulated root. qemu-user refuses clone() with CLONE_NEWNS, which is
+# how systemd forks the helper that mounts a unit's credentials directory: every
+# unit with ImportCredential= or LoadCredential= (journald, sysusers, tmpfiles,
+# the gettys) fails with status 243/CREDENTIALS. None of the tests uses
+# credentials, and gb10d.service has none; this drop-in for all services lets
+# the root's own units start.
+EMULATION_FILES = (
+    (
+        "etc/systemd/system/service.d/10-qemu-user-no-credentials.conf",
+        "# qemu-user cannot fork into a new mount namespace, which setting up credentials needs.\n"
+        "[Service]\nImportCredential=\nLoadCredential=\nSetCredential=\n",
+    ),
+)
+
+
+# How many times longer a Python program takes to start under qemu-user than
+# natively: gb10d's first STATUS= came 6-8 s after ExecStart on a busy 2-core
+# x86_64 machine, against under 2 s natively. Timings in the tests scale by it.
+QEMU_SLOWDOWN = 4.0
+# The oldest qemu-user seen to run Debian 13's systemd with sandboxed units:
+# 7.2 (Debian 12) cannot spawn any unit, 10.0 (bookworm-backports) no unit
+# with a mount namespace.
+QEMU_MINIMUM = (11, 1)
+
+
+@dataclass(frozen=True)
+class Debian:
+    """A Debian release on one architecture, as a container root with the packages the tests need."""
+
+    name: str
+    suite: str
+    arch: str
+    python: str  # its python3's minor version, which the package must be built for
+    packages: tuple[str, ...]
+
+    def emulated(self) -> bool:
+        """Whether this machine runs the root's programs through qemu-user rather than natively."""
+        return MACHINES[self.arch] != platform.machine()
+
+    def time_scale(self) -> float:
+        """The factor by which a test stretches the times it allows for a start here."""
+        return QEMU_SLOWDOWN if self.emulated() else 1.0
+
+
+# systemd and dbus to boot; python3 and procps (/bin/kill for ExecReload)
+# because the package depends on them and dpkg -i resolves nothing; man-db
+# because `systemd-analyze verify` runs `man` for Documentation=man:gb10d(8).
+DEBIAN_12_AMD64 = Debian("debian12-amd64", "bookworm", "amd64", "3.11", ("systemd", "dbus", "python3", "procps", "man-db"))
+# The package GB10 owners install, on the nearest release to DGX OS 7 that
+# boots here (systemd 257 and Python 3.13; Ubuntu 24.04 has 255 and 3.12).
+# No man-db: under emulation its triggers would slow every dpkg run.
+DEBIAN_13_ARM64 = Debian("debian13-arm64", "trixie", "arm64", "3.13", ("systemd", "dbus", "python3", "procps"))
 
 
 def missing_tools(*names: str) -> list[str]:
@@ -54,15 +113,49 @@ def gb10d_version() -> str:
     raise AssertionError("gb10d/__init__.py has no __version__ line")
 
 
-def cached_root() -> Path:
-    """A debootstrapped Debian 12 root with systemd, made once per machine and reused.
+def emulation_missing(debian: Debian) -> str | None:
+    """Why this machine cannot run the root's programs, or None when it can (natively or through qemu-user)."""
+    if not debian.emulated():
+        return None
+    machine = MACHINES[debian.arch]
+    handler = BINFMT_MISC / f"qemu-{machine}"
+    fix = f"install qemu-user and register {handler.name} with the F flag (.ci/run does both)"
+    try:
+        lines = handler.read_text().splitlines()
+    except OSError:
+        return f"{debian.arch} programs cannot run on this {platform.machine()} machine: binfmt_misc has no {handler} handler; {fix}"
+    fields = dict(line.split(" ", 1) for line in lines if " " in line)
+    flags = fields.get("flags:", "")
+    if "enabled" not in lines or "F" not in flags:
+        return f"{handler} is not enabled with the F flag (flags: {flags!r}), so programs in the {debian.suite} root cannot find qemu; {fix}"
+    interpreter = fields.get("interpreter", "")
+    version = subprocess.run([interpreter, "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"version (\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) < QEMU_MINIMUM:
+        said = version.splitlines()[0] if version else "no version"
+        return (
+            f"{interpreter} says {said!r}: the systemd of the {debian.suite} root needs qemu {QEMU_MINIMUM[0]}.{QEMU_MINIMUM[1]} or later "
+            f"(older ones refuse clone() with a pidfd or drop statx's mount ID, so no sandboxed unit starts); {fix}"
+        )
+    return None
 
-    The key covers the suite, the mirror and the package list, so changing any
-    of them makes a new root instead of reusing a stale one. A lock keeps two
-    test runs from debootstrapping into the same place at once.
+
+def cached_root(debian: Debian) -> Path:
+    """A debootstrapped root of `debian` with systemd, made once per machine and reused.
+
+    The key covers the suite, the architecture, the mirror, the package list
+    and the files added under emulation, so changing any of them makes a new
+    root instead of reusing a stale one. A lock keeps two test runs from
+    debootstrapping into the same place at once. For a foreign architecture
+    debootstrap runs its second stage (dpkg and the maintainer scripts) in the
+    root under qemu-user, which makes it the slowest step of a cold run.
     """
-    key = hashlib.sha256(repr((SUITE, MIRROR, ROOT_PACKAGES)).encode()).hexdigest()[:16]
-    root = CACHE_DIR / f"{SUITE}-{key}"
+    reason = emulation_missing(debian)
+    if reason is not None:
+        raise BootFailed(reason)
+    extra = EMULATION_FILES if debian.emulated() else ()
+    key = hashlib.sha256(repr((debian.suite, debian.arch, MIRROR, debian.packages, extra)).encode()).hexdigest()[:16]
+    root = CACHE_DIR / f"{debian.suite}-{debian.arch}-{key}"
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with open(CACHE_DIR / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -70,15 +163,16 @@ def cached_root() -> Path:
             return root
         partial = CACHE_DIR / f"{root.name}.partial"
         shutil.rmtree(partial, ignore_errors=True)
+        command = ["debootstrap", f"--arch={debian.arch}", "--variant=minbase", f"--include={','.join(debian.packages)}"]
         result = subprocess.run(
-            ["debootstrap", "--variant=minbase", f"--include={','.join(ROOT_PACKAGES)}", SUITE, str(partial), MIRROR],
-            capture_output=True,
-            text=True,
-            timeout=1200,
+            [*command, debian.suite, str(partial), MIRROR], capture_output=True, text=True, timeout=2400
         )
         if result.returncode != 0:
             shutil.rmtree(partial, ignore_errors=True)
             raise AssertionError(f"debootstrap failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        for path, text in extra:
+            (partial / path).parent.mkdir(parents=True, exist_ok=True)
+            (partial / path).write_text(text)
         partial.rename(root)
         return root
 
@@ -105,7 +199,7 @@ class BootFailed(Exception):
 
 @dataclass
 class Container:
-    """A booted Debian 12 system container; `run` executes a command inside it as root."""
+    """A booted Debian system container; `run` executes a command inside it as root."""
 
     nspawn: subprocess.Popen[bytes]
     init_pid: int
@@ -159,16 +253,22 @@ class Container:
                 raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
     def halt(self) -> None:
-        """Shut the container down, escalating to SIGKILL of its PID namespace if it does not halt."""
+        """Shut the container down, escalating to SIGKILL of its PID namespace if it does not halt.
+
+        The container's own systemctl asks for the power-off. SIGTERM to nspawn
+        would send SIGRTMIN+3 to the container's systemd, which under qemu-user
+        never arrives: qemu numbers the real-time signals of the emulated
+        program differently from the host's.
+        """
         if self.nspawn.poll() is None:
-            self.nspawn.send_signal(signal.SIGTERM)  # nspawn asks the container's systemd to halt
+            self.run("systemctl", "poweroff", "--no-block", check=False)
             try:
                 self.nspawn.wait(HALT_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 _kill(self.nspawn, self.init_pid)
 
 
-def boot(root: Path, share: Path, log: Path, host_network: bool = False, binds: tuple[Path, ...] = ()) -> Container:
+def boot(root: Path, share: Path, log: Path, timeout_s: float, host_network: bool = False, binds: tuple[Path, ...] = ()) -> Container:
     """Boot `root` as a container with `share` visible read-only inside; console output goes to `log`.
 
     `host_network` shares the host's network namespace instead of a private
@@ -200,13 +300,13 @@ def boot(root: Path, share: Path, log: Path, host_network: bool = False, binds: 
             preexec_fn=_halt_with_parent,
         )
     try:
-        deadline = time.monotonic() + BOOT_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         init_pid = None
         while init_pid is None:
             if nspawn.poll() is not None:
                 raise BootFailed(f"systemd-nspawn exited {nspawn.returncode} before booting:\n{_tail(log)}")
             if time.monotonic() > deadline:
-                raise BootFailed(f"the container's systemd did not appear within {BOOT_TIMEOUT_S:.0f} s:\n{_tail(log)}")
+                raise BootFailed(f"the container's systemd did not appear within {timeout_s:.0f} s:\n{_tail(log)}")
             init_pid = _container_init(nspawn.pid)
         box = Container(nspawn, init_pid, share, log)
         # --wait returns once boot has finished ("degraded": a unit failed, but
@@ -216,7 +316,7 @@ def boot(root: Path, share: Path, log: Path, host_network: bool = False, binds: 
         booted = ("running", "degraded")
         state = ""
         while state not in booted and time.monotonic() < deadline:
-            state = box.run("systemctl", "is-system-running", "--wait", check=False, timeout=BOOT_TIMEOUT_S).stdout.strip()
+            state = box.run("systemctl", "is-system-running", "--wait", check=False, timeout=timeout_s).stdout.strip()
         if state not in booted:
             raise BootFailed(f"the container did not finish booting (state {state!r}):\n{_tail(log)}")
         return box

@@ -24,7 +24,7 @@ import pytest
 
 from containers import engine_or_skip, ensure_sim_image
 from harness import free_port
-from systemd_harness import BootFailed, Container, boot, cached_root, missing_tools
+from systemd_harness import BOOT_TIMEOUT_S, DEBIAN_12_AMD64, BootFailed, Container, boot, cached_root, missing_tools
 from test_systemd_e2e import MEMINFO, drop_in, journal, meminfo
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -45,20 +45,21 @@ def image() -> str:
 
 
 @pytest.fixture(scope="module")
-def box(tmp_path_factory: pytest.TempPathFactory, build_deb: Callable[[str], Path], image: str) -> Iterator[Container]:
+def box(tmp_path_factory: pytest.TempPathFactory, build_deb: Callable[[str, str], Path], image: str) -> Iterator[Container]:
     """A booted Debian 12 with the .deb installed, the docker CLI, and gb10d in the group of the host's docker socket."""
     if os.geteuid() != 0 or missing_tools("debootstrap", "systemd-nspawn", "nsenter"):
         pytest.skip("needs root, debootstrap, systemd-nspawn and nsenter (test_systemd_e2e.py says more)")
     share = tmp_path_factory.mktemp("engine-share")
     cache = tmp_path_factory.mktemp("engine-cache")
     try:
-        container = boot(cached_root(), share, share.parent / f"{share.name}-console.log", host_network=True, binds=(DOCKER_SOCKET, cache))
+        container = boot(
+            cached_root(DEBIAN_12_AMD64), share, share.parent / f"{share.name}-console.log", BOOT_TIMEOUT_S, host_network=True, binds=(DOCKER_SOCKET, cache))
     except BootFailed as exc:
         if os.environ.get("GB10D_REQUIRE_SYSTEMD_E2E") == "1":
             pytest.fail(str(exc))
         pytest.skip(str(exc))
     try:
-        container.run("dpkg", "-i", container.put(build_deb("amd64"), "gb10d.deb"))
+        container.run("dpkg", "-i", container.put(build_deb(DEBIAN_12_AMD64.arch, DEBIAN_12_AMD64.python), "gb10d.deb"))
         # Only the client: the engine is the host's, reached through its socket.
         container.run("install", "-m", "0755", container.put(Path(str(shutil.which("docker"))), "docker"), "/usr/bin/docker")
         gid = os.stat(DOCKER_SOCKET).st_gid

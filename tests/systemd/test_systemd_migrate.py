@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from systemd_harness import REPO, Container
+from systemd_harness import REPO, Container, Debian
 from test_systemd_e2e import MEMINFO, http_get, journal, set_memory
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -101,7 +101,7 @@ def started_serving(box: Container, since: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def operator(container: Container, build_deb: Callable[[str], Path]) -> Container:
+def operator(container: Container, debian: Debian, build_deb: Callable[[str, str], Path]) -> Container:
     """The operator's machine with the package installed and their start script translated into /etc/gb10d.toml."""
     container.sh(OPERATOR_SETUP)
     container.write(f"{VENV}/bin/vllm", VLLM_SCRIPT, mode="0775")
@@ -112,7 +112,7 @@ def operator(container: Container, build_deb: Callable[[str], Path]) -> Containe
     set_memory(container, total_gib=121.69, free_gib=115.0)
     container.write("/etc/gb10d.d/90-test-rig.toml", RIG)
     # The README's commands, in its order.
-    container.run("dpkg", "-i", container.put(build_deb("amd64"), "gb10d.deb"))
+    container.run("dpkg", "-i", container.put(build_deb(debian.arch, debian.python), "gb10d.deb"))
     as_operator(container, "gb10d import-script start.sh > gb10d.toml")
     container.run("install", "-m", "0644", f"{HOME}/gb10d.toml", "/etc/gb10d.toml")
     return container

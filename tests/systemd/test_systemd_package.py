@@ -6,13 +6,22 @@ import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 
 from systemd_harness import gb10d_version
 
-# ELF e_machine values of the extension modules each target must carry.
-TARGETS = {
+class Target(TypedDict):
+    """What the package as shipped for one architecture must carry."""
+
+    python: str
+    machine: int  # ELF e_machine of the extension modules
+    triplet: str
+    tag: str
+
+
+TARGETS: dict[str, Target] = {
     "arm64": {"python": "3.12", "machine": 183, "triplet": "aarch64-linux-gnu", "tag": "cp312-cp312-manylinux2014_aarch64"},
     "amd64": {"python": "3.11", "machine": 62, "triplet": "x86_64-linux-gnu", "tag": "cp311-cp311-manylinux2014_x86_64"},
 }
@@ -38,10 +47,10 @@ def elf_machine(path: Path) -> int:
 
 @pytest.mark.parametrize("arch", sorted(TARGETS))
 def test_extension_modules_are_built_for_the_target_cpython_and_cpu(
-    arch: str, build_deb: Callable[[str], Path], tmp_path: Path
+    arch: str, build_deb: Callable[[str, str], Path], tmp_path: Path
 ) -> None:
     target = TARGETS[arch]
-    root = unpacked(build_deb(arch), tmp_path)
+    root = unpacked(build_deb(arch, target["python"]), tmp_path)
     modules = sorted((root / SITE).rglob("*.so"))
     assert modules, "pydantic-core's extension module is missing"
     for module in modules:
@@ -52,9 +61,9 @@ def test_extension_modules_are_built_for_the_target_cpython_and_cpu(
 
 
 @pytest.mark.parametrize("arch", sorted(TARGETS))
-def test_depends_pins_the_python_minor_the_tree_was_built_for(arch: str, build_deb: Callable[[str], Path]) -> None:
-    deb = build_deb(arch)
+def test_depends_pins_the_python_minor_the_tree_was_built_for(arch: str, build_deb: Callable[[str, str], Path]) -> None:
     minor = TARGETS[arch]["python"]
+    deb = build_deb(arch, minor)
     major, number = minor.split(".")
     depends = [d.strip() for d in field(deb, "Depends").split(",")]
     assert f"python3 (>= {minor}~)" in depends and f"python3 (<< {major}.{int(number) + 1})" in depends, depends
@@ -64,9 +73,9 @@ def test_depends_pins_the_python_minor_the_tree_was_built_for(arch: str, build_d
 
 
 def test_package_ships_config_units_manual_catalog_and_docs_but_no_bytecode(
-    build_deb: Callable[[str], Path], tmp_path: Path
+    build_deb: Callable[[str, str], Path], tmp_path: Path
 ) -> None:
-    deb = build_deb("amd64")
+    deb = build_deb("amd64", TARGETS["amd64"]["python"])
     root = unpacked(deb, tmp_path / "root")
     control = tmp_path / "control"
     subprocess.run(["dpkg-deb", "-e", str(deb), str(control)], check=True)
@@ -95,11 +104,11 @@ def test_package_ships_config_units_manual_catalog_and_docs_but_no_bytecode(
 
 
 @pytest.mark.parametrize("arch", sorted(TARGETS))
-def test_lintian_reports_no_errors_and_no_warnings(arch: str, build_deb: Callable[[str], Path]) -> None:
+def test_lintian_reports_no_errors_and_no_warnings(arch: str, build_deb: Callable[[str, str], Path]) -> None:
     if shutil.which("lintian") is None:
         pytest.skip("needs lintian (apt-get install lintian; .ci/run installs it)")
     result = subprocess.run(
-        ["lintian", "-EvIL", "+pedantic", "--tag-display-limit", "0", str(build_deb(arch))],
+        ["lintian", "-EvIL", "+pedantic", "--tag-display-limit", "0", str(build_deb(arch, TARGETS[arch]["python"]))],
         capture_output=True,
         text=True,
         timeout=600,
