@@ -383,6 +383,7 @@ def test_instance_serves_from_its_own_config_beside_the_main_unit(supervisor: Co
     assert supervisor.exists("/run/gb10d-second/state.json"), "stopping gb10d.service must not touch an instance's files"
 
 
+@emulated_too
 def test_install_creates_the_memory_ledger_the_instances_share(installed: Container) -> None:
     listed = installed.run("stat", "-c", "%a %U %G", "/run/gb10d-ledger").stdout.split()
     assert listed == ["2775", "root", "gb10d"], listed
