@@ -104,8 +104,12 @@ class Supervisor:
             ended = await self._run_attempt(tunables, history.attempts, reason)
             if isinstance(ended, Stopped):
                 return await self._stop()
+            baseline = self.attempt.start.baseline if self.attempt else None
             if isinstance(ended, Reloaded):
                 await self.close()
+                # As after a failure: measured before its memory is back, the new start would be lowered or refused.
+                if await self.preflight.memory_back(baseline, self._pause):
+                    return await self._stop()
                 tunables, history, reason = None, History(), "reload"
                 continue
             if isinstance(ended, Failed) and ended.cause is Cause.WORKER_LOST and self.pair is not None:
@@ -113,7 +117,6 @@ class Supervisor:
                 if confirmed is None:
                     return await self._stop()
                 ended = confirmed
-            baseline = self.attempt.start.baseline if self.attempt else None
             if isinstance(ended, NodeLost):
                 # Not vLLM's failure: the same settings start again, uncounted, once the cluster is whole.
                 await self.close()

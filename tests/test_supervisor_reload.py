@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from gb10d.errors import EXIT_MEMORY_NOT_RETURNED
+from gb10d.memory import GIB
+from gb10d.sim.memory import adjust
 from harness import Daemon, NotifySocket, Setup, vllm_groups, wait_until
 
 pytestmark = pytest.mark.slow
@@ -73,6 +76,22 @@ def test_served_name_change_restarts_vllm_with_the_new_flag(tmp_path: Path, noti
     first = pids(daemon)[0]
     wait_until(lambda: not os.path.exists(f"/proc/{first}"), 30, "old vLLM gone")
     daemon.stop()
+
+
+def test_a_reload_that_restarts_vllm_waits_for_its_memory_as_a_failure_does(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    # Measured before the old vLLM's memory is back, the new start would be lowered or refused for memory that
+    # is only on its way back. Here 10 GiB never come back (held by something else, as a crashed CUDA process
+    # traps it on GB10): the reload ends as a failure whose memory stays missing does, without a second start.
+    setup = Setup(tmp_path, extra={"memory.recovery_timeout_s": 2.0})
+    daemon = serving(setup, notify, daemons)
+    assert adjust(setup.meminfo, -10 * GIB, need_bytes=10 * GIB) is None
+    setup.served_name = "renamed"
+    setup.write_config()
+    hup(daemon)
+    daemon.wait_line(r'gb10d: .*vllm.served_model_name "tiny" -> "renamed".*stopping vLLM')
+    assert daemon.wait_exit(120) == EXIT_MEMORY_NOT_RETURNED
+    assert len([line for line in daemon.own_lines() if "started vLLM as pid" in line]) == 1, daemon.tail()
+    assert any("memory was not returned after vLLM exited" in line for line in daemon.own_lines()), daemon.tail()
 
 
 def test_a_burst_of_editor_writes_is_validated_once(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
