@@ -76,6 +76,7 @@ class ContainerSetup(Setup):
 
     def __post_init__(self) -> None:
         self.image_local = self.image  # the sim image as built here, whatever vllm.image names later
+        self.sim_env = {"GB10D_SIM_MEMINFO_HOLD": "0", **self.sim_env}
         super().__post_init__()
 
     def data(self) -> dict[str, Any]:
@@ -83,7 +84,6 @@ class ContainerSetup(Setup):
         vllm = data["vllm"]
         del vllm["venv"]
         vllm.update(image=self.image, model=MODEL)
-        vllm["env"] = {**vllm["env"], "GB10D_SIM_MEMINFO_HOLD": "0"}
         data["container"] = {
             "engine": self.engine.kind,
             "gpu": "none",
