@@ -39,7 +39,10 @@ def source_argv(source: str) -> list[str] | None:
     if source == "none":
         return None
     if source == "journal":
-        return ["journalctl", "--dmesg", "--follow", "--lines=0", "--output=cat", "--no-pager", "--quiet"]
+        # From now on by time, not `--lines=0`: with a match (`--dmesg` is one),
+        # systemd 252's journalctl (Debian 12) drops the first matching entry
+        # after the position it starts from, so the first driver line would be lost.
+        return ["journalctl", "--dmesg", "--follow", "--since=now", "--output=cat", "--no-pager", "--quiet"]
     if source == "kmsg":
         return ["dmesg", "--follow-new", "--notime"]
     return ["tail", "--follow=name", "--retry", "--lines=0", source]

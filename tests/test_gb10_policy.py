@@ -223,7 +223,7 @@ def test_only_this_users_unused_segments_with_vllms_names_are_leftovers() -> Non
 
 
 def test_kernel_message_sources() -> None:
-    assert source_argv("journal") == ["journalctl", "--dmesg", "--follow", "--lines=0", "--output=cat", "--no-pager", "--quiet"]
+    assert source_argv("journal") == ["journalctl", "--dmesg", "--follow", "--since=now", "--output=cat", "--no-pager", "--quiet"]
     assert source_argv("kmsg") == ["dmesg", "--follow-new", "--notime"]
     assert source_argv("/var/log/kern.log") == ["tail", "--follow=name", "--retry", "--lines=0", "/var/log/kern.log"]
     assert source_argv("none") is None

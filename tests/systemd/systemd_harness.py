@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import json
 import os
 import platform
 import re
@@ -239,6 +240,33 @@ class Container:
         """`systemctl show -p ...` of a unit, as a dict."""
         out = self.run("systemctl", "show", "-p", ",".join(properties), unit).stdout
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def journal_mark(self) -> int:
+        """Where the journal ends now, as its sequence number: a test reads only what comes after.
+
+        A cursor combined with a field match is not used anywhere: systemd 252's
+        journalctl (Debian 12) drops the first matching entry after the cursor
+        when a match such as `_PID=` is added. The sequence number inside the
+        cursor (`i=`) orders entries on every systemd, so the tests filter on it.
+        """
+        cursor = self.run("journalctl", "-n", "0", "--show-cursor").stdout.split("cursor: ")[-1].strip()
+        fields = dict(part.split("=", 1) for part in cursor.split(";") if "=" in part)
+        return int(fields.get("i", "0"), 16)
+
+    def entries(self, unit: str, after: int = 0, **match: str) -> list[dict[str, str]]:
+        """The unit's journal entries after a mark, as journalctl -o json gives them, that carry every field in `match`."""
+        out = self.run("journalctl", "--no-pager", "-o", "json", "-u", unit).stdout
+        found = []
+        for line in out.splitlines():
+            entry = json.loads(line)
+            seqnum = int(dict(p.split("=", 1) for p in entry["__CURSOR"].split(";"))["i"], 16)
+            if seqnum > after and all(str(entry.get(key)) == value for key, value in match.items()):
+                found.append(entry)
+        return found
+
+    def messages(self, unit: str, after: int = 0, **match: str) -> str:
+        """The MESSAGEs of `entries`, one per line, as `journalctl -o cat` shows them."""
+        return "".join(f"{entry.get('MESSAGE', '')}\n" for entry in self.entries(unit, after, **match))
 
     def wait_for(self, what: str, predicate: Callable[[], bool], timeout: float = 60.0) -> None:
         """Re-check `predicate` until it holds, failing after `timeout` seconds.

@@ -165,9 +165,9 @@ def test_after_kill_9_without_the_cleanup_the_next_start_removes_the_stale_conta
         unit.run("kill", "-9", unit.show(UNIT, "MainPID")["MainPID"])
         unit.wait_for("the unit to fail", lambda: unit.show(UNIT, "ActiveState")["ActiveState"] == "failed")
     assert containers() == [NAME] and container_id() == left
-    cursor = unit.run("journalctl", "-u", UNIT, "-n", "0", "--show-cursor").stdout.split("cursor: ")[-1].strip()
+    mark = unit.journal_mark()
     unit.run("systemctl", "start", UNIT)
     assert unit.show(UNIT, "StatusText")["StatusText"].startswith("serving")
-    log = journal(unit, UNIT, f"--after-cursor={cursor}")
+    log = unit.messages(UNIT, mark)
     assert re.search(rf"removed the container {NAME} \({left[:12]}, up [^)]*\) that an earlier gb10d left behind", log), log[-3000:]
     assert containers() == [NAME] and container_id() != left
