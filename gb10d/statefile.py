@@ -27,11 +27,15 @@ from typing import Any
 STATE_FILE_MODE = 0o644
 # Progress within a phase (shard steps) is written at most this often: each write fsyncs.
 WRITE_EVERY_S = 1.0
+# A new phase is written at once, but not more often than this: output that moves back and forth between
+# phases (a second shard pass, then graphs, again and again) must not cost an fsync per line.
+PHASE_WRITE_GAP_S = 0.1
 
 
 def write_delay(phase_changed: bool, since_last_write_s: float) -> float:
-    """How long to wait before writing the state file: 0 for a new phase, else what is left of WRITE_EVERY_S."""
-    return 0.0 if phase_changed else max(0.0, WRITE_EVERY_S - since_last_write_s)
+    """How long to wait before writing the state file: what is left of PHASE_WRITE_GAP_S for a new phase
+    (nothing, normally), else what is left of WRITE_EVERY_S."""
+    return max(0.0, (PHASE_WRITE_GAP_S if phase_changed else WRITE_EVERY_S) - since_last_write_s)
 
 
 def write_atomically(path: Path, data: bytes, mode: int, sync_directory: bool = False) -> None:
