@@ -135,6 +135,7 @@ class LivenessState:
     last_probe_sent_at: float | None = None
     last_probe_done_at: float | None = None
     dead: str | None = None
+    probe_words: str = "a 1-token completion"  # what the idle probe is, for the evidence
 
     @property
     def generated_at(self) -> float:
@@ -142,9 +143,9 @@ class LivenessState:
         return self.started_at if self.tokens_moved_at is None else self.tokens_moved_at
 
 
-def start(now: float) -> LivenessState:
-    """The state right after READY: the warm-up completion has just proved the engine generates."""
-    return LivenessState(started_at=now)
+def start(now: float, probe_words: str = "a 1-token completion") -> LivenessState:
+    """The state right after READY: the warm-up request has just proved the engine works."""
+    return LivenessState(started_at=now, probe_words=probe_words)
 
 
 def observe_metrics(state: LivenessState, sample: MetricsSample | None, now: float) -> LivenessState:
@@ -303,7 +304,7 @@ def _stuck_evidence(state: LivenessState, stuck_since: float, now: float, limits
 
 def _probe_evidence(state: LivenessState, sent_at: float, now: float, limits: LivenessSection) -> str:
     return (
-        f"the idle probe (a 1-token completion) sent {now - sent_at:.0f} s ago did not finish within "
+        f"the idle probe ({state.probe_words}) sent {now - sent_at:.0f} s ago did not finish within "
         f"liveness.probe_timeout_s {limits.probe_timeout_s:g} and no token was generated since: "
         f"{_tokens_fact(state, now)}; {_requests_fact(state)}; {_health_fact(state)}"
     )

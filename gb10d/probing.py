@@ -84,7 +84,7 @@ async def watch_liveness(
     its route is None) are tasks of their own, so a request that hangs (which is the very symptom looked for)
     never stops the others or the clock. Cancelling it cancels them.
     """
-    state = start(clock())
+    state = start(clock(), probe.words)
     sampling: asyncio.Task[tuple[ProbeResult, MetricsSample | None]] | None = None
     probing: asyncio.Task[ProbeResult] | None = None
     next_sample = state.started_at + limits.health_interval_s

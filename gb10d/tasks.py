@@ -45,6 +45,11 @@ class Probe:
         """The request in words, for the journal."""
         return _NOUNS.get(self.route or "", "request")
 
+    @property
+    def words(self) -> str:
+        """The request with its size, for the liveness evidence: "a 1-token completion"."""
+        return "a 1-token completion" if self.route == COMPLETIONS else f"a one-word {self.noun}"
+
     def body(self, model: str) -> dict[str, Any]:
         """The JSON body: one token generated, or one word pooled."""
         if self.route == COMPLETIONS:

@@ -145,7 +145,7 @@ def test_hung_embedding_model_is_found_by_its_idle_embedding_probe(tmp_path: Pat
     daemons.append(daemon)
     _ready(notify)
     line = daemon.wait_line(r"gb10d: vLLM's engine is hung: .*; stopping its process group")
-    assert "idle probe" in line.string
+    assert "the idle probe (a one-word embedding) sent" in line.string
     daemon.stop()
 
 
