@@ -31,6 +31,8 @@ from .probe import Prober, base_url
 from .probing import check_ready, poll_until_healthy, watch_liveness
 from .reporter import Reporter
 from .runtime import Launcher, Runtime
+from .tasks import Probe
+from .tasks import choose as choose_probe
 
 # How long the pipes may stay open after the API server exited before gb10d acts on the exit anyway.
 PIPE_DRAIN_S = 2.0
@@ -231,15 +233,19 @@ class Attempt:
         if self.config.liveness.enabled:
             self._tasks.append(
                 asyncio.create_task(
-                    watch_liveness(self.prober, self.config.liveness, self._post_probe, model=self.config.vllm.served_names[0])
+                    watch_liveness(self.prober, self.config.liveness, self._post_probe, model=self.config.vllm.served_names[0], probe=self._probe())
                 )
             )
 
     def _start_readiness(self) -> None:
         """Run the readiness checks, unless they are running; a check that gave up may run again."""
         if self._readiness is None or self._readiness.done():
-            self._readiness = asyncio.create_task(check_ready(self.prober, self.config, self._post_probe))
+            self._readiness = asyncio.create_task(check_ready(self.prober, self.config, self._post_probe, self._probe()))
             self._tasks.append(self._readiness)
+
+    def _probe(self) -> Probe:
+        """The warm-up and idle probe request for what this vLLM said its model serves."""
+        return choose_probe(self.config.liveness.probe_route, self.state.tasks)
 
     def _awaiting_health(self) -> bool:
         """The health poller's question: not ready, and no readiness check running."""

@@ -29,6 +29,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 
 from .errors import ConfigError, ConfigProblem
 from .image import parse_reference
+from .tasks import ProbeRoute
 
 DEFAULT_CONFIG_PATH = Path("/etc/gb10d.toml")
 CONFIG_ENV = "GB10D_CONFIG"
@@ -301,6 +302,9 @@ class LivenessSection(_Table):
     # Generous: the probe normally takes well under a second, but it shares the
     # engine with whatever arrives after it (and tokens flowing excuse it anyway).
     probe_timeout_s: float = Field(default=60.0, gt=0)
+    # The route of the warm-up and of the idle probe: "auto" follows vLLM's `Supported tasks` line (a completion
+    # for a model that generates, an embedding for an embedding model); "none" sends no request at all.
+    probe_route: ProbeRoute = "auto"
 
 
 class MetricsSection(_Table):

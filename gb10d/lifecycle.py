@@ -31,7 +31,7 @@ from typing import Sequence, Union
 
 from .command import Tunables
 from .config import Config
-from .events import DriverOutOfMemory, EngineDied, Event, Failure, GpuXid, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged
+from .events import DriverOutOfMemory, EngineDied, Event, Failure, GpuXid, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged, TasksSupported
 from .facts import AttemptFact, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Pulled, Tick
 from .kernel import describe as describe_kernel
 from .kernel import xid_meaning
@@ -149,6 +149,7 @@ class AttemptState:
     exit_status: int | None = None  # set once the main process exited
     dead: Probed | None = None  # a "dead" verdict waiting for an exit to explain it
     dead_at: float = 0.0
+    tasks: tuple[str, ...] | None = None  # what vLLM said the model serves (`Supported tasks`), once it did
 
     @property
     def ready(self) -> bool:
@@ -254,6 +255,8 @@ def _on_event(state: AttemptState, event: Event, now: float, config: Config) -> 
         actions += extend
     if state.startup.phase is not before.phase or state.startup.shards_done != before.shards_done:
         actions.append(ShowPhase(_status(state, config)))
+    if isinstance(event, TasksSupported):
+        state = replace(state, tasks=event.tasks)
     if isinstance(event, StartupCompleted) and not state.ready:
         state = replace(state, startup_complete_at=now)
         actions.append(StartReadiness())

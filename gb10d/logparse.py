@@ -60,6 +60,7 @@ from .events import (
     SpecDecodingLogged,
     StartupCompleted,
     StatsLogged,
+    TasksSupported,
     VersionSeen,
     WeightsLoaded,
 )
@@ -590,6 +591,7 @@ _KV_AVAILABLE = re.compile(r"Available KV cache memory: (?P<gib>-?[\d.]+) GiB")
 _KV_SIZE = re.compile(r"KV cache size: (?P<tokens>[\d,]+) tokens")
 _MAX_CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: (?P<x>[\d.]+)x")
 _INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took (?P<s>[\d.]+) s")
+_TASK_NAMES = re.compile(r"'([\w&]+)'")
 _SERVER_ON = re.compile(r"(?:Starting vLLM (?:API )?server on|Uvicorn running on) (?P<url>[^\s)]+)")
 _BANNER = re.compile(r"vLLM (?:API )?server version (?P<v>[^\s,]+)")
 _LOGO_VERSION = re.compile(r"\bversion\s+(?P<v>\d+\.\d+[\w.+-]*)\s*$")
@@ -920,7 +922,7 @@ def _literal_gate(words: tuple[str, ...]) -> re.Pattern[str]:
 _PROGRESS_GATE = _literal_gate((
     "%", "/s]", "s/it]", "Engine", "SpecDecoding", "compile", "Dynamo", "KV cache", "Maximum concurrency", "took",
     "Graph capturing", "Starting", "Loading model", "Filesystem type", "blocks:", "Uvicorn running", "Application startup",
-    "version", "Initializing a V1", "non-default args", "shutdown triggered", "trigger received", "Shutting down",
+    "version", "Initializing a V1", "non-default args", "shutdown triggered", "trigger received", "Shutting down", "Supported tasks",
 ))
 _FAILURE_GATE = _literal_gate((
     "Error", "error", "memory", "Exception", "failed", "in use", "not a local", "Invalid repository", "Not Found", "gated",
@@ -1068,6 +1070,8 @@ def _progress(msg: str) -> list[Event]:
             return [ServerStarting(s2.group("url"))]
     if msg.startswith("Application startup complete"):
         return [StartupCompleted()]
+    if msg.startswith("Supported tasks: ") and (names := _TASK_NAMES.findall(msg)):
+        return [TasksSupported(tuple(names))]
     if "version" in msg:
         v = _BANNER.search(msg) or (_LOGO_VERSION.search(msg) if "\u2588" in msg else None)
         if v is not None:

@@ -1,4 +1,4 @@
-"""HTTP probes of vLLM's OpenAI server: /health, /v1/models, a one-token completion.
+"""HTTP probes of vLLM's OpenAI server: /health, /v1/models, and the model's tiny request (`tasks.Probe`).
 
 Every httpx error is translated here into a `ProbeResult` with a short
 reason, so the supervisor never sees an httpx exception and the journal
@@ -12,6 +12,7 @@ import time
 import httpx
 
 from .facts import REFUSED, ProbeResult
+from .tasks import Probe
 
 
 def base_url(host: str, port: int) -> str:
@@ -68,11 +69,11 @@ class Prober:
             return ProbeResult(result.status, "unexpected /v1/models body", result.seconds)
         return ProbeResult(result.status, result.reason, result.seconds, names)
 
-    async def complete(self, model: str, timeout_s: float) -> ProbeResult:
-        """A one-token completion: proves the engine really generates (and warms the JIT)."""
-        _, result = await self._request(
-            "POST", "/v1/completions", timeout_s, json={"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
-        )
+    async def send(self, probe: Probe, model: str, timeout_s: float) -> ProbeResult:
+        """The model's tiny request (a one-token completion, a one-word embedding): proves the engine really
+        runs the model (and warms the JIT)."""
+        assert probe.route is not None, "a probe without a route sends nothing"
+        _, result = await self._request("POST", probe.route, timeout_s, json=probe.body(model))
         return result
 
     async def metrics_text(self, timeout_s: float = 5.0) -> str | None:
