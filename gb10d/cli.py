@@ -28,7 +28,7 @@ from .config import (
     dropin_dir_for,
     load_config_explained,
 )
-from .errors import EXIT_OK, ConfigError, Gb10dError
+from .errors import EXIT_OK, ConfigError, Gb10dError, UsageError
 from .journal import connected_to_journal
 
 Handler = Callable[[argparse.Namespace], int]
@@ -110,19 +110,24 @@ def cmd_service_user(args: argparse.Namespace) -> int:
     import pwd
 
     from .access import group_name
-    from .service import SYSTEM_USER, dropin_dir, install_user_dropin, unit_for_config, user_dropin
+    from .service import SYSTEM_USER, dropin_dir, install_user_dropin, systemd_running, unit_for_config, user_dropin
 
     unit = args.unit or unit_for_config(_config_path(args))
     try:
         entry = pwd.getpwnam(args.user)
     except KeyError:
-        raise Gb10dError(f"no user {args.user} on this machine") from None
+        raise UsageError(f"no user {args.user} on this machine: check the name with getent passwd") from None
     if entry.pw_uid == 0:
-        raise Gb10dError("gb10d does not run vLLM as root; name the user whose start script ran it, or gb10d for the system user")
+        raise UsageError("gb10d does not run vLLM as root; name the user whose start script ran it, or gb10d for the system user")
     if args.print:
         if args.user != SYSTEM_USER:
             sys.stdout.write(user_dropin(entry.pw_name, group_name(entry.pw_gid), entry.pw_dir))
         return EXIT_OK
+    if not systemd_running():
+        raise Gb10dError(
+            f"systemd is not running on this machine, so a drop-in for {unit} would never be read; nothing was written. "
+            f"Run gb10d in the foreground as {args.user} instead (gb10d run), or see the drop-in with: gb10d service-user {args.user} --print"
+        )
     if os.geteuid() != 0:
         raise Gb10dError(f"writing {dropin_dir(unit)} needs root: sudo gb10d service-user {args.user}")
     for line in install_user_dropin(unit, entry.pw_name).lines:
