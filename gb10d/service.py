@@ -160,7 +160,7 @@ def query(unit: str, as_user: str | None = None) -> ServiceContext:
 
     `as_user` replaces the user (the rest still comes from the unit): what
     `check-config --user` checks before the drop-in is written. Raises
-    Gb10dError when there is no such user.
+    UsageError (exit 78) when there is no such user.
     """
     props = _show(unit)
     groups = tuple(props.get("SupplementaryGroups", "").split()) + ((props["Group"],) if props.get("Group") else ())
