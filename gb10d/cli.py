@@ -77,6 +77,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from .service import query, unit_for_config
 
     loaded = _load(args)
+    _refuse_what_others_hold(loaded, _config_path(args))
     unit = args.unit or unit_for_config(_config_path(args))
     context = query(unit, args.user)
     report = check_paths(loaded, context)
@@ -103,6 +104,18 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     if args.explain:
         _explain(loaded)
     return EXIT_OK
+
+
+def _refuse_what_others_hold(loaded: LoadedConfig, path: Path) -> None:
+    """A port or file that another living instance holds, told as a config error naming both (the ledger knows them)."""
+    from .instance import holds, instance_of
+    from .ledger import held_elsewhere
+
+    ledger = loaded.config.memory.ledger_path
+    taken = held_elsewhere(ledger, str(path), holds(loaded.config, path)) if ledger is not None else []
+    if taken:
+        own = instance_of(path) is not None
+        raise ConfigError([loaded.problem(clash.key, clash.describe(str(path), own)) for clash in taken])
 
 
 def cmd_service_user(args: argparse.Namespace) -> int:

@@ -944,6 +944,10 @@ def load_config_explained(path: Path | None = None, dropin_dir: Path | None = No
         layers.add(file, data, text)
     if problems:
         raise ConfigError(problems)
+    if layers.data:
+        from .instance import fill_defaults  # the instance's own state files and metrics port; imports this module
+
+        fill_defaults(layers.data, path)
     config = _validate(layers)
     locations = {".".join(key): layers.location(key) for key in layers.origin}
     return LoadedConfig(config=config, files=tuple(layers.files), locations=locations)
