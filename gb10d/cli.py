@@ -285,7 +285,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run the real supervisor against gb10d.sim in a temporary directory."""
     from .demo import run_demo
 
-    return run_demo(args.scenario, args.speed, args.verbose)
+    return run_demo(args.scenario, args.speed, args.verbose, keep=Path(args.keep) if args.keep else None)
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
@@ -448,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("scenario", nargs="?", default="free-memory", choices=sorted(SCENARIOS), help="what to show (default: free-memory)")
     p.add_argument("--speed", type=float, default=0.02, help="time factor of the simulated vLLM (1 = real GB10 minutes; default 0.02)")
     p.add_argument("--verbose", action="store_true", help="also show every line vLLM printed, as the journal gets them")
+    p.add_argument("--keep", metavar="DIR", help="leave the simulated machine (the stand-in vLLM, its memory, the config, "
+                   "what gb10d learned) in DIR, a new or empty directory, to run gb10d run --config DIR/gb10d.toml on")
     p = add(
         "diagnose",
         cmd_diagnose,
