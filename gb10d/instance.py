@@ -55,17 +55,20 @@ def derived_defaults(name: str) -> dict[tuple[str, str], str]:
     }
 
 
-def fill_defaults(data: dict[str, Any], config: Path) -> list[str]:
-    """Put an instance's own defaults into the merged TOML data wherever no file set the key; the dotted keys filled."""
+def fill_defaults(data: dict[str, Any], config: Path) -> dict[str, str]:
+    """Put an instance's own defaults into the merged TOML data wherever no file set the key.
+
+    Returns each dotted key filled with where its value came from, for `check-config --explain`.
+    """
     name = instance_of(config)
     if name is None:
-        return []
-    filled = []
+        return {}
+    filled = {}
     for (table, key), value in derived_defaults(name).items():
         section = data.setdefault(table, {})
         if isinstance(section, dict) and key not in section:
             section[key] = value
-            filled.append(f"{table}.{key}")
+            filled[f"{table}.{key}"] = f"default of the instance {name}"
     return filled
 
 

@@ -35,10 +35,10 @@ def test_an_instance_gets_its_own_state_files_and_metrics_port_by_default() -> N
 def test_what_a_file_sets_stays_and_only_the_rest_is_derived() -> None:
     data = {"vllm": {"model": "m"}, "daemon": {"state_file": "/run/mine.json"}}
     filled = fill_defaults(data, Path("/etc/gb10d/embed.toml"))
-    assert filled == ["daemon.learned_file", "metrics.listen"]
+    assert filled == {"daemon.learned_file": "default of the instance embed", "metrics.listen": "default of the instance embed"}
     assert data["daemon"] == {"state_file": "/run/mine.json", "learned_file": "/var/lib/gb10d/embed/state.toml"}
     untouched = {"vllm": {"model": "m"}}
-    assert fill_defaults(untouched, Path("/etc/gb10d.toml")) == [] and untouched == {"vllm": {"model": "m"}}
+    assert fill_defaults(untouched, Path("/etc/gb10d.toml")) == {} and untouched == {"vllm": {"model": "m"}}
 
 
 def held(**vllm: object) -> dict[str, str]:
