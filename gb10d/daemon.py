@@ -73,12 +73,6 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
     """Run the daemon the config asks for until it stops (0) or gives up (its exit status)."""
     config = snapshot.config
     reporter = Reporter(config, journal, notifier, metrics)
-    keeper = ConfigKeeper(path, snapshot, reporter)
-    loop = FactLoop(notifier)
-    pair = Pair(config, reporter, loop) if config.cluster is not None else None
-    preflight = Preflight(lambda: keeper.config, keeper.env, reporter)
-    supervisor: Supervisor | None = None
-    kernel = KernelLog(config.daemon.kernel_log, loop.post, reporter)
     try:
         # First, before the state file or the metrics port is touched: they may be another living instance's.
         booking = open_booking(
@@ -90,6 +84,12 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
         notifier.status(f"failed: {exc.reason}"[:STATUS_MAX])
         reporter.close()
         return exc.exit_status
+    keeper = ConfigKeeper(path, snapshot, reporter)
+    loop = FactLoop(notifier)
+    pair = Pair(config, reporter, loop) if config.cluster is not None else None
+    preflight = Preflight(lambda: keeper.config, keeper.env, reporter)
+    supervisor: Supervisor | None = None
+    kernel = KernelLog(config.daemon.kernel_log, loop.post, reporter)
     loop.install()
     reporter.serve_metrics()
     keeper.watch(asyncio.get_running_loop(), lambda: loop.post(Edited()))
