@@ -28,7 +28,7 @@ from .config import (
     dropin_dir_for,
     load_config_explained,
 )
-from .errors import EXIT_OK, ConfigError, Gb10dError
+from .errors import EXIT_OK, ConfigError, Gb10dError, UsageError
 from .journal import connected_to_journal
 
 Handler = Callable[[argparse.Namespace], int]
@@ -77,6 +77,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from .service import query, unit_for_config
 
     loaded = _load(args)
+    _refuse_what_others_hold(loaded, _config_path(args))
     unit = args.unit or unit_for_config(_config_path(args))
     context = query(unit, args.user)
     report = check_paths(loaded, context)
@@ -105,24 +106,41 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _refuse_what_others_hold(loaded: LoadedConfig, path: Path) -> None:
+    """A port or file that another living instance holds, told as a config error naming both (the ledger knows them)."""
+    from .instance import holds, instance_of
+    from .ledger import held_elsewhere
+
+    ledger = loaded.config.memory.ledger_path
+    taken = held_elsewhere(ledger, str(path), holds(loaded.config, path)) if ledger is not None else []
+    if taken:
+        own = instance_of(path) is not None
+        raise ConfigError([loaded.problem(clash.key, clash.describe(str(path), own)) for clash in taken])
+
+
 def cmd_service_user(args: argparse.Namespace) -> int:
     """Run the unit as a login user (or, given gb10d, as the system user again): the drop-in, lingering, daemon-reload."""
     import pwd
 
     from .access import group_name
-    from .service import SYSTEM_USER, dropin_dir, install_user_dropin, unit_for_config, user_dropin
+    from .service import SYSTEM_USER, dropin_dir, install_user_dropin, systemd_running, unit_for_config, user_dropin
 
     unit = args.unit or unit_for_config(_config_path(args))
     try:
         entry = pwd.getpwnam(args.user)
     except KeyError:
-        raise Gb10dError(f"no user {args.user} on this machine") from None
+        raise UsageError(f"no user {args.user} on this machine: check the name with getent passwd") from None
     if entry.pw_uid == 0:
-        raise Gb10dError("gb10d does not run vLLM as root; name the user whose start script ran it, or gb10d for the system user")
+        raise UsageError("gb10d does not run vLLM as root; name the user whose start script ran it, or gb10d for the system user")
     if args.print:
         if args.user != SYSTEM_USER:
             sys.stdout.write(user_dropin(entry.pw_name, group_name(entry.pw_gid), entry.pw_dir))
         return EXIT_OK
+    if not systemd_running():
+        raise Gb10dError(
+            f"systemd is not running on this machine, so a drop-in for {unit} would never be read; nothing was written. "
+            f"Run gb10d in the foreground as {args.user} instead (gb10d run), or see the drop-in with: gb10d service-user {args.user} --print"
+        )
     if os.geteuid() != 0:
         raise Gb10dError(f"writing {dropin_dir(unit)} needs root: sudo gb10d service-user {args.user}")
     for line in install_user_dropin(unit, entry.pw_name).lines:
@@ -267,7 +285,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run the real supervisor against gb10d.sim in a temporary directory."""
     from .demo import run_demo
 
-    return run_demo(args.scenario, args.speed, args.verbose)
+    return run_demo(args.scenario, args.speed, args.verbose, keep=Path(args.keep) if args.keep else None)
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
@@ -430,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("scenario", nargs="?", default="free-memory", choices=sorted(SCENARIOS), help="what to show (default: free-memory)")
     p.add_argument("--speed", type=float, default=0.02, help="time factor of the simulated vLLM (1 = real GB10 minutes; default 0.02)")
     p.add_argument("--verbose", action="store_true", help="also show every line vLLM printed, as the journal gets them")
+    p.add_argument("--keep", metavar="DIR", help="leave the simulated machine (the stand-in vLLM, its memory, the config, "
+                   "what gb10d learned) in DIR, a new or empty directory, to run gb10d run --config DIR/gb10d.toml on")
     p = add(
         "diagnose",
         cmd_diagnose,

@@ -758,6 +758,7 @@ class LoadedConfig:
     config: Config
     files: tuple[Path, ...]
     locations: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    derived: dict[str, str] = field(default_factory=dict)  # defaults of its own an instance got, and why
 
     def location_of(self, dotted: str) -> tuple[str, int | None] | None:
         """(file, line) that set this key or a table holding it; None for a default."""
@@ -772,7 +773,7 @@ class LoadedConfig:
         """`FILE:LINE` of the file that set this key, else "default"."""
         where = self.location_of(dotted)
         if where is None:
-            return DEFAULT_SOURCE
+            return self.derived.get(dotted, DEFAULT_SOURCE)
         file, line = where
         return f"{file}:{line}" if line else file
 
@@ -948,9 +949,14 @@ def load_config_explained(path: Path | None = None, dropin_dir: Path | None = No
         layers.add(file, data, text)
     if problems:
         raise ConfigError(problems)
+    derived: dict[str, str] = {}
+    if layers.data:
+        from .instance import fill_defaults  # the instance's own state files and metrics port; imports this module
+
+        derived = fill_defaults(layers.data, path)
     config = _validate(layers)
     locations = {".".join(key): layers.location(key) for key in layers.origin}
-    return LoadedConfig(config=config, files=tuple(layers.files), locations=locations)
+    return LoadedConfig(config=config, files=tuple(layers.files), locations=locations, derived=derived)
 
 
 def load_config(path: Path | None = None, dropin_dir: Path | None = None) -> Config:

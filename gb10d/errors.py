@@ -52,6 +52,12 @@ class ConfigError(Gb10dError):
         super().__init__("\n".join(str(p) for p in problems))
 
 
+class UsageError(Gb10dError):
+    """The command line asks for something that cannot be (a user this machine lacks); nothing was done."""
+
+    exit_status = EXIT_CONFIG
+
+
 class SpawnError(Gb10dError):
     """vLLM could not be started at all (missing or non-executable program)."""
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .access import Principal, current_principal, group_name, principal
-from .errors import Gb10dError
+from .errors import UsageError
 from .ledger import GROUP as LEDGER_GROUP
 
 MAIN_UNIT = "gb10d.service"
@@ -160,13 +160,13 @@ def query(unit: str, as_user: str | None = None) -> ServiceContext:
 
     `as_user` replaces the user (the rest still comes from the unit): what
     `check-config --user` checks before the drop-in is written. Raises
-    Gb10dError when there is no such user.
+    UsageError (exit 78) when there is no such user.
     """
     props = _show(unit)
     groups = tuple(props.get("SupplementaryGroups", "").split()) + ((props["Group"],) if props.get("Group") else ())
     who = principal(as_user or props.get("User") or "root", groups if not as_user else ())
     if who is None:
-        raise Gb10dError(f"no user {as_user or props.get('User')} on this machine")
+        raise UsageError(f"no user {as_user or props.get('User')} on this machine: check the name with getent passwd")
     context = context_from_show(unit, props, who)
     if context is None:
         base = this_process(unit)
@@ -257,6 +257,11 @@ def lingering(name: str) -> bool:
 
 
 # --- the drop-in that runs the service as a login user ---------------------------
+
+
+def systemd_running(run: Path = Path("/run/systemd/system")) -> bool:
+    """Whether systemd is this machine's init (sd_booted()): only then does a unit drop-in mean anything."""
+    return run.is_dir()
 
 
 def dropin_dir(unit: str) -> Path:

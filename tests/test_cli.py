@@ -196,8 +196,18 @@ def test_service_user_print_shows_the_drop_in_and_writes_nothing(capsys: pytest.
 
 @pytest.mark.parametrize(("user", "message"), [("root", "gb10d does not run vLLM as root"), ("no-such-user-x", "no user no-such-user-x on this machine")])
 def test_service_user_refuses_root_and_unknown_users(user: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["service-user", user]) == 1
+    assert main(["service-user", user]) == EXIT_CONFIG
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(Path("/run/systemd/system").is_dir(), reason="systemd runs here: the drop-in would be read")
+def test_service_user_without_systemd_writes_nothing_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    dropin = Path("/etc/systemd/system/gb10d.service.d/50-service-user.conf")
+    before = dropin.exists()
+    assert main(["service-user", "nobody"]) == 1
+    assert dropin.exists() == before
+    err = capsys.readouterr().err
+    assert "systemd is not running on this machine" in err and "nothing was written" in err
 
 
 def test_check_config_says_whom_it_checked_the_paths_as(tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -210,8 +220,8 @@ def test_check_config_says_whom_it_checked_the_paths_as(tmp_path: Path, fake_ven
 def test_check_config_user_that_does_not_exist_is_a_clear_error(tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text(f'[vllm]\nvenv = "{fake_venv}"\nmodel = "m"\n')
-    assert main(["check-config", "--config", str(config), "--user", "no-such-user-x"]) == 1
-    assert "gb10d: no user no-such-user-x on this machine" in capsys.readouterr().err
+    assert main(["check-config", "--config", str(config), "--user", "no-such-user-x"]) == EXIT_CONFIG
+    assert "gb10d: no user no-such-user-x on this machine: check the name with getent passwd" in capsys.readouterr().err
 
 
 # --- vLLM from a container image ------------------------------------------------------------------------
