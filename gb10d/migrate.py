@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 from .access import Principal, Want, WayOut, advice, principal, reach, walk, ways_out
 from .hfcache import cached_snapshot, hub_cache, is_repo_id, weight_files
-from .importscript import Imported
+from .importscript import Imported, ScriptOwner
 from .service import MAIN_UNIT, SYSTEM_USER
 
 _HUB_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
@@ -103,14 +103,31 @@ def merge(imported: Imported, adapted: Imported) -> Imported:
 # --- the shell ---------------------------------------------------------------------
 
 
-def survey(vllm: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Surroundings:
-    """Look at this machine as the script's author left it: their caches, and what the service user can reach."""
-    environ = os.environ if environ is None else environ
+def _home_of(user: str) -> str | None:
+    try:
+        return pwd.getpwnam(user).pw_dir
+    except KeyError:
+        return None
+
+
+def _author(environ: Mapping[str, str]) -> tuple[ScriptOwner, dict[str, str]]:
+    """Who wrote the script (the user behind sudo, else this one), and the environment that is theirs."""
     sudo_user = environ.get("SUDO_USER") if os.geteuid() == 0 else None
     entry = pwd.getpwnam(sudo_user) if sudo_user else pwd.getpwuid(os.getuid())
     # Under sudo this process's environment is root's; the script's author has only their home.
     own_env = {} if sudo_user else dict(environ)
-    home = own_env.get("HOME") or entry.pw_dir
+    return ScriptOwner(entry.pw_name, own_env.get("HOME") or entry.pw_dir, _home_of), own_env
+
+
+def script_owner(environ: Mapping[str, str] | None = None) -> ScriptOwner:
+    """Whose script import-script reads: their `~` and `$HOME` are the script's."""
+    return _author(os.environ if environ is None else environ)[0]
+
+
+def survey(vllm: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Surroundings:
+    """Look at this machine as the script's author left it: their caches, and what the service user can reach."""
+    owner, own_env = _author(os.environ if environ is None else environ)
+    home = owner.home
     env = {**own_env, **vllm.get("env", {})}
     hub = hub_cache(env, home)
     model = str(vllm.get("model", ""))
@@ -135,5 +152,5 @@ def survey(vllm: Mapping[str, Any], environ: Mapping[str, str] | None = None) ->
         if cause not in blocked:
             blocked.append(cause)
         ways += [way for way in ways_out(denial, MAIN_UNIT) if way not in ways]
-    return Surroundings(entry.pw_name, home, hub, snapshot is not None, compile_cache, os.path.isdir(compile_cache),
+    return Surroundings(owner.name, home, hub, snapshot is not None, compile_cache, os.path.isdir(compile_cache),
                         service.name, blocked, ways)

@@ -74,3 +74,18 @@ def test_import_script_points_the_config_at_the_model_in_the_authors_cache(tmp_p
     assert done.returncode == 0, done.stderr
     assert tomllib.loads(done.stdout)["vllm"]["env"] == {"HF_HUB_CACHE": f"{home}/.cache/huggingface/hub", "HF_HUB_OFFLINE": "1"}
     assert "# note: the service runs vLLM as the system user gb10d" in done.stdout
+
+
+@pytest.mark.slow
+def test_import_script_reads_tilde_as_the_home_of_whoever_runs_it(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    script = tmp_path / "start.sh"
+    script.write_text("source ~/vllm-pip-env/bin/activate\nvllm serve /srv/models/q --port 8000\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUDO_")}
+    done = subprocess.run([sys.executable, "-m", "gb10d", "import-script", str(script)], capture_output=True, text=True,
+                          env={**env, "HOME": str(home)}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert tomllib.loads(done.stdout)["vllm"]["venv"] == f"{home}/vllm-pip-env"
+    assert f"# note: read ~ as {home}, as when" in done.stdout
+    assert "relative to the directory" not in done.stdout and "is not set in the script" not in done.stdout
