@@ -196,7 +196,7 @@ def cmd_import_script(args: argparse.Namespace) -> int:
     text, shown = read_script(args.script)
     imported = import_script(text, shown, script_owner())
     vllm = imported.data["vllm"]
-    sys.stdout.write(render(merge(imported, for_the_service(vllm, survey(vllm))), shown))
+    sys.stdout.write(render(merge(imported, for_the_service(vllm, survey(vllm), imported.data.get("container"))), shown))
     return EXIT_OK
 
 

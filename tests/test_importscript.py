@@ -291,9 +291,10 @@ def test_the_vllm_command_inside_a_block_is_imported_and_the_condition_named() -
 # --- docker run and compose ---------------------------------------------------------------------------
 
 
-def test_the_playbooks_docker_run_becomes_an_image_config() -> None:
-    imported = import_script((SCRIPTS / "playbook.sh").read_text())
-    assert imported.data == {"vllm": {"model": "Qwen/Qwen2.5-Math-1.5B-Instruct", "image": "nvcr.io/nvidia/vllm:26.05-py3"}}
+def test_the_playbooks_docker_run_becomes_an_image_config_that_keeps_its_cache_mount() -> None:
+    imported = import_script((SCRIPTS / "playbook.sh").read_text(), owner=ALICE)
+    assert imported.data == {"vllm": {"model": "Qwen/Qwen2.5-Math-1.5B-Instruct", "image": "nvcr.io/nvidia/vllm:26.05-py3"},
+                             "container": {"mounts": ["/home/alice/.cache/huggingface:/root/.cache/huggingface"]}}
     assert imported.warnings == []
     assert "line 3: -i not needed: vLLM reads no input" in imported.notes
     assert "line 3: -p 8000:8000 not needed: the container uses the host's network, so vllm.port is the host's port" in imported.notes
