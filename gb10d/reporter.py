@@ -19,6 +19,7 @@ import os
 import time
 from dataclasses import replace
 
+from . import advice
 from .budget import Stage, Wait
 from .command import Tunables
 from .config import Config
@@ -213,7 +214,7 @@ class Reporter:
     def gave_up(self, reason: str, exit_status: int) -> None:
         """gb10d stops trying: the journal says why, STATUS= and the state file say failed."""
         self.say("gave_up", reason, PRIORITY_ERR, exit_status=exit_status)
-        self.status(f"failed: {reason}", DaemonState.FAILED)
+        self.status(advice.status_of_give_up(reason, STATUS_MAX), DaemonState.FAILED)
 
     def write(self) -> None:
         """Rewrite the state file now; a failure to write is reported once, never raised."""
