@@ -30,6 +30,8 @@ from .cluster import ray_program
 from .command import env_additions, read_env_file
 from .config import LoadedConfig
 from .errors import ConfigError, ConfigProblem
+from .memory import read_meminfo
+from .modelfit import share_warning_for
 from .mountcheck import unseen_in_container
 from .hfcache import cached_snapshot, hub_cache, hub_cache_source, is_repo_id, offline, repo_folder, weight_files
 from .service import ServiceContext, ipc_warning, lingering, logind_texts, remove_ipc
@@ -164,6 +166,20 @@ class _Checker:
             else:
                 self.report.warnings.append(f"{unseen.key}: {unseen.message}")
 
+    def share(self) -> None:
+        """A warning when the share cannot hold the weights on disk plus one max_model_len sequence's KV cache."""
+        config = self.loaded.config
+        try:
+            mem = read_meminfo(config.memory.meminfo_path)
+            env = {"HOME": self.context.home, **self.context.environment, **env_additions(config.vllm)}
+        except (OSError, ValueError, ConfigError):
+            return  # no meminfo to compare with, or an env_file already reported
+        if config.vllm.image is not None:
+            env = env_additions(config.vllm)
+        warning = share_warning_for(config, env, config.vllm.gpu_memory_utilization, mem.total)
+        if warning is not None:
+            self.report.warnings.append(f"vllm.gpu_memory_utilization: {warning}")
+
     def caches(self) -> None:
         """Where vLLM keeps the model and its compile caches in the service's environment."""
         vllm = self.loaded.config.vllm
@@ -262,4 +278,6 @@ def check_paths(loaded: LoadedConfig, context: ServiceContext, caches: bool = Tr
     if caches and vllm.image is None:  # in a container, vLLM's caches are container.cache_dir, mounted for it
         checker.caches()
         checker.remove_ipc()
+    if caches:
+        checker.share()
     return checker.report
