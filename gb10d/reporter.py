@@ -211,9 +211,10 @@ class Reporter:
         self.state, self.status_text = DaemonState.STOPPED, "stopped"
         self.write()
 
-    def gave_up(self, reason: str, exit_status: int) -> None:
-        """gb10d stops trying: the journal says why, STATUS= and the state file say failed."""
-        self.say("gave_up", reason, PRIORITY_ERR, exit_status=exit_status)
+    def gave_up(self, reason: str, exit_status: int, told: bool = False) -> None:
+        """gb10d stops trying: the journal says why (unless the failure's line just did), STATUS= and the state file say failed."""
+        said = f"giving up with exit status {exit_status}: the line above says what to do" if told else reason
+        self.say("gave_up", said, PRIORITY_ERR, exit_status=exit_status)
         self.status(advice.status_of_give_up(reason, STATUS_MAX), DaemonState.FAILED)
 
     def write(self) -> None:

@@ -326,6 +326,7 @@ def test_an_image_without_vllm_is_not_retried(deployment: ContainerSetup, notify
         daemon = run(deployment, notify, daemons)
         failed(daemon, notify, EXIT_CONFIG, re.escape(f"the image {empty} cannot run vllm") + r".*: it has no vllm program on its PATH; set vllm.image to a vLLM image")
         daemon.wait_line(rf"; {deployment.engine.kind} run --rm IMAGE vllm --version checks one$")
+        assert sum("cannot run vllm" in line for line in daemon.own_lines()) == 1, "said once"
         assert len(starts(daemon)) == 1, "not retried"
         assert containers(deployment) == [], "the failed start's container is removed"
     finally:

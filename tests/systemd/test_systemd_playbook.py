@@ -84,6 +84,7 @@ def box(tmp_path_factory: pytest.TempPathFactory, build_deb: Callable[[str, str]
     """The booted system with the operator, their start.sh (the playbook's command, on the stand-in's image) and the rig."""
     image = ensure_sim_image(engine_or_skip("docker"))
     homes, cache = tmp_path_factory.mktemp("homes"), tmp_path_factory.mktemp("playbook-cache")
+    homes.chmod(0o755)  # like /home: the operator may pass through to their own home
     home = f"{homes}/{USER}"
     try:
         with docker_box(tmp_path_factory, build_deb, (homes, cache)) as container:
