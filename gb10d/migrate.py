@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .access import Principal, Want, WayOut, advice, principal, reach, walk, ways_out
+from .command import CONTAINER_CACHE, CONTAINER_CACHE_ENV
 from .hfcache import cached_snapshot, hub_cache, is_repo_id, weight_files
 from .importscript import Imported, ScriptOwner
 from .service import MAIN_UNIT, SYSTEM_USER
@@ -79,7 +80,7 @@ def for_the_service(vllm: Mapping[str, Any], found: Surroundings, container: Map
     elif is_repo_id(model):
         notes.append(
             f"{model} is not in {found.operator}'s Hugging Face cache {found.hub}: the service downloads it at its first start, "
-            f"into {SERVICE_HF_HOME}"
+            f"into {_download_home(vllm, (container or {}).get('mounts', []))}"
         )
     if found.compile_cache_exists and "image" not in vllm:
         notes.append(
@@ -120,6 +121,18 @@ def _in_container(vllm: Mapping[str, Any], found: Surroundings, notes: list[str]
         f"{how} (HF_HUB_CACHE), offline (HF_HUB_OFFLINE=1: it never downloads, updates or writes there); nothing is copied"
     )
     return Imported(data, notes, [])
+
+
+def _download_home(vllm: Mapping[str, Any], mounts: list[str]) -> str:
+    """Where the service's vLLM downloads a model: its own cache, or for an image what the mounts show at HF_HOME inside."""
+    if "image" not in vllm:
+        return SERVICE_HF_HOME
+    inside = CONTAINER_CACHE_ENV["HF_HOME"]
+    holding = [(host, at) for m in mounts for host, at, *_ in [m.split(":")] if _holds(at, inside)]
+    if not holding:
+        return f"{CONTAINER_CACHE_ENV['HF_HOME'].replace(CONTAINER_CACHE, '/var/cache/gb10d', 1)} (container.cache_dir)"
+    host, at = max(holding, key=lambda mount: len(mount[1]))
+    return posixpath.join(host, posixpath.relpath(inside, at)).rstrip("/.") or host
 
 
 def _holds(directory: str, path: str) -> bool:
