@@ -136,12 +136,17 @@ def share_too_small(utilization: float, share_gib: float, weights_gib: float, we
             "free the memory, or lower vllm.args.max_model_len")
 
 
-def image_without_vllm(image: str, program: str | None, reason: str) -> str:
-    """The container started, but its init could not run vLLM's program: the image is not a vLLM image."""
+def image_without_vllm(image: str, program: str | None, reason: str, engine: str) -> str:
+    """The container started, but its init could not run vLLM's program: the image is not a vLLM image.
+
+    `engine` is container.engine; for "auto" the init's words tell: docker's
+    (tini) names the program, podman's (catatonit) does not.
+    """
     what = f"run {program}" if program else "run vllm"
+    client = engine if engine != "auto" else "docker" if program else "podman"
     return (
         f"the image {image} cannot {what} ({reason}): it has no vllm program on its PATH; set vllm.image to a vLLM "
-        'image (NVIDIA\'s is nvcr.io/nvidia/vllm:TAG); docker run --rm IMAGE vllm --version checks one'
+        f"image (NVIDIA's is nvcr.io/nvidia/vllm:TAG); {client} run --rm IMAGE vllm --version checks one"
     )
 
 
@@ -152,6 +157,21 @@ def ptxas_in_image(image: str) -> str:
         "nvcr.io/nvidia/vllm has one), or set vllm.env.TRITON_PTXAS_PATH to the ptxas of a CUDA 12.9 or later "
         "toolkit inside the image; not retrying"
     )
+
+
+def status_of_give_up(reason: str, limit: int) -> str:
+    """STATUS= when gb10d gives up: the cause, short enough for `systemctl status`, and where the fix is.
+
+    The cause is the reason up to its advice (the first "; "); cut at a word
+    when still too long, never mid-word. The whole reason is in the journal.
+    """
+    tail = "; the journal says how to fix it"
+    cause = reason.split("; ", 1)[0]
+    room = limit - len("failed: ") - len(tail)
+    if len(cause) > room:
+        cut = cause[: room - 1]
+        cause = (cut.rsplit(" ", 1)[0] if " " in cut else cut) + "…"
+    return f"failed: {cause}{tail}"
 
 
 def gave_up(attempts: int, last: str) -> str:

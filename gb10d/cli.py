@@ -209,12 +209,12 @@ def _print_ray_command(cluster: ClusterSection, vllm: VllmSection) -> dict[str, 
 def cmd_import_script(args: argparse.Namespace) -> int:
     """Translate a hand-written start script into gb10d.toml on stdout."""
     from .importscript import import_script, read_script, render
-    from .migrate import for_the_service, merge, survey
+    from .migrate import for_the_service, merge, script_owner, survey
 
     text, shown = read_script(args.script)
-    imported = import_script(text, shown)
+    imported = import_script(text, shown, script_owner())
     vllm = imported.data["vllm"]
-    sys.stdout.write(render(merge(imported, for_the_service(vllm, survey(vllm))), shown))
+    sys.stdout.write(render(merge(imported, for_the_service(vllm, survey(vllm), imported.data.get("container"))), shown))
     return EXIT_OK
 
 

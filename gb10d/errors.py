@@ -67,7 +67,9 @@ class SpawnError(Gb10dError):
 class GiveUp(Gb10dError):
     """gb10d stopped trying; the reason says why and what to do."""
 
-    def __init__(self, reason: str, exit_status: int) -> None:
+    def __init__(self, reason: str, exit_status: int, told: bool = False) -> None:
         self.reason = reason
         self.exit_status = exit_status
+        # The journal has the reason already, in the failure's own line: said once is enough.
+        self.told = told
         super().__init__(reason)

@@ -30,6 +30,7 @@ from .errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, GiveUp
 from .ledger import Booking
 from .levels import PRIORITY_INFO, PRIORITY_WARNING
 from .lifecycle import EXTEND_MARGIN_S
+from .modelfit import share_warning_for
 from .memory import MemInfo, PreflightRefused, evict_page_cache, memory_returned, preflight, read_meminfo, safetensors_files
 from .notify import unit_name
 from .phases import Phase
@@ -179,6 +180,7 @@ class Preflight:
                 )
                 evicted = True
                 continue
+            self._warn_share(config, decision.utilization, mem)
             if decision.utilization == tunables.gpu_memory_utilization:
                 return tunables, ""
             self.reporter.say(
@@ -193,6 +195,12 @@ class Preflight:
                 # A smaller share leaves more room to the others at once.
                 self.booking.update(utilization=decision.utilization, bytes=budget.share_bytes(decision.utilization, mem.total, m.headroom_gib))
             return tunables.with_(gpu_memory_utilization=decision.utilization), f"preflight: {decision.reason}"
+
+    def _warn_share(self, config: Config, utilization: float, mem: MemInfo) -> None:
+        """Warn, without refusing, when the share cannot hold the weights plus one max_model_len sequence's KV cache."""
+        warning = share_warning_for(config, self._env(), utilization, mem.total)
+        if warning is not None:
+            self.reporter.say("share_too_small", f"preflight: {warning}", PRIORITY_WARNING, gpu_memory_utilization=utilization)
 
     def others(self) -> tuple[Reservation, ...]:
         """The other instances of the machine's memory ledger now (none without a ledger)."""

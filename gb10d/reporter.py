@@ -19,6 +19,7 @@ import os
 import time
 from dataclasses import replace
 
+from . import advice
 from .budget import Stage, Wait
 from .command import Tunables
 from .config import Config
@@ -210,10 +211,11 @@ class Reporter:
         self.state, self.status_text = DaemonState.STOPPED, "stopped"
         self.write()
 
-    def gave_up(self, reason: str, exit_status: int) -> None:
-        """gb10d stops trying: the journal says why, STATUS= and the state file say failed."""
-        self.say("gave_up", reason, PRIORITY_ERR, exit_status=exit_status)
-        self.status(f"failed: {reason}", DaemonState.FAILED)
+    def gave_up(self, reason: str, exit_status: int, told: bool = False) -> None:
+        """gb10d stops trying: the journal says why (unless the failure's line just did), STATUS= and the state file say failed."""
+        said = f"giving up with exit status {exit_status}: the line above says what to do" if told else reason
+        self.say("gave_up", said, PRIORITY_ERR, exit_status=exit_status)
+        self.status(advice.status_of_give_up(reason, STATUS_MAX), DaemonState.FAILED)
 
     def write(self) -> None:
         """Rewrite the state file now; a failure to write is reported once, never raised."""

@@ -13,7 +13,7 @@ from typing import Any, get_args
 
 import pytest
 
-from containers import engine_or_skip, ensure_sim_image, sim_image_tag
+from containers import dead_socket, engine_or_skip, ensure_sim_image, sim_image_tag
 from gb10d.cli import main
 from gb10d.command import Engine, build_argv, container_argv, env_additions
 from gb10d.config import Config, load_config, load_config_explained
@@ -272,13 +272,27 @@ def test_check_config_with_pull_never_and_no_image_says_how_to_load_it(kind: Any
 def test_check_config_says_how_to_start_an_engine_that_does_not_answer(kind: str, advice: str, tmp_path: Path) -> None:
     if shutil.which(kind) is None:
         pytest.skip(f"the {kind} client is not installed")
-    sock = tmp_path / f"{kind}.sock"
+    sock = dead_socket(tmp_path / f"{kind}.sock")
     config = tmp_path / "gb10d.toml"
     config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine=kind, socket=str(sock)))
     result = cli("check-config", "--config", str(config))
     assert result.returncode == EXIT_CONFIG
     problem = result.stderr.splitlines()[0]
-    assert problem.startswith(f"gb10d: {config}:6: container.engine: {kind} ") and problem.endswith("; " + advice.format(sock=sock)), problem
+    assert problem.startswith(f"gb10d: {config}:7: container.socket: {kind} ") and problem.endswith("; " + advice.format(sock=sock)), problem
+
+
+@pytest.mark.parametrize("kind", ["docker", "podman"])
+def test_a_container_socket_that_is_not_there_is_reported_on_its_line(kind: str, tmp_path: Path) -> None:
+    if shutil.which(kind) is None:
+        pytest.skip(f"the {kind} client is not installed")
+    sock = tmp_path / "absent.sock"
+    config = tmp_path / "gb10d.toml"
+    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine=kind, socket=str(sock)))
+    result = cli("check-config", "--config", str(config))
+    assert result.returncode == EXIT_CONFIG
+    assert result.stderr.splitlines()[0] == (
+        f"gb10d: {config}:7: container.socket: there is no socket {sock}: no engine can answer there; set container.socket to the "
+        "engine's API socket (docker: /var/run/docker.sock, podman: /run/podman/podman.sock), or remove it to use the engine's default")
 
 
 @pytest.mark.slow
@@ -338,7 +352,7 @@ def test_cleanup_of_vllm_from_a_venv_has_nothing_to_do(tmp_path: Path) -> None:
 
 def test_cleanup_through_an_engine_that_is_not_running_says_how_to_start_it(tmp_path: Path) -> None:
     config = tmp_path / "gb10d.toml"
-    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine="docker", socket=str(tmp_path / "absent.sock")))
+    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine="docker", socket=str(dead_socket(tmp_path / "docker.sock"))))
     result = cli("cleanup", "--config", str(config))
     assert result.returncode == EXIT_GAVE_UP and result.stdout == ""
     assert result.stderr.startswith("gb10d: docker version failed: ") and "start it: sudo systemctl enable --now docker" in result.stderr
