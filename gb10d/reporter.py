@@ -107,7 +107,7 @@ class Reporter:
         self.state = DaemonState.STARTING if number == 1 else DaemonState.RESTARTING
         with self.metrics.batch():
             self.metrics.start_attempt(reason)
-            self.metrics.set_utilization(tunables.gpu_memory_utilization)
+            self.metrics.set_utilization(tunables.gpu_memory_utilization, self.config.vllm.gpu_memory_utilization)
             self.metrics.set_vllm_up(True)
             self._ledger_metrics()  # the share as admitted, lowered if the free-memory check lowered it
 
