@@ -10,6 +10,7 @@ then one journal line.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import re
@@ -110,6 +111,10 @@ class AlertSender:
         self._thread: threading.Thread | None = None
         self._pending = 0
         self._idle = threading.Condition()
+        # A dropped alert's journal line is written on the supervisor's thread (the journal is not thread-safe):
+        # through its event loop while one runs, else by close().
+        self._dropped: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def journaled(self, kind: str, message: str, fields: Mapping[str, object]) -> None:
         """A journal event happened: queue its alert, if it is one and any webhook listens."""
@@ -120,6 +125,11 @@ class AlertSender:
             return
         with self._idle:
             self._pending += 1
+        if self._loop is None:
+            try:
+                self._loop = asyncio.get_running_loop()
+            except RuntimeError:
+                pass
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gb10d-alerts", daemon=True)
             self._thread.start()
@@ -133,6 +143,15 @@ class AlertSender:
                 self._idle.wait(left)
         if self._thread is not None:
             self._queue.put(None)
+        self._report_drops()
+
+    def _report_drops(self) -> None:
+        while True:
+            try:
+                text = self._dropped.get_nowait()
+            except queue.Empty:
+                return
+            self._on_drop(text)
 
     def _run(self) -> None:
         while (alert := self._queue.get()) is not None:
@@ -158,5 +177,11 @@ class AlertSender:
             if response.status_code < 300:
                 return
             problem = f"HTTP {response.status_code}"
-        self._on_drop(f"alert {alert.name} not delivered to {url_shown(hook.url)} after {self.section.retries + 1} tries (last: {problem}); dropped")
+        self._dropped.put(f"alert {alert.name} not delivered to {url_shown(hook.url)} after {self.section.retries + 1} tries (last: {problem}); dropped")
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._report_drops)
+            except RuntimeError:
+                pass  # the loop closed meanwhile: close() reports it
 
