@@ -28,7 +28,7 @@ from .config import AlertsSection, Webhook
 # The journal's event kinds that are alerts, with the name an alert goes out under.
 ALERT_KINDS: Mapping[str, str] = {
     "gave_up": "gave_up",
-    "load_strategy_changed": "stall",
+    "stall_detected": "stall",
     "engine_hung": "stall",
     "driver_oom": "driver_oom",
     "gpu_xid": "gpu_xid",

@@ -81,7 +81,8 @@ def receiver(receivers: list[Receiver], **kwargs: object) -> tuple[Receiver, str
     [
         ("gave_up", {"exit_status": 75}, "gave_up"),
         ("gave_up", {"exit_status": 76}, "memory_not_returned"),
-        ("load_strategy_changed", {"attempt": 1, "cause": "stall"}, "stall"),
+        ("stall_detected", {"attempt": 1}, "stall"),
+        ("load_strategy_changed", {"attempt": 1, "cause": "stall"}, None),
         ("engine_hung", {"attempt": 1}, "stall"),
         ("driver_oom", {"attempt": 1}, "driver_oom"),
         ("gpu_xid", {"xid": 13}, "gpu_xid"),
