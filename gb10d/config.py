@@ -307,6 +307,31 @@ class LivenessSection(_Table):
     probe_route: ProbeRoute = "auto"
 
 
+class Webhook(_Table):
+    """One `[[alerts.webhooks]]`: where gb10d posts its alerts, and in which body."""
+
+    url: str
+    format: Literal["json", "ntfy", "slack"] = "json"
+    # Values may say ${NAME}: taken from gb10d's environment or vllm.env_file when sent, so no token sits in gb10d.toml.
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError('must be an http:// or https:// URL such as "https://ntfy.sh/my-gb10"')
+        return value
+
+
+class AlertsSection(_Table):
+    """`[alerts]`: webhooks gb10d posts to on a give-up, a stall, a driver event, memory not returned and a recovery."""
+
+    webhooks: list[Webhook] = Field(default_factory=list)
+    timeout_s: float = Field(default=10.0, gt=0)
+    retries: int = Field(default=3, ge=0, le=10)
+    retry_initial_s: float = Field(default=2.0, ge=0)
+
+
 class MetricsSection(_Table):
     """`[metrics]`: the Prometheus listener; an empty `listen` disables it."""
 
@@ -502,6 +527,7 @@ class Config(_Table):
     restart: RestartSection = Field(default_factory=RestartSection)
     liveness: LivenessSection = Field(default_factory=LivenessSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
+    alerts: AlertsSection = Field(default_factory=AlertsSection)
     daemon: DaemonSection = Field(default_factory=DaemonSection)
     container: ContainerSection = Field(default_factory=ContainerSection)
     cluster: ClusterSection | None = None

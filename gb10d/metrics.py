@@ -90,6 +90,7 @@ class Metrics:
         self._utilization = gauge(
             "gb10d_gpu_memory_utilization", "The gpu_memory_utilization vLLM was started with (after any lowering)."
         )
+        self._requested = gauge("gb10d_gpu_memory_utilization_requested", "The gpu_memory_utilization the config asks for.")
         self._mem_total = gauge("gb10d_mem_total_bytes", "MemTotal of the unified memory.")
         self._mem_available = gauge("gb10d_mem_available_bytes", "MemAvailable of the unified memory.")
         self._mem_free = gauge("gb10d_mem_free_bytes", "MemFree: what CUDA reports as free on GB10.")
@@ -195,8 +196,10 @@ class Metrics:
     def set_load_progress(self, ratio: float) -> None:
         self._progress.set(ratio)
 
-    def set_utilization(self, utilization: float) -> None:
+    def set_utilization(self, utilization: float, requested: float) -> None:
+        """What vLLM starts with, beside what the config asks for: a dashboard shows the lowering as the gap."""
         self._utilization.set(utilization)
+        self._requested.set(requested)
 
     def set_memory(self, total: int, available: int, free: int, cached: int) -> None:
         """Record /proc/meminfo's figures, in bytes."""

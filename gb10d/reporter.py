@@ -20,9 +20,11 @@ import time
 from dataclasses import replace
 
 from . import advice
+from .alerting import AlertSender
 from .budget import Stage, Wait
-from .command import Tunables
+from .command import Tunables, read_env_file
 from .config import Config
+from .errors import ConfigError
 from .events import DriverOutOfMemory, Event, GpuXid
 from .image import PreparedImage
 from .journal import Journal
@@ -37,6 +39,8 @@ from .statefile import ClusterRecord, DaemonState, LastFailure, Memory, Progress
 
 # sd_notify's STATUS= is one line that `systemctl status` shows; longer texts only clutter it.
 STATUS_MAX = 200
+# How long queued alerts get to go out when gb10d exits (a give-up's alert is sent then).
+ALERTS_CLOSE_S = 10.0
 
 
 class Reporter:
@@ -67,6 +71,7 @@ class Reporter:
         self._written_at = 0.0
         self._deferred: asyncio.TimerHandle | None = None
         self._state_warned = False
+        self.alerts = AlertSender(config.alerts, config.vllm.served_names[0], self._alert_environment, self._alert_dropped)
         self._booked_phase = ""
 
     # --- the journal -----------------------------------------------------
@@ -74,6 +79,7 @@ class Reporter:
     def say(self, kind: str, message: str, priority: int = PRIORITY_INFO, **fields: object) -> None:
         """One decision line in the journal, with its event kind and `GB10D_*` fields."""
         self.journal.event(kind, message, priority, **fields)
+        self.alerts.journaled(kind, message, fields)
 
     # --- STATUS= and the state file ------------------------------------------
 
@@ -108,7 +114,7 @@ class Reporter:
         self.state = DaemonState.STARTING if number == 1 else DaemonState.RESTARTING
         with self.metrics.batch():
             self.metrics.start_attempt(reason)
-            self.metrics.set_utilization(tunables.gpu_memory_utilization)
+            self.metrics.set_utilization(tunables.gpu_memory_utilization, self.config.vllm.gpu_memory_utilization)
             self.metrics.set_vllm_up(True)
             self._ledger_metrics()  # the share as admitted, lowered if the free-memory check lowered it
 
@@ -337,13 +343,26 @@ class Reporter:
         """A reload applied: later reports use the new config; the metrics listener moves if it changed."""
         moved = config.metrics.listen != self.config.metrics.listen
         self.config = config
+        self.alerts.section = config.alerts
         if moved:
             self.serve_metrics()
 
     def close(self) -> None:
         self._cancel_deferred()
         self.metrics.close()
+        self.alerts.close(ALERTS_CLOSE_S)
         self.journal.flush()
+
+    def _alert_environment(self) -> dict[str, str]:
+        """Where ${NAME} in a webhook comes from: gb10d's environment, then vllm.env_file."""
+        env_file = self.config.vllm.env_file
+        try:
+            return {**os.environ, **(read_env_file(env_file) if env_file else {})}
+        except ConfigError:
+            return dict(os.environ)
+
+    def _alert_dropped(self, text: str) -> None:
+        self.journal.event("alert_dropped", text, PRIORITY_WARNING)
 
     def _cancel_deferred(self) -> None:
         if self._deferred is not None:

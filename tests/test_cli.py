@@ -146,6 +146,18 @@ def test_check_config_explain_lists_defaults_and_hides_secrets(tmp_path: Path, f
     assert any(x.startswith("restart.max_attempts = 5") and x.endswith("# default") for x in out.splitlines())
 
 
+def test_explain_shows_where_webhooks_go_but_not_their_tokens(tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(
+        f'[vllm]\nvenv = "{fake_venv}"\nmodel = "m"\n[alerts]\n'
+        'webhooks = [{ url = "https://hooks.slack.com/services/T0/B0/s3cret", format = "slack", headers = { Authorization = "Bearer t0k" } }]\n'
+    )
+    status, out, _ = run(capsys, "check-config", "--explain", "--config", str(config))
+    assert status == 0
+    assert "s3cret" not in out and "t0k" not in out
+    assert 'alerts.webhooks = [{ url = "https://hooks.slack.com/…", format = "slack", headers = { Authorization = *** } }]' in out
+
+
 def test_shipped_config_mentions_every_key_of_every_table() -> None:
     text = SHIPPED.read_text()
     for table, section in Config.model_fields.items():
