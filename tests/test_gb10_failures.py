@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import shutil
 import signal
 import stat
 import time
@@ -157,36 +158,34 @@ def test_vllm_023s_hidden_init_failure_says_which_version_shows_the_cause(tmp_pa
 
 
 def test_leaked_shared_memory_is_removed_before_a_start_and_nothing_else(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to make a segment of another user")
-    # Any gb10d of this user that starts meanwhile removes the dead segment just the same (that is the
-    # point); the suite starts one gb10d at a time, so the one started here is the one that says so.
-    tag = uuid.uuid4().hex[:10]
-    shm = Path("/dev/shm")
-    dead = shm / f"psm_gb10dtest{tag}"
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to give gb10d a /dev/shm of its own and make a segment of another user")
+    # gb10d sees a /dev/shm of its own (this directory, bound over it in a mount namespace of its own): any
+    # other gb10d on the machine would remove a dead segment of the real one just the same, before this one.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    dead = shm / "psm_1a2b3c4d"
     dead.write_bytes(b"\0" * (1 << 20))
-    theirs = shm / f"psm_gb10dtest{tag}other"
+    theirs = shm / "psm_5e6f7a8b"
     theirs.write_bytes(b"\0" * 4096)
     nobody = pwd.getpwnam("nobody")
     os.chown(theirs, nobody.pw_uid, nobody.pw_gid)
-    used = shm / f"psm_gb10dtest{tag}used"
+    used = shm / "psm_9c0d1e2f"
     used.write_bytes(b"\0" * 4096)
-    holder = os.open(used, os.O_RDONLY)  # a living process (this test) has it open
-    unrelated = shm / f"gb10dtest{tag}-cache"
+    unrelated = shm / "gb10dtest-cache"
     unrelated.write_bytes(b"\0" * 4096)
-    try:
-        daemon = run(Setup(tmp_path), notify, daemons)
-        ready(notify)
-        line = daemon.wait_line(r"gb10d: removed \d+ shared memory segments? ")
-        assert dead.name in line.string
-        assert not dead.exists()
-        assert theirs.exists() and stat.S_ISREG(theirs.stat().st_mode)
-        assert used.exists() and unrelated.exists()
-        assert daemon.stop() == 0
-    finally:
-        os.close(holder)
-        for path in (dead, theirs, used, unrelated):
-            path.unlink(missing_ok=True)
+    # The wrapper opens `used` through /dev/shm on fd 3 and execs gb10d, which keeps it: a living process has it open.
+    private_shm = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-ec",
+                   'mount --bind "$0" /dev/shm; exec 3</dev/shm/psm_9c0d1e2f; exec "$@"', str(shm)]
+    daemon = Daemon(Setup(tmp_path), notify, wrapper=private_shm)
+    daemons.append(daemon)
+    ready(notify)
+    line = daemon.wait_line(r"gb10d: removed \d+ shared memory segments? ")
+    assert "removed 1 shared memory segment " in line.string and dead.name in line.string
+    assert not dead.exists()
+    assert theirs.exists() and stat.S_ISREG(theirs.stat().st_mode)
+    assert used.exists() and unrelated.exists()
+    assert daemon.stop() == 0
 
 
 def test_this_machines_facts_are_in_the_journal_and_in_status(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
