@@ -24,9 +24,9 @@ ENGINE_MODULES = frozenset({"test_systemd_container.py", "test_systemd_playbook.
 SYSTEMD_DIR = Path(__file__).parent / "systemd"
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the slow tests, then group them for pytest-xdist (after tests/*/conftest.py marked theirs)."""
+    """Mark the slow tests and group them for pytest-xdist, whose own hook reads the groups after this one."""
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
