@@ -26,7 +26,7 @@ from .events import DriverOutOfMemory, Event, GpuXid
 from .image import PreparedImage
 from .journal import Journal
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
-from .lifecycle import Action, Extend, LivenessFailed, Observe, Say, ShowPhase, XidSeen, kernel_said
+from .lifecycle import Action, DriverOomSeen, Extend, LivenessFailed, Observe, Say, ShowPhase, XidSeen, kernel_said
 from .ledger import Booking
 from .memory import MemInfo, read_meminfo
 from .metrics import Metrics
@@ -289,6 +289,8 @@ class Reporter:
             self.metrics.liveness_failure(action.label)
         elif isinstance(action, XidSeen):
             self.metrics.xid(action.xid)
+        elif isinstance(action, DriverOomSeen):
+            self.metrics.driver_oom_line(action.evidence)
         else:
             return False
         return True
