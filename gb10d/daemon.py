@@ -96,7 +96,7 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
         supervisor = Supervisor(keeper, reporter, loop, preflight, EngineChoice(path), pair, host)
         return await supervisor.supervise()
     except GiveUp as exc:
-        reporter.gave_up(exc.reason, exc.exit_status)
+        reporter.gave_up(exc.reason, exc.exit_status, exc.told)
         return exc.exit_status
     finally:
         keeper.close()

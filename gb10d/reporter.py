@@ -210,9 +210,11 @@ class Reporter:
         self.state, self.status_text = DaemonState.STOPPED, "stopped"
         self.write()
 
-    def gave_up(self, reason: str, exit_status: int) -> None:
-        """gb10d stops trying: the journal says why, STATUS= and the state file say failed."""
-        self.say("gave_up", reason, PRIORITY_ERR, exit_status=exit_status)
+    def gave_up(self, reason: str, exit_status: int, told: bool = False) -> None:
+        """gb10d stops trying: the journal says why (unless the failure's own line did), STATUS= and the state file
+        say failed."""
+        if not told:
+            self.say("gave_up", reason, PRIORITY_ERR, exit_status=exit_status)
         self.status(f"failed: {reason}", DaemonState.FAILED)
 
     def write(self) -> None:

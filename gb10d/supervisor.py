@@ -132,7 +132,7 @@ class Supervisor:
             self._tell_failure(ended, decision, history)
             await self.close()
             if isinstance(decision, policy.GiveUp):
-                raise GiveUp(decision.message, decision.exit_status)
+                raise GiveUp(decision.message, decision.exit_status, told=True)
             if await self.preflight.memory_back(baseline, self._pause):
                 return await self._stop()
             if decision.delay_s > 0:
@@ -158,7 +158,7 @@ class Supervisor:
             history, decision = policy.after_failure(ended, Tunables.from_config(config.vllm), history, config, self.host)
             self._tell_failure(ended, decision, history)
             if isinstance(decision, policy.GiveUp):
-                raise GiveUp(decision.message, decision.exit_status)
+                raise GiveUp(decision.message, decision.exit_status, told=True)
             self.reporter.metrics.restart(ended.cause.value)
             self.reporter.notifier.extend_timeout(decision.delay_s + config.startup.stall_timeout_s + EXTEND_MARGIN_S)
             if await self._pause(decision.delay_s):
@@ -292,6 +292,7 @@ class Supervisor:
             attempt=history.attempts,
             cause=outcome.cause.value,
             gpu_memory_utilization=decision.tunables.gpu_memory_utilization if isinstance(decision, policy.Retry) else None,
+            exit_status=decision.exit_status if isinstance(decision, policy.GiveUp) else None,
         )
         self.reporter.status(message)
 
