@@ -166,7 +166,8 @@ def render(state: StateRecord | None, now: float, alive: bool) -> str:
     rows: list[tuple[str, str | None]] = []
     if state.started_at is not None:
         rows.append(("Started", _when(state.started_at, now)))
-    if state.ready_at is not None:
+    running = not_running_reason(state, alive) is None
+    if state.ready_at is not None and running:
         rows.append(("Ready", f"since {_when(state.ready_at, now)}"))
     rows.append(("Phase", _phase_line(state)))
     names = state.served_names

@@ -121,6 +121,13 @@ def test_summary_of_a_dead_daemon_says_so_and_keeps_the_last_known_facts() -> No
     assert rows(text)["Last failure"] == "free_memory, 1h 48min ago"
 
 
+def test_a_daemon_that_is_not_running_is_not_shown_ready() -> None:
+    # Killed while serving (its state file still says serving), or stopped: no "Ready: since".
+    assert "Ready" not in rows(render(state(), NOW, alive=False))
+    assert "Ready" not in rows(render(state(state="stopped"), NOW, alive=True))
+    assert "Ready" in rows(render(state(), NOW, alive=True))
+
+
 def test_summary_without_state_file() -> None:
     assert render(None, NOW, alive=False) == "gb10d is not running (no state file)\n"
 
