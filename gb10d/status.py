@@ -117,13 +117,15 @@ def _phase_line(state: StateRecord) -> str | None:
     return state.phase
 
 
-def _memory_line(state: StateRecord) -> str | None:
+def _memory_line(state: StateRecord, now: float) -> str | None:
+    """/proc/meminfo as gb10d measured it before the attempt started: a snapshot, said to be one, never current."""
     m = state.memory
     if m is None:
         return None
+    when = f"{duration(now - state.memory_at)} ago" if state.memory_at is not None else "at an unknown time"
     return (
         f"{_gib(m.total_bytes)} total, {_gib(m.available_bytes)} available, {_gib(m.free_bytes)} free, "
-        f"{_gib(m.cached_bytes)} page cache"
+        f"{_gib(m.cached_bytes)} page cache (measured {when}, before the attempt started; free -g shows it now)"
     )
 
 
@@ -184,7 +186,7 @@ def render(state: StateRecord | None, now: float, alive: bool) -> str:
         rows.append(("Image", f"{state.image} ({state.image_digest})" if state.image_digest else state.image))
     if state.container is not None:
         rows.append(("Container", f"{state.container} ({state.engine})" if state.engine else state.container))
-    rows.append(("Memory", _memory_line(state)))
+    rows.append(("Memory", _memory_line(state, now)))
     if state.instance is not None:
         reserved = f": {_gib(state.reservation_bytes)} reserved" if state.reservation_bytes is not None else ""
         rows.append(("Ledger", f"{state.instance}{reserved} in the machine's memory ledger (gb10d status --all shows every instance)"))

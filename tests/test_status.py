@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ def state(**changes: Any) -> StateRecord:
         "load_strategy": "eager",
         "memory": {"total_bytes": 128 << 30, "available_bytes": 64 << 30, "free_bytes": 41 << 30,
                    "cached_bytes": 20 << 30},
+        "memory_at": NOW - 6400,
         "vllm_pid": 4250,
         "ready_at": NOW - 200,
         "last_failure": {
@@ -79,7 +81,10 @@ def test_summary_of_a_serving_daemon_shows_every_fact() -> None:
     assert r["URL"] == "http://0.0.0.0:8000"
     assert r["Attempt"] == "2 of 5"
     assert r["GPU memory"] == "gpu_memory_utilization 0.49, load strategy eager"
-    assert r["Memory"] == "128.0 GiB total, 64.0 GiB available, 41.0 GiB free, 20.0 GiB page cache"
+    assert r["Memory"] == (
+        "128.0 GiB total, 64.0 GiB available, 41.0 GiB free, 20.0 GiB page cache "
+        "(measured 1h 46min ago, before the attempt started; free -g shows it now)"
+    )
     assert r["PID"] == "4242 (gb10d), 4250 (vLLM)"
     assert r["Started"].endswith("; 1h 56min ago")
     assert r["Ready"].endswith("; 3min 20s ago")
@@ -126,6 +131,11 @@ def test_a_daemon_that_is_not_running_is_not_shown_ready() -> None:
     assert "Ready" not in rows(render(state(), NOW, alive=False))
     assert "Ready" not in rows(render(state(state="stopped"), NOW, alive=True))
     assert "Ready" in rows(render(state(), NOW, alive=True))
+
+
+def test_a_memory_snapshot_of_unknown_age_says_so() -> None:
+    r = rows(render(state(memory_at=None), NOW, alive=True))
+    assert r["Memory"].endswith("page cache (measured at an unknown time, before the attempt started; free -g shows it now)")
 
 
 def test_summary_without_state_file() -> None:
@@ -293,6 +303,8 @@ def test_status_of_a_serving_daemon_then_exit_3_after_it_stops(tmp_path: Path, n
         assert r["Attempt"] == "1 of 3"
         assert r["GPU memory"].startswith("gpu_memory_utilization 0.8")
         assert r["Memory"].startswith("121.7 GiB total")
+        # gb10d measured it when the attempt started, and says when: a snapshot, not the memory now.
+        assert re.search(r" page cache \(measured \d+s ago, before the attempt started; free -g shows it now\)$", r["Memory"]), r["Memory"]
         answer = json.loads(gb10d("status", "--json", "--config", str(setup.config)).stdout)
         assert answer["running"] is True and answer["pid"] == daemon.proc.pid
         assert isinstance(answer["vllm_pid"], int) and answer["ready_at"] is not None
