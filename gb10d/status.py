@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from . import budget
 from .budget import Reservation, Stage
-from .config import MemorySection, load_config
+from .config import Config, MemorySection, load_config
 from .errors import Gb10dError
 from .ledger import read_ledger
 from .memory import MemInfo, read_meminfo
@@ -35,26 +35,28 @@ DEFAULT_STATE_FILE = Path("/run/gb10d/state.json")
 _GIB = 1 << 30
 
 
-def state_file_path(explicit: str | None, config_path: Path | None) -> Path:
-    """The state file to read: `--state-file`, else the config's `[daemon] state_file`, else the default.
+def status_config(config_path: Path, named: bool) -> Config | None:
+    """The config whose state file and ledger status reads; None for a default config that does not load.
 
-    A config that does not load is no reason to refuse a status: the daemon
-    may be running from an earlier, valid version of it.
+    A file the user named (`--config`, $GB10D_CONFIG) must load: its error,
+    exit 78, is the answer, since falling back would show another
+    instance's status as this one's. The default config that does not load
+    is no reason to refuse a status: the daemon may be running from an
+    earlier, valid version of it.
     """
+    try:
+        return load_config(config_path)
+    except Gb10dError:
+        if named:
+            raise
+        return None
+
+
+def state_file_path(explicit: str | None, config: Config | None) -> Path:
+    """The state file to read: `--state-file`, else the config's `[daemon] state_file`, else the default."""
     if explicit:
         return Path(explicit)
-    try:
-        return load_config(config_path).daemon.state_file
-    except Gb10dError:
-        return DEFAULT_STATE_FILE
-
-
-def memory_settings(config_path: Path | None) -> MemorySection:
-    """The config's [memory] table, or its defaults when the config does not load (as for the state file)."""
-    try:
-        return load_config(config_path).memory
-    except Gb10dError:
-        return MemorySection()
+    return config.daemon.state_file if config is not None else DEFAULT_STATE_FILE
 
 
 def pid_alive(pid: int) -> bool:

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from gb10d.statefile import StateRecord, read_state, write_state
-from gb10d.status import DEFAULT_STATE_FILE, duration, render
+from gb10d.errors import ConfigError
+from gb10d.status import DEFAULT_STATE_FILE, duration, render, state_file_path, status_config
 
 from harness import Daemon, NotifySocket, Setup, wait_until
 
@@ -269,12 +270,48 @@ def test_state_file_location_comes_from_the_config(tmp_path: Path, daemon_pid: s
 
 
 @pytest.mark.slow
-def test_unloadable_config_falls_back_to_the_default_state_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [(), ("--json",), ("--all",)])
+def test_a_named_config_that_does_not_load_is_the_answer_with_exit_78(tmp_path: Path, extra: tuple[str, ...]) -> None:
+    # Falling back to the default state file would show another instance's status as this one's.
     config = tmp_path / "gb10d.toml"
     config.write_text("[vllm\n", encoding="utf-8")
-    result = gb10d("status", "--json", "--config", str(config))
-    assert json.loads(result.stdout)["state_file"] == str(DEFAULT_STATE_FILE)
-    assert "Traceback" not in result.stderr
+    result = gb10d("status", *extra, "--config", str(config))
+    assert result.returncode == 78
+    assert result.stdout == ""
+    assert str(config) in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_config_named_by_gb10d_config_that_does_not_load_is_the_answer_with_exit_78(tmp_path: Path) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text("[vllm\n", encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, "-m", "gb10d", "status"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "GB10D_CONFIG": str(config)},
+    )
+    assert result.returncode == 78 and result.stdout == ""
+    assert str(config) in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_named_state_file_is_read_whatever_the_config(tmp_path: Path, daemon_pid: subprocess.Popen[bytes]) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text("[vllm\n", encoding="utf-8")
+    path = tmp_path / "state.json"
+    write_state(path, state(pid=daemon_pid.pid))
+    result = gb10d("status", "--state-file", str(path), "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "gb10d is running: serving"
+
+
+def test_a_default_config_that_does_not_load_falls_back_to_the_default_state_file(tmp_path: Path) -> None:
+    # The daemon may run from an earlier, valid version of the file; nobody named this one.
+    config = tmp_path / "gb10d.toml"
+    config.write_text("[vllm\n", encoding="utf-8")
+    assert status_config(config, named=False) is None
+    assert state_file_path(None, None) == DEFAULT_STATE_FILE
+    with pytest.raises(ConfigError):
+        status_config(config, named=True)
 
 
 # --- against a real `gb10d run` with gb10d.sim ------------------------------------
