@@ -251,7 +251,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         config = status_config(_config_path(args), named=bool(getattr(args, "config", None) or os.environ.get(CONFIG_ENV)))
     state_file = state_file_path(args.state_file, config)
     if args.all:
-        return show_all(config.memory if config is not None else MemorySection(), json_output=args.json)
+        return show_all(config.memory if config is not None else MemorySection(), state_file, json_output=args.json)
     return show_status(state_file, json_output=args.json)
 
 
@@ -406,8 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(like systemctl status), 4 when the state file cannot be read, 78 when the config --config or "
         f"${CONFIG_ENV} names does not load. With --all: every gb10d instance of this "
         "machine from the memory ledger they share ([memory] ledger_dir, default /run/gb10d-ledger): state, phase, "
-        "reservation, real use, whom a waiting one waits for, and the memory left; exit 0 when any runs, 3 when none "
-        "does, 4 when the ledger cannot be read.",
+        "reservation, real use, whom a waiting one waits for, and the memory left; without a ledger, the running "
+        "instances the state files beside the config's name; exit 0 when any runs, 3 when none "
+        "does, 4 when neither can be read.",
     )
     p.add_argument("--all", action="store_true", help="every gb10d instance of this machine, from the memory ledger")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")

@@ -3,10 +3,11 @@
 The exit status follows `systemctl status` and LSB: 0 running, 3 not
 running (no state file, its pid gone, or the state says stopped or failed),
 4 when the state file cannot be read at all. `--all` reads the memory
-ledger the instances share instead: 0 when any instance runs, 3 when none
-does, 4 when the ledger cannot be read. Rendering is pure (state, now and
-whether the pid lives go in, text comes out); only `show_status` and
-`show_all` touch the file system and the process table.
+ledger the instances share instead (without one, the state files beside
+the config's): 0 when any instance runs, 3 when none does, 4 when neither
+can be read. Rendering is pure (state, now and whether the pid lives go
+in, text comes out); only the `show_*` functions touch the file system and
+the process table.
 """
 
 from __future__ import annotations
@@ -299,19 +300,36 @@ def all_as_json(records: list[Reservation], mem: MemInfo | None, now: float, dir
     }
 
 
-def show_all(memory: MemorySection, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Print every gb10d instance of the machine from the memory ledger; return the exit status."""
-    directory = memory.ledger_path
+def show_all(
+    memory: MemorySection, state_file: Path, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr
+) -> int:
+    """Print every gb10d instance of the machine from the memory ledger; return the exit status.
+
+    Without a ledger (off in the config, or its directory missing), or with
+    an empty one while an instance runs alone outside it (it could not use
+    the ledger: one warning in its journal), the state files beside this
+    config's tell instead, and the answer says so: an instance that runs
+    must never be reported as absent.
+    """
+    directory, state_dir = memory.ledger_path, state_file.parent
     if directory is None:
-        message = 'the memory ledger is off in this config (memory.ledger_dir = ""): instances do not see each other'
-        return _cannot(message, {"ledger_dir": None}, json_output, out, err, EXIT_NOT_RUNNING)
+        why = 'the memory ledger is off in this config (memory.ledger_dir = "")'
+        return show_state_files(why, state_dir, json_output, out, err)
     try:
         records = read_ledger(directory)
     except FileNotFoundError:
-        records = []
+        why = f"the memory ledger {directory} does not exist (the package creates it at boot: systemd-tmpfiles --create)"
+        return show_state_files(why, state_dir, json_output, out, err)
     except OSError as exc:
         message = f"cannot read the memory ledger {directory}: {exc.strerror or exc} (members of the group gb10d and root may)"
         return _cannot(message, {"ledger_dir": str(directory)}, json_output, out, err)
+    if not records:
+        try:
+            alone = _running_states(state_dir)
+        except OSError:
+            alone = []  # the ledger's answer stands
+        if alone:
+            return _print_state_files(f"no instance is in the memory ledger {directory}", state_dir, alone, json_output, out)
     try:
         mem: MemInfo | None = read_meminfo(memory.meminfo_path)
     except (OSError, ValueError):
@@ -322,3 +340,53 @@ def show_all(memory: MemorySection, json_output: bool = False, out: TextIO = sys
     else:
         out.write(render_all(records, mem, now, directory))
     return EXIT_RUNNING if records else EXIT_NOT_RUNNING
+
+
+def _running_states(directory: Path) -> list[tuple[Path, StateRecord]]:
+    """The state files in `directory` whose daemon runs, by path; OSError when the directory cannot be listed."""
+    try:
+        paths = sorted(path for path in directory.iterdir() if path.suffix == ".json")
+    except FileNotFoundError:
+        return []  # no gb10d ever ran here since boot
+    found = []
+    for path in paths:
+        try:
+            state = read_state(path)
+        except OSError:
+            continue  # another user's, or gone meanwhile: the instances gb10d can see are still told
+        alive = state is not None and state.pid is not None and pid_alive(state.pid)
+        if state is not None and not_running_reason(state, alive) is None:
+            found.append((path, state))
+    return found
+
+
+def render_state_files(why: str, directory: Path, found: list[tuple[Path, StateRecord]]) -> str:
+    """`--all` without the ledger's answer: the honest reason, then each running instance its state file shows."""
+    if not found:
+        return f"{why}; no state file in {directory} names a running gb10d\n"
+    lines = [f"{why}; the state files in {directory} name {len(found)} running:"]
+    for path, state in found:
+        name = state.state.value if state.state is not None else "unknown"
+        model = f" {state.model}" if state.model else ""
+        lines.append(f"  {path}: {name}{model}, pid {state.pid}")
+    return "\n".join(lines) + "\n"
+
+
+def _print_state_files(why: str, directory: Path, found: list[tuple[Path, StateRecord]], json_output: bool, out: TextIO) -> int:
+    if json_output:
+        instances = [{**state.to_json(), "state_file": str(path)} for path, state in found]
+        answer = {"ledger": why, "state_dir": str(directory), "running": bool(found), "instances": instances}
+        out.write(json.dumps(answer, indent=2, sort_keys=True) + "\n")
+    else:
+        out.write(render_state_files(why, directory, found))
+    return EXIT_RUNNING if found else EXIT_NOT_RUNNING
+
+
+def show_state_files(why: str, directory: Path, json_output: bool, out: TextIO, err: TextIO) -> int:
+    """Print the running instances the state files in `directory` show; return the exit status."""
+    try:
+        found = _running_states(directory)
+    except OSError as exc:
+        message = f"{why}, and the state files in {directory} cannot be listed: {exc.strerror or exc}"
+        return _cannot(message, {"state_dir": str(directory)}, json_output, out, err)
+    return _print_state_files(why, directory, found, json_output, out)
