@@ -22,12 +22,12 @@ from .errors import GiveUp, SpawnError
 from .events import Event, Failure, GraphsProgressed, ShardsProgressed
 from .facts import AttemptFact, Exited, ExitSeen, Fact, Parsed, ProbeKind, Probed, Tick
 from .journal import Journal
-from .levels import PRIORITY_ERR, PRIORITY_INFO
+from .levels import PRIORITY_DEBUG, PRIORITY_ERR, PRIORITY_INFO
 from .lifecycle import Action, AttemptState
 from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
 from .memory import MemInfo
 from .outcome import Failed
-from .probe import Prober, base_url
+from .probe import OWN_QUERY, Prober, base_url, own_access_line
 from .probing import check_ready, poll_until_healthy, watch_liveness
 from .reporter import Reporter
 from .runtime import Launcher, Runtime
@@ -70,7 +70,8 @@ class OutputStream:
             # One classification serves both the journal's priority and the event scan.
             record = classify(text)
             if forward(text):
-                vllm_line(text, record.priority)
+                # gb10d's own probes fill uvicorn's access log (some 19,000 lines a day idle): debug priority.
+                vllm_line(text, PRIORITY_DEBUG if own_access_line(record.message) else record.priority)
             events = scan(record.message)
             if events:
                 # A remote Ray worker's failure says which machine it happened on.
@@ -175,7 +176,7 @@ class Attempt:
         )
         reporter.attempt_started(number, tunables, runtime.pid, baseline, start.reason)
         if config.metrics.proxy_vllm:
-            reporter.metrics.set_vllm_target(base_url(config.vllm.host, config.vllm.port) + "/metrics")
+            reporter.metrics.set_vllm_target(base_url(config.vllm.host, config.vllm.port) + "/metrics?" + OWN_QUERY)
         state, actions = lifecycle.begin(number, tunables, time.monotonic(), config)
         attempt = cls(start, state, runtime, config, reporter, post, on_ready)
         attempt._tasks.append(asyncio.create_task(attempt._follow_output()))

@@ -23,6 +23,7 @@ from .config import (
     DEFAULT_CONFIG_PATH,
     ClusterSection,
     LoadedConfig,
+    MemorySection,
     VllmSection,
     default_config_path,
     dropin_dir_for,
@@ -260,11 +261,16 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Summarise the running daemon from its state file, or every instance from the memory ledger (exit 3 when not running)."""
-    from .status import memory_settings, show_all, show_status, state_file_path
+    from .status import show_all, show_status, state_file_path, status_config
 
+    if args.state_file and not args.all:
+        config = None  # the state file is named: no config is read for it
+    else:
+        config = status_config(_config_path(args), named=bool(getattr(args, "config", None) or os.environ.get(CONFIG_ENV)))
+    state_file = state_file_path(args.state_file, config)
     if args.all:
-        return show_all(memory_settings(_config_path(args)), json_output=args.json)
-    return show_status(state_file_path(args.state_file, _config_path(args)), json_output=args.json)
+        return show_all(config.memory if config is not None else MemorySection(), state_file, json_output=args.json)
+    return show_status(state_file, json_output=args.json)
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
@@ -415,10 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Show the daemon's state, startup phase and progress, model and URL, attempt, effective "
         "gpu_memory_utilization, memory, uptime and last failure, from the state file it keeps "
         "([daemon] state_file, default /run/gb10d/state.json). Exit 0 when running, 3 when not "
-        "(like systemctl status), 4 when the state file cannot be read. With --all: every gb10d instance of this "
+        "(like systemctl status), 4 when the state file cannot be read, 78 when the config --config or "
+        f"${CONFIG_ENV} names does not load. With --all: every gb10d instance of this "
         "machine from the memory ledger they share ([memory] ledger_dir, default /run/gb10d-ledger): state, phase, "
-        "reservation, real use, whom a waiting one waits for, and the memory left; exit 0 when any runs, 3 when none "
-        "does, 4 when the ledger cannot be read.",
+        "reservation, real use, whom a waiting one waits for, and the memory left; without a ledger, the running "
+        "instances the state files beside the config's name; exit 0 when any runs, 3 when none "
+        "does, 4 when neither can be read.",
     )
     p.add_argument("--all", action="store_true", help="every gb10d instance of this machine, from the memory ledger")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")

@@ -254,6 +254,10 @@ class MemorySection(_Table):
     ledger_dir: str = "/run/gb10d-ledger"
     # A start whose share does not fit beside the starts of other instances waits for them, or fails at once.
     when_full: Literal["wait", "fail"] = "wait"
+    # The NVIDIA driver's out-of-memory line stops vLLM only with evidence (driveroom.py): this many lines within
+    # driver_oom_window_s are a burst that counts as evidence, and a line counts for that long.
+    driver_oom_burst: int = Field(default=50, ge=1)
+    driver_oom_window_s: float = Field(default=60.0, gt=0)
 
     @field_validator("ledger_dir")
     @classmethod

@@ -409,9 +409,9 @@ def _serious_xid(e: Failure) -> bool:
 # What decides the verdict when a start shows several failures, most telling first: the
 # platform's own failures explain the vLLM errors they cause, a specific failure explains
 # the wrappers printed after it, and vLLM 0.23's bare `Failed core proc(s): {}` counts only
-# when nothing else was printed.
+# when nothing else was printed. The driver's out-of-memory line is logged by healthy starts
+# on GB10 too (driveroom.py): it explains an engine's death, never an error vLLM named itself.
 _RANKS: tuple[Callable[[Failure], bool], ...] = (
-    lambda e: isinstance(e, DriverOutOfMemory),
     _serious_xid,
     lambda e: isinstance(e, UnsupportedBuild),
     lambda e: isinstance(e, PtxasArchUnsupported),
@@ -423,6 +423,7 @@ _RANKS: tuple[Callable[[Failure], bool], ...] = (
     lambda e: isinstance(e, (PortInUse, InternalPortInUse)),
     lambda e: isinstance(e, (ModelNotFound, ModelGated)),
     lambda e: isinstance(e, BadArgument),
+    lambda e: isinstance(e, DriverOutOfMemory),
     lambda e: isinstance(e, EngineDied),
     lambda e: isinstance(e, (IpcRemoved, GpuXid)),
     lambda e: isinstance(e, ExceptionRaised) or (isinstance(e, EngineStartFailed) and not isinstance(e, HiddenInitFailure)),
@@ -434,13 +435,13 @@ _STOP_EXCEPTIONS = ("KeyboardInterrupt", "SystemExit", "CancelledError")
 
 def _generic(event: Failure) -> bool:
     """A failure that wraps or hints at another rather than naming a cause of its own."""
-    return (isinstance(event, (ExceptionRaised, EngineStartFailed, EngineDied))
+    return (isinstance(event, (ExceptionRaised, EngineStartFailed, EngineDied, DriverOutOfMemory))
             or (isinstance(event, IpcRemoved) and not event.confirmed) or (isinstance(event, GpuXid) and not _serious_xid(event)))
 
 
 def _passing(event: Failure) -> bool:
     """A failure line a start can go on after (a caught exception's traceback, a warning): it ends nothing by itself."""
-    return (isinstance(event, ExceptionRaised) or (isinstance(event, IpcRemoved) and not event.confirmed)
+    return (isinstance(event, (ExceptionRaised, DriverOutOfMemory)) or (isinstance(event, IpcRemoved) and not event.confirmed)
             or (isinstance(event, GpuXid) and not _serious_xid(event)))
 
 

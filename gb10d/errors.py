@@ -65,7 +65,8 @@ class SpawnError(Gb10dError):
 
 
 class GiveUp(Gb10dError):
-    """gb10d stopped trying; the reason says why and what to do."""
+    """gb10d stopped trying; the reason says why and what to do. `told`: the journal has the reason already, in the
+    failure's own line (its event kind, with the cause), which must not be repeated."""
 
     def __init__(self, reason: str, exit_status: int, told: bool = False) -> None:
         self.reason = reason

@@ -85,6 +85,11 @@ class Metrics:
         self._restarts = counter("gb10d_restarts", "vLLM restarts, by the failure that caused them.", "cause")
         self._liveness = counter("gb10d_liveness_failures", "Failed liveness checks of a serving vLLM.", "cause")
         self._xid = counter("gb10d_gpu_xid", "NVIDIA Xid errors the kernel logged, by Xid number.", "xid")
+        self._driver_oom = counter(
+            "gb10d_driver_oom_lines",
+            "The NVIDIA driver's out-of-memory lines the kernel logged, by the evidence that came with them (none: only told).",
+            "evidence",
+        )
         self._startup = gauge("gb10d_last_startup_seconds", "Seconds the last successful start took until ready.")
         self._progress = gauge("gb10d_load_progress_ratio", "Checkpoint shards loaded, as a fraction of all.")
         self._utilization = gauge(
@@ -189,6 +194,9 @@ class Metrics:
 
     def xid(self, number: int) -> None:
         self._xid.labels(xid=str(number)).inc()
+
+    def driver_oom_line(self, evidence: str) -> None:
+        self._driver_oom.labels(evidence=evidence).inc()
 
     def set_startup_seconds(self, seconds: float) -> None:
         self._startup.set(seconds)

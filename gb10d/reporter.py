@@ -29,7 +29,7 @@ from .events import DriverOutOfMemory, Event, GpuXid
 from .image import PreparedImage
 from .journal import Journal
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
-from .lifecycle import Action, Extend, LivenessFailed, Observe, Say, ShowPhase, XidSeen, kernel_said
+from .lifecycle import Action, DriverOomSeen, Extend, LivenessFailed, Observe, Say, ShowPhase, XidSeen, kernel_said
 from .ledger import Booking
 from .memory import MemInfo, read_meminfo
 from .metrics import Metrics
@@ -67,6 +67,7 @@ class Reporter:
         self._tunables: Tunables | None = None
         self._pid: int | None = None
         self._baseline: MemInfo | None = None
+        self._baseline_at: float | None = None
         self._written_phase: Phase | None = None
         self._written_at = 0.0
         self._deferred: asyncio.TimerHandle | None = None
@@ -111,6 +112,7 @@ class Reporter:
     def attempt_started(self, number: int, tunables: Tunables, pid: int, baseline: MemInfo | None, reason: str) -> None:
         """A new attempt runs: the state file and the metrics describe it from now on."""
         self._number, self._tunables, self._pid, self._baseline = number, tunables, pid, baseline
+        self._baseline_at = time.time() if baseline is not None else None
         self.state = DaemonState.STARTING if number == 1 else DaemonState.RESTARTING
         with self.metrics.batch():
             self.metrics.start_attempt(reason)
@@ -257,6 +259,7 @@ class Reporter:
             gpu_memory_utilization=tunables.gpu_memory_utilization if tunables else v.gpu_memory_utilization,
             load_strategy=tunables.load_strategy if tunables else None,
             memory=Memory(mem.total, mem.available, mem.free, mem.cached) if mem else None,
+            memory_at=self._baseline_at if mem else None,
             vllm_pid=self._pid,
             ready_at=self.ready_at if running else None,
             last_failure=self.last_failure,
@@ -297,6 +300,8 @@ class Reporter:
             self.metrics.liveness_failure(action.label)
         elif isinstance(action, XidSeen):
             self.metrics.xid(action.xid)
+        elif isinstance(action, DriverOomSeen):
+            self.metrics.driver_oom_line(action.evidence)
         else:
             return False
         return True

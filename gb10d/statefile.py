@@ -154,6 +154,7 @@ class StateRecord:
     gpu_memory_utilization: float | None = None
     load_strategy: str | None = None
     memory: Memory | None = None
+    memory_at: float | None = None  # when `memory` was measured (wall clock)
     vllm_pid: int | None = None
     ready_at: float | None = None
     last_failure: LastFailure | None = None
@@ -203,6 +204,7 @@ class StateRecord:
             gpu_memory_utilization=_num(data, "gpu_memory_utilization"),
             load_strategy=_text(data, "load_strategy"),
             memory=_record(Memory, data.get("memory"), total_bytes=_int, available_bytes=_int, free_bytes=_int, cached_bytes=_int),
+            memory_at=_num(data, "memory_at"),
             vllm_pid=_int(data, "vllm_pid"),
             ready_at=_num(data, "ready_at"),
             last_failure=_record(LastFailure, data.get("last_failure"), cause=_text, message=_text, action=_text, at=_num),

@@ -55,6 +55,16 @@ FREE = ("(EngineCore pid=4300) ERROR 12-02 14:00:22 [core.py:1019] ValueError: F
         "Decrease GPU memory utilization or reduce GPU memory used by other processes.")
 
 
+def test_the_drivers_out_of_memory_line_does_not_outrank_the_error_vllm_named() -> None:
+    # Healthy starts on GB10 log one such line too: beside vLLM's own error it is not the cause.
+    driver = "Dec 04 12:00:00 spark kernel: NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051)"
+    assert diagnose(FREE + "\n" + driver).verdict == "free_memory"
+    assert diagnose(driver).verdict == "driver_oom"
+    # A start that went on loading after the line and became ready is ready.
+    first, rest = real("healthy").split("\n", 1)
+    assert diagnose(first + "\n" + driver + "\n" + rest).verdict == "ready"
+
+
 def test_free_memory_advice_names_the_key_and_the_value() -> None:
     result = diagnose(FREE)
     assert result.verdict == "free_memory"

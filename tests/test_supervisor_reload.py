@@ -102,11 +102,14 @@ def test_a_burst_of_editor_writes_is_validated_once(tmp_path: Path, notify: Noti
         tmp = setup.config.with_name(f".gb10d.toml.swp{n}")
         tmp.write_text(text.replace("max_attempts = 3", "max_attempts = 4"))
         tmp.replace(setup.config)
-    daemon.wait_line(r"gb10d: config changed \(1 keys\); run systemctl reload gb10d to apply: .*restart.max_attempts 3 -> 4")
+    line = daemon.wait_line(r"gb10d: .* changed on disk, not applied")
+    assert line.string.endswith(
+        f"gb10d: {setup.config} changed on disk, not applied (1 key changed: restart.max_attempts 3 -> 4); apply it with: systemctl reload gb10d"
+    ), line.string
     # Quiet afterwards: the debounce gave one validation for the whole burst, seen by waiting for the next.
     setup.config.write_text(text)
     daemon.wait_line(r"changed on disk; it is valid and nothing gb10d uses differs")
-    assert sum("config changed (" in line for line in daemon.own_lines()) == 1
+    assert sum("changed on disk, not applied" in line for line in daemon.own_lines()) == 1
     assert notify.count("RELOADING") == 0
     daemon.stop()
 
