@@ -32,7 +32,7 @@ from .levels import PRIORITY_INFO, PRIORITY_WARNING
 from .lifecycle import EXTEND_MARGIN_S
 from .modelfit import share_warning_for
 from .memory import MemInfo, PreflightRefused, evict_page_cache, memory_returned, preflight, read_meminfo, safetensors_files
-from .notify import unit_name
+from .service import unit_name
 from .phases import Phase
 from .reporter import Reporter
 
