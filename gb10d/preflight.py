@@ -30,7 +30,7 @@ from .errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, GiveUp
 from .keeper import ConfigKeeper
 from .ledger import Booking
 from .levels import PRIORITY_INFO, PRIORITY_WARNING
-from .lifecycle import EXTEND_MARGIN_S
+from .lifecycle import start_time_asked
 from .modelfit import share_warning_for
 from .memory import MemInfo, PreflightRefused, evict_page_cache, memory_returned, preflight, read_meminfo, safetensors_files
 from .service import unit_name
@@ -138,7 +138,7 @@ class Preflight:
                 self.reporter.waiting_for_memory(decision)
             moved, seen = budget.progressed(seen, decision.blockers)
             if moved:
-                self.reporter.extend(config.startup.stall_timeout_s + EXTEND_MARGIN_S)
+                self.reporter.extend(start_time_asked(config))
             if await pause(LEDGER_POLL_S):
                 return None
 
