@@ -89,7 +89,7 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
     pair = Pair(keeper, reporter, loop) if config.cluster is not None else None
     preflight = Preflight(keeper, reporter)
     supervisor: Supervisor | None = None
-    kernel = KernelLog(config.daemon.kernel_log, loop.post, reporter)
+    kernel = KernelLog(config.daemon.kernel_log, loop.post, lambda text: reporter.say("kernel_log", text, PRIORITY_WARNING))
     loop.install()
     reporter.serve_metrics()
     keeper.watch(asyncio.get_running_loop(), lambda: loop.post(Edited()))
