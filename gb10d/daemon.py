@@ -86,10 +86,10 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
         return exc.exit_status
     keeper = ConfigKeeper(path, snapshot, reporter)
     loop = FactLoop(notifier)
-    pair = Pair(config, reporter, loop) if config.cluster is not None else None
-    preflight = Preflight(lambda: keeper.config, keeper.env, reporter)
+    pair = Pair(keeper, reporter, loop) if config.cluster is not None else None
+    preflight = Preflight(keeper, reporter)
     supervisor: Supervisor | None = None
-    kernel = KernelLog(config.daemon.kernel_log, loop.post, reporter)
+    kernel = KernelLog(config.daemon.kernel_log, loop.post, lambda text: reporter.say("kernel_log", text, PRIORITY_WARNING))
     loop.install()
     reporter.serve_metrics()
     keeper.watch(asyncio.get_running_loop(), lambda: loop.post(Edited()))

@@ -32,7 +32,8 @@ from .budget import Admit, Refuse, Reservation, Stage, Wait
 from .errors import EXIT_CONFIG, GiveUp
 from .instance import Clash, clashes, instance_of
 from .memory import MemInfo
-from .notify import unit_name
+from .service import LEDGER_GROUP as GROUP
+from .service import unit_name
 
 LOCK_NAME = ".lock"
 SUFFIX = ".json"
@@ -40,8 +41,6 @@ SUFFIX = ".json"
 # A record is written by its own instance only; the lock by every instance, whichever user its unit runs as.
 FILE_MODE = 0o644
 LOCK_MODE = 0o664
-# The group the package gives the directory; a service running as a login user joins it (service.user_dropin).
-GROUP = "gb10d"
 
 ErrorHandler = Callable[[str], None]
 NOTHING: Mapping[str, str] = MappingProxyType({})  # an instance that says nothing of what it holds

@@ -57,6 +57,16 @@ IO_SAMPLE_S = 2.0
 EXIT_GRACE_S = 1.0
 
 
+def start_time_asked(config: Config, wait_s: float = 0.0) -> float:
+    """The start time gb10d asks systemd for on a sign of progress (EXTEND_TIMEOUT_USEC), in seconds.
+
+    Enough for `wait_s` (a back-off before the next start) and then a whole
+    stall timeout, plus a margin: gb10d's own stall detection must fire
+    before systemd's timeout does. Every extension of a start is this one.
+    """
+    return wait_s + config.startup.stall_timeout_s + EXTEND_MARGIN_S
+
+
 # --- actions ------------------------------------------------------------------
 
 
@@ -432,7 +442,7 @@ def _extend(state: AttemptState, now: float, config: Config, force: bool = False
     """EXTEND_TIMEOUT_USEC on real progress only, throttled, so a stuck start still times out."""
     if state.ready or (not force and state.extended_at is not None and now - state.extended_at < EXTEND_EVERY_S):
         return state, ()
-    return replace(state, extended_at=now), (Extend(config.startup.stall_timeout_s + EXTEND_MARGIN_S),)
+    return replace(state, extended_at=now), (Extend(start_time_asked(config)),)
 
 
 def _last_progress(state: AttemptState) -> float:

@@ -65,7 +65,7 @@ def vllm_families(exposition: str) -> str:
 
 
 class Metrics:
-    """The gauges and counters the supervisor updates, and the listener Prometheus scrapes."""
+    """The gauges and counters gb10d updates (through the Reporter, mostly), and the listener Prometheus scrapes."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -161,7 +161,7 @@ class Metrics:
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
-    # --- what the supervisor reports ---------------------------------------
+    # --- what gb10d reports ------------------------------------------------
 
     @contextmanager
     def batch(self) -> Iterator[None]:

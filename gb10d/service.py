@@ -31,10 +31,11 @@ from pathlib import Path
 
 from .access import Principal, current_principal, group_name, principal
 from .errors import UsageError
-from .ledger import GROUP as LEDGER_GROUP
 
 MAIN_UNIT = "gb10d.service"
 SYSTEM_USER = "gb10d"
+# The group of the memory ledger the instances of a machine share (/run/gb10d-ledger, made by the package's tmpfiles.d).
+LEDGER_GROUP = "gb10d"
 DROPIN_NAME = "50-service-user.conf"
 # The unit's cache variables; the user drop-in unsets them so vLLM uses the user's own home as the script did.
 CACHE_VARIABLES = ("HF_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH", "XDG_CACHE_HOME")
@@ -53,6 +54,23 @@ def unit_for_config(config: Path) -> str:
     if config.parent == Path("/etc/gb10d") and config.suffix == ".toml":
         return f"gb10d@{config.stem}.service"
     return MAIN_UNIT
+
+
+def unit_name(cgroup: Path = Path("/proc/self/cgroup"), default: str = "gb10d") -> str:
+    """The systemd unit this process runs in (`gb10d@chat.service` -> `gb10d@chat`), for commands in messages.
+
+    Read from the process's own cgroup path, which systemd names after the
+    unit; outside a service (a terminal, a test) `default`.
+    """
+    try:
+        text = cgroup.read_text()
+    except OSError:
+        return default
+    for line in text.splitlines():
+        for part in reversed(line.rpartition(":")[2].split("/")):
+            if part.endswith(".service"):
+                return part[: -len(".service")]
+    return default
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """The state file: the daemon's current state as one JSON object, for `gb10d status`.
 
-The supervisor rewrites it on every change; readers may look at any moment,
+The Reporter rewrites it on every change; readers may look at any moment,
 so a write either fully replaces the previous file or leaves it untouched,
 never a half-written one. It lives under the runtime directory
 (/run/gb10d/state.json by default), so it disappears at reboot with the
 daemon it describes.
 
-`StateRecord` is its one schema, shared by the writer (the supervisor's
-reporter) and the reader (`gb10d status`). Reading is tolerant: a field
+`StateRecord` is its one schema, shared by the writer (the Reporter) and
+the reader (`gb10d status`). Reading is tolerant: a field
 that is missing or of another type (a file from another gb10d version) is
 left out, never a reason to fail. Times are Unix seconds.
 """

@@ -31,7 +31,7 @@ from .host import HostFacts
 from .image import PreparedImage
 from .keeper import ConfigKeeper
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
-from .lifecycle import EXTEND_MARGIN_S
+from .lifecycle import start_time_asked
 from .loop import FactLoop
 from .memory import ALONE
 from .outcome import Cause, Ended, Failed, NodeLost, Reloaded, Stopped
@@ -136,7 +136,7 @@ class Supervisor:
             if await self.preflight.memory_back(baseline, self._pause):
                 return await self._stop()
             if decision.delay_s > 0:
-                self.reporter.extend(decision.delay_s + self.keeper.config.startup.stall_timeout_s + EXTEND_MARGIN_S)
+                self.reporter.extend(start_time_asked(self.keeper.config, decision.delay_s))
                 if await self._pause(decision.delay_s):
                     return await self._stop()
             tunables, reason = decision.tunables, ended.cause.value
@@ -160,7 +160,7 @@ class Supervisor:
             if isinstance(decision, policy.GiveUp):
                 raise GiveUp(decision.message, decision.exit_status, told=True)
             self.reporter.metrics.restart(ended.cause.value)
-            self.reporter.notifier.extend_timeout(decision.delay_s + config.startup.stall_timeout_s + EXTEND_MARGIN_S)
+            self.reporter.extend(start_time_asked(config, decision.delay_s))
             if await self._pause(decision.delay_s):
                 return Stopped("")
 

@@ -213,6 +213,22 @@ def test_an_xid_in_the_kernel_log_is_told_and_counted(tmp_path: Path, notify: No
     assert daemon.stop() == 0
 
 
+
+def test_a_kernel_log_source_that_ends_is_told_in_the_journal_and_vllm_serves_on(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    # A dmesg that may not read the kernel's buffer (dmesg_restrict) and exits.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    dmesg = bin_dir / "dmesg"
+    dmesg.write_text("#!/bin/sh\necho 'dmesg: read kernel buffer failed: Operation not permitted' >&2\nexit 1\n")
+    dmesg.chmod(0o755)
+    setup = Setup(tmp_path, extra={"daemon.kernel_log": "kmsg"})
+    daemon = Daemon(setup, notify, env={"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', os.defpath)}"})
+    daemons.append(daemon)
+    line = daemon.wait_line(r"^<4>gb10d: the kernel log source \(dmesg --follow-new --notime\) exited with status 1")
+    assert "daemon.kernel_log picks the source" in line.string
+    ready(notify)
+    assert daemon.stop() == 0
+
 def test_vllm_023s_hidden_init_failure_says_which_version_shows_the_cause(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
     setup = Setup(tmp_path, scenario="hidden_init_failure", sim_env={"GB10D_SIM_VERSION": "0.23.0"}, extra={"restart.max_attempts": 2})
     daemon = run(setup, notify, daemons)
