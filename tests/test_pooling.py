@@ -17,6 +17,7 @@ from gb10d.config import load_config
 from gb10d.errors import ConfigError
 from gb10d.events import TasksSupported
 from gb10d.logparse import parse_line
+from gb10d.probe import OWN_QUERY
 from gb10d.tasks import COMPLETIONS, Probe, choose
 
 from harness import Daemon, NotifySocket, Setup, wait_until
@@ -113,8 +114,8 @@ def _embedding_setup(tmp_path: Path, extra: dict[str, object] | None = None, sce
 
 
 def _access(daemon: Daemon, route: str) -> list[str]:
-    """vLLM's access-log lines (forwarded to the journal) for POSTs to `route`."""
-    return [line for line in daemon.lines if f'"POST {route} HTTP/1.1"' in line]
+    """vLLM's access-log lines (forwarded to the journal) for POSTs to `route`, gb10d's own (`?gb10d=probe`) included."""
+    return [line for line in daemon.lines if f'"POST {route} HTTP/1.1"' in line or f'"POST {route}?{OWN_QUERY} HTTP/1.1"' in line]
 
 
 def _ready(notify: NotifySocket) -> None:

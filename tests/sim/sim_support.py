@@ -193,8 +193,14 @@ class Sim:
         self.wait_output(lambda out, err: needle in (out, err)[index], timeout)
 
     def wait_ready(self, timeout: float = DEADLINE_S) -> None:
-        """Until /health answers 200 (retrying refusals: listen() follows the startup line)."""
+        """Until /health answers 200 (retrying refusals: listen() follows the startup line).
+
+        Each pipe has a reader thread of its own: uvicorn's line on stderr can
+        arrive before the lines printed earlier on stdout. The routes are the
+        last of those, so once they are in, a test reads all of stdout's start.
+        """
         self.wait_text("Application startup complete.", "stderr", timeout)
+        self.wait_text("Route: /", "stdout", timeout)
         deadline = time.monotonic() + timeout
         while True:
             try:
