@@ -342,6 +342,7 @@ class Reporter:
         self._cancel_deferred()
         self.metrics.close()
         self.journal.flush()
+        self.notifier.close()
 
     def _cancel_deferred(self) -> None:
         if self._deferred is not None:
