@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import json
 import re
 import selectors
@@ -59,6 +60,27 @@ T = TypeVar("T")
 def corpus(name: str) -> list[str]:
     """The lines of one recorded start from the corpus (vLLM 0.31, plain)."""
     return (CORPUS / f"{name}__0.31__plain.log").read_text().splitlines()
+
+
+def _shutdown(line: str) -> bool:
+    """A line of the engine core's shutdown (its steps and the EngineDeadError it leaves the API server with)."""
+    return "[shutdown]" in line or " ERROR " in line
+
+
+def healthy_start() -> list[str]:
+    """A recorded healthy start, up to `Application startup complete.`: what vLLM prints before it serves."""
+    lines: list[str] = []
+    for line in corpus("sim-healthy"):
+        if not _shutdown(line):
+            lines.append(line)
+        if "Application startup complete." in line:
+            return lines
+    raise AssertionError("the healthy recording has no 'Application startup complete.'")
+
+
+def engine_death() -> list[str]:
+    """What the API server prints when its engine core dies under it (from the same recording)."""
+    return [line for line in corpus("sim-healthy") if _shutdown(line)]
 
 
 # --- the clock ---------------------------------------------------------------------------------------
@@ -173,13 +195,16 @@ class Script:
     """One start of vLLM: the lines it prints, then how it ends.
 
     `then` is "serve" (answer the API until stopped), "hang" (print nothing
-    more and do no I/O until killed), or an exit status.
+    more and do no I/O until killed), or an exit status. A vLLM that serves
+    for `dies_after_s` then prints `last_words` and exits with status 1.
     """
 
     lines: list[str]
     then: str | int = "serve"
     io_bytes: int | None = 0  # what /proc/PID/io would say: a constant is no I/O
     gaps: Mapping[int, float] = field(default_factory=dict)  # virtual seconds before line i, where not LINE_GAP_S
+    dies_after_s: float | None = None
+    last_words: list[str] = field(default_factory=list)
 
 
 class FakeApi:
@@ -263,6 +288,15 @@ class ScriptedVllm:
         if isinstance(then, int):
             self._end(then)
             return
+        if then == "serve" and self.script.dies_after_s is not None:
+            try:
+                await asyncio.wait_for(self._term.wait(), self.script.dies_after_s)
+            except asyncio.TimeoutError:
+                await self.api.close()  # the port closes with the engine, a moment before the process exits
+                for line in self.script.last_words:
+                    self._err.put_nowait(line.encode() + b"\n")
+                self._end(1)
+                return
         await self._term.wait()
         if then == "serve":
             self._end(-15)  # vLLM exits on SIGTERM; "hang" waits for SIGKILL
@@ -316,12 +350,22 @@ class ScriptedVllm:
         return [self._pid] if self.alive() else []
 
 
-class ScriptedLauncher:
-    """A `Launcher` whose starts follow the scripts in order (the last repeats); it remembers each argv."""
+def served_names(argv: Sequence[str]) -> list[str]:
+    """The names vLLM serves for its command line: those after --served-model-name, else the model."""
+    if "--served-model-name" not in argv:
+        return [argv[2]]
+    rest = argv[argv.index("--served-model-name") + 1 :]
+    return list(itertools.takewhile(lambda word: not word.startswith("--"), rest))
 
-    def __init__(self, scripts: Sequence[Script], api: FakeApi) -> None:
+
+class ScriptedLauncher:
+    """A `Launcher` whose starts follow the scripts in order (the last repeats); it remembers each argv.
+
+    Each vLLM serves the names and the port its command line gives, as vLLM does.
+    """
+
+    def __init__(self, scripts: Sequence[Script]) -> None:
         self.scripts = list(scripts)
-        self.api = api
         self.argvs: list[list[str]] = []
         self.started: list[ScriptedVllm] = []
 
@@ -337,7 +381,8 @@ class ScriptedLauncher:
     async def launch(self, argv: Sequence[str], env: Mapping[str, str]) -> Runtime:
         script = self.scripts[min(len(self.argvs), len(self.scripts) - 1)]
         self.argvs.append(list(argv))
-        vllm = ScriptedVllm(4242 + len(self.argvs), script, self.api)
+        api = FakeApi(int(argv[argv.index("--port") + 1]), served_names(argv))
+        vllm = ScriptedVllm(4242 + len(self.argvs), script, api)
         self.started.append(vllm)
         return vllm
 
@@ -402,6 +447,10 @@ class Shell:
         """Edit the config as an operator would, then `systemctl reload` (SIGHUP)."""
         self.setup.extra.update(extra)
         self.setup.write_config()
+        self.hup()
+
+    def hup(self) -> None:
+        """`systemctl reload gb10d`: what gb10d's SIGHUP handler posts."""
         self.loop.post(Reload())
 
     async def exit_status(self, within_s: float = 600.0) -> int:
@@ -421,7 +470,7 @@ async def start_shell(setup: Setup, scripts: Sequence[Script], clock: VirtualClo
     keeper = ConfigKeeper(setup.config, snapshot, reporter)
     loop = FactLoop(notifier)
     preflight = Preflight(lambda: keeper.config, keeper.env, reporter)
-    launcher = ScriptedLauncher(scripts, FakeApi(setup.port, snapshot.config.vllm.served_names))
+    launcher = ScriptedLauncher(scripts)
 
     async def launchers(config: Config) -> Launcher:
         return launcher

@@ -8,16 +8,17 @@ suites.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from gb10d.errors import EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK
+from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK
 
 from harness import Setup
-from shell_support import Script, VirtualClock, corpus, finish, run_virtual, start_shell
+from shell_support import Script, VirtualClock, corpus, engine_death, finish, healthy_start, run_virtual, start_shell
 
-HEALTHY = corpus("sim-healthy")
+HEALTHY = healthy_start()
 
 
 def test_a_healthy_start_sends_ready_once_after_health_served_name_and_warm_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -211,6 +212,110 @@ def test_a_second_stop_signal_kills_vllm_at_once(tmp_path: Path, monkeypatch: py
             assert clock.now - second_at < 1.0, "killed at once, not after the 60 s grace"
             assert shell.said(r"second stop signal: killing vLLM \(its process group\) now")
             assert shell.launcher.started[0].signals == ["SIGTERM", "SIGKILL"]
+        finally:
+            await finish(shell)
+
+    run_virtual(monkeypatch, main)
+
+
+def test_status_passes_through_the_startup_phases_and_extends_the_timeout_only_before_ready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    setup = Setup(tmp_path, extra={"startup.stall_timeout_s": 30.0})
+
+    async def main(clock: VirtualClock) -> None:
+        shell = await start_shell(setup, [slow_shards(2.5)], clock)
+        try:
+            await shell.ready()
+            statuses = shell.notify.statuses()
+            assert any(re.match(r"loading weights \d+/6 \(\d+%\), attempt 1/3, gpu_memory_utilization=0.8", s) for s in statuses), statuses
+            for phase in ("loading weights", "compiling", "capturing CUDA graphs", "starting API server", "warming up"):
+                assert any(s.startswith(phase) for s in statuses), (phase, statuses)
+            # Each shard is progress: systemd waits the stall timeout and a margin past it, never longer.
+            extends = [m["EXTEND_TIMEOUT_USEC"] for m in shell.notify.messages if "EXTEND_TIMEOUT_USEC" in m]
+            assert len(extends) >= 6 and set(extends) == {str(90 * 1_000_000)}, extends
+            first_ready = next(i for i, m in enumerate(shell.notify.messages) if m.get("READY") == "1")
+            assert all("EXTEND_TIMEOUT_USEC" not in m for m in shell.notify.messages[first_ready:])
+        finally:
+            await finish(shell)
+
+    run_virtual(monkeypatch, main)
+
+
+def test_ready_is_found_by_polling_when_uvicorn_lines_are_hidden(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --uvicorn-log-level warning hides 'Application startup complete.'; /health polling still finds the server.
+    setup = Setup(tmp_path, extra={"startup.health_poll_interval_s": 0.5})
+    quiet = [line for line in HEALTHY if not line.startswith("INFO:")]
+
+    async def main(clock: VirtualClock) -> None:
+        shell = await start_shell(setup, [Script(quiet)], clock)
+        try:
+            await shell.ready()
+            assert shell.said(r"vLLM is ready after [\d.]+ s: /health 200, /v1/models lists tiny"), shell.own()
+            assert not any("Application startup complete." in line for line in shell.lines())
+        finally:
+            await finish(shell)
+
+    run_virtual(monkeypatch, main)
+
+
+def dies_after_serving(seconds: float) -> Script:
+    """A healthy start whose engine core dies `seconds` after it serves."""
+    return Script(HEALTHY, dies_after_s=seconds, last_words=engine_death())
+
+
+def test_an_engine_that_dies_soon_after_every_ready_is_given_up_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Serving 2 s is less than restart.reset_after_s (600 s by default): the deaths add up like failed starts.
+    setup = Setup(tmp_path, extra={"liveness.health_interval_s": 0.5, "restart.max_attempts": 3})
+
+    async def main(clock: VirtualClock) -> None:
+        shell = await start_shell(setup, [dies_after_serving(2.0)], clock)
+        try:
+            assert await shell.exit_status() == EXIT_GAVE_UP
+            assert shell.notify.count("READY", "1") == 3
+            assert len(shell.launcher.argvs) == 3
+            counted = shell.said(r"it served only [\d.]+ s .*so this counts as a failed start.*\(attempt 2/3\)")
+            assert len(counted) == 1, shell.own()
+            assert shell.said(r"^<3>gb10d: giving up after 3 failed starts")
+            assert not any(vllm.alive() for vllm in shell.launcher.started)
+        finally:
+            await finish(shell)
+
+    run_virtual(monkeypatch, main)
+
+
+def test_an_engine_death_after_serving_reset_after_s_begins_a_new_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each start serves 2 s, longer than restart.reset_after_s: every death begins a new count, so a budget of 2 never runs out.
+    setup = Setup(tmp_path, extra={"liveness.health_interval_s": 0.5, "restart.max_attempts": 2, "restart.reset_after_s": 0.5})
+
+    async def main(clock: VirtualClock) -> None:
+        shell = await start_shell(setup, [dies_after_serving(2.0)], clock)
+        try:
+            await shell.ready(4)
+            deaths = shell.said(r"^<4>gb10d: engine_dead: .*engine core exited unexpectedly; starting cleanup; restarting with the same settings \(attempt \d/2\)$")
+            assert len(deaths) == 3, shell.own()
+            # Each death is the first failure of a new count, and the dead attempt's own exit is not taken for a crash.
+            assert all(line.endswith("(attempt 2/2)") for line in deaths), deaths
+            assert not shell.said(r"crash:|giving up"), shell.own()
+            assert shell.metric("gb10d_restarts_total", cause="engine_dead") == 3.0
+        finally:
+            await finish(shell)
+
+    run_virtual(monkeypatch, main)
+
+
+@pytest.mark.parametrize(
+    ("recording", "expected"),
+    [("sim-mnf", "is neither a local directory nor a Hugging Face repository"), ("sim-parser", "vLLM rejected its command line")],
+)
+def test_a_config_failure_exits_78_without_retry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recording: str, expected: str) -> None:
+    async def main(clock: VirtualClock) -> None:
+        shell = await start_shell(Setup(tmp_path), [Script(corpus(recording), then=1)], clock)
+        try:
+            assert await shell.exit_status() == EXIT_CONFIG
+            assert len(shell.launcher.argvs) == 1
+            assert shell.said(expected), shell.own()
+            assert shell.notify.count("READY") == 0
         finally:
             await finish(shell)
 
