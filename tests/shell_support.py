@@ -33,6 +33,8 @@ from gb10d.facts import Reload, Stop
 from gb10d.image import PreparedImage, PullProgress
 from gb10d.journal import Journal
 from gb10d.keeper import ConfigKeeper
+from gb10d.ledger import Booking, instance_name, open_booking
+from gb10d.levels import PRIORITY_WARNING
 from gb10d.loop import FactLoop
 from gb10d.metrics import Metrics
 from gb10d.notify import Notifier
@@ -475,19 +477,29 @@ async def start_shell(setup: Setup, scripts: Sequence[Script], clock: VirtualClo
     async def launchers(config: Config) -> Launcher:
         return launcher
 
+    # The machine's memory ledger, shared by the instances of a test as by the gb10d of one machine.
+    booking = open_booking(
+        snapshot.config.memory.ledger_path, instance_name(setup.config), str(setup.config), lambda text: reporter.say("memory_ledger", text, PRIORITY_WARNING)
+    )
+    reporter.booking = preflight.booking = booking
     supervisor = Supervisor(keeper, reporter, loop, preflight, launchers, None)
     shell = Shell(setup, launcher, notify, out, reporter, keeper, loop, supervisor, clock)
-    shell.task = asyncio.create_task(_supervising(supervisor, reporter))
+    shell.task = asyncio.create_task(_supervising(supervisor, reporter, booking))
     return shell
 
 
-async def _supervising(supervisor: Supervisor, reporter: Reporter) -> int:
-    """The exit status of `gb10d run`: a give-up is told as `serve` tells it."""
+async def _supervising(supervisor: Supervisor, reporter: Reporter, booking: Booking | None) -> int:
+    """The exit status of `gb10d run`: a give-up is told as `serve` tells it, and on the way out vLLM is
+    gone and the ledger's record given back before the exit, as the other instances see it."""
     try:
         return await supervisor.supervise()
     except GiveUp as exc:
         reporter.gave_up(exc.reason, exc.exit_status)
         return exc.exit_status
+    finally:
+        await supervisor.close()
+        if booking is not None:
+            booking.close()
 
 
 async def finish(shell: Shell) -> None:
@@ -495,7 +507,6 @@ async def finish(shell: Shell) -> None:
     if not shell.task.done():
         shell.stop()
         await asyncio.gather(shell.task, return_exceptions=True)
-    await shell.supervisor.close()
     shell.keeper.close()
     shell.reporter.close()
     shell.notify.close(asyncio.get_running_loop())
