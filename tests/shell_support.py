@@ -27,10 +27,9 @@ from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence, TypeV
 
 import pytest
 
-from gb10d.config import Config, VllmSection, load_config
+from gb10d.config import Config, load_config
 from gb10d.errors import GiveUp
 from gb10d.facts import Reload, Stop
-from gb10d.image import PreparedImage, PullProgress
 from gb10d.journal import Journal
 from gb10d.keeper import ConfigKeeper
 from gb10d.ledger import Booking, instance_name, open_booking
@@ -42,7 +41,7 @@ from gb10d.preflight import Preflight
 from gb10d.process import ChunkHandler
 from gb10d.reload import ConfigSnapshot
 from gb10d.reporter import Reporter
-from gb10d.runtime import Escalation, Launcher, Runtime
+from gb10d.runtime import Escalation, Launcher, LocalLauncher, Runtime
 from gb10d.supervisor import Supervisor
 
 from harness import Setup
@@ -360,8 +359,9 @@ def served_names(argv: Sequence[str]) -> list[str]:
     return list(itertools.takewhile(lambda word: not word.startswith("--"), rest))
 
 
-class ScriptedLauncher:
-    """A `Launcher` whose starts follow the scripts in order (the last repeats); it remembers each argv.
+class ScriptedLauncher(LocalLauncher):
+    """gb10d's `LocalLauncher` (its environment, command line, no image, no leftovers), whose `launch` starts a
+    scripted vLLM instead of a process group: the scripts in order, the last repeating.
 
     Each vLLM serves the names and the port its command line gives, as vLLM does.
     """
@@ -369,27 +369,17 @@ class ScriptedLauncher:
     def __init__(self, scripts: Sequence[Script]) -> None:
         self.scripts = list(scripts)
         self.argvs: list[list[str]] = []
+        self.envs: list[dict[str, str]] = []
         self.started: list[ScriptedVllm] = []
-
-    def environment(self, vllm: VllmSection, added: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
-        return dict(added)
-
-    async def prepare(self, on_progress: Callable[[PullProgress], None]) -> PreparedImage | None:
-        return None
-
-    def command_line(self, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
-        return list(argv)
 
     async def launch(self, argv: Sequence[str], env: Mapping[str, str]) -> Runtime:
         script = self.scripts[min(len(self.argvs), len(self.scripts) - 1)]
         self.argvs.append(list(argv))
+        self.envs.append(dict(env))
         api = FakeApi(int(argv[argv.index("--port") + 1]), served_names(argv))
         vllm = ScriptedVllm(4242 + len(self.argvs), script, api)
         self.started.append(vllm)
         return vllm
-
-    async def clear_leftovers(self) -> str | None:
-        return None
 
 
 # --- the daemon in one process ---------------------------------------------------------------------------

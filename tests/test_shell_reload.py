@@ -117,3 +117,32 @@ def test_a_reload_that_restarts_vllm_waits_for_its_memory_as_a_failure_does(tmp_
             await finish(shell)
 
     run_virtual(monkeypatch, main)
+
+
+def test_the_env_file_is_read_at_start_and_reload_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env_file = tmp_path / "vllm.env"
+    env_file.write_text("GB10D_TEST_MARK=one\n")
+    setup = Setup(tmp_path, extra={"vllm.env_file": str(env_file), "restart.max_attempts": 5})
+    # Each vLLM serves a moment, then crashes: every restart builds its environment again.
+    crashing = Script(HEALTHY, dies_after_s=1.0)
+
+    async def main(clock: VirtualClock) -> None:
+        shell = await start_shell(setup, [crashing, crashing, Script(HEALTHY)], clock)
+        try:
+            await shell.ready()
+            # An edit alone changes nothing: the crash-restart that follows starts with what was read at start.
+            env_file.write_text("GB10D_TEST_MARK=two\n")
+            await shell.ready(2)
+            # Nor does removing it stop a running gb10d: the next restart still has the variables.
+            env_file.unlink()
+            await shell.ready(3)
+            assert [env["GB10D_TEST_MARK"] for env in shell.launcher.envs] == ["one", "one", "one"]
+            # A reload reads it again, and refuses a config whose env_file is gone, keeping the running one.
+            shell.hup()
+            await shell.until(lambda: bool(shell.said(r"keeping the running configuration")), "the reload refused")
+            assert shell.said(r"^<3>gb10d: config not applied: .*vllm\.env_file.*cannot read")
+            assert not shell.task.done() and len(shell.launcher.argvs) == 3 and shell.launcher.started[2].alive()
+        finally:
+            await finish(shell)
+
+    run_virtual(monkeypatch, main)
