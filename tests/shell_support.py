@@ -1,13 +1,15 @@
 """The shell of gb10d in one process, in milliseconds: a scripted vLLM behind the Runtime interface, and a fake clock.
 
-The Supervisor, ConfigKeeper, Preflight, Reporter, Journal, Notifier and
-metrics are gb10d's own, unchanged. Only what lies outside gb10d is stood in
-for: vLLM (a `ScriptedVllm` that prints recorded vLLM output from the corpus,
-answers the API on a real loopback port while it serves, and exits as told)
-and time. The clock is virtual: whenever the event loop has nothing to do
-but wait for a timer, time jumps to that timer, so a 5 s stall timeout or a
-back-off passes at once, in the order real time would pass it. sd_notify
-goes to a real AF_UNIX datagram socket, read back as systemd would.
+The Supervisor, ConfigKeeper, Preflight, Reporter, LocalLauncher, Journal,
+Notifier, metrics and memory ledger are gb10d's own, unchanged. Only what
+lies outside gb10d is stood in for: vLLM (a `ScriptedVllm` behind the
+`Runtime` interface, which prints recorded vLLM output from the corpus,
+answers the API on a real loopback port while it serves, and exits as told
+or as the stop ladder makes it) and time. The clock is virtual: whenever the
+event loop has nothing to do but wait for a timer, time jumps to that timer,
+so a stall timeout or a back-off passes at once, in the order real time
+would pass it. sd_notify goes to a real AF_UNIX datagram socket, read back
+as systemd would; the config, meminfo and ledger are real files.
 """
 
 from __future__ import annotations
