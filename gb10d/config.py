@@ -29,6 +29,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 
 from .errors import ConfigError, ConfigProblem
 from .image import parse_reference
+from .tasks import ProbeRoute
 
 DEFAULT_CONFIG_PATH = Path("/etc/gb10d.toml")
 CONFIG_ENV = "GB10D_CONFIG"
@@ -253,6 +254,10 @@ class MemorySection(_Table):
     ledger_dir: str = "/run/gb10d-ledger"
     # A start whose share does not fit beside the starts of other instances waits for them, or fails at once.
     when_full: Literal["wait", "fail"] = "wait"
+    # The NVIDIA driver's out-of-memory line stops vLLM only with evidence (driveroom.py): this many lines within
+    # driver_oom_window_s are a burst that counts as evidence, and a line counts for that long.
+    driver_oom_burst: int = Field(default=50, ge=1)
+    driver_oom_window_s: float = Field(default=60.0, gt=0)
 
     @field_validator("ledger_dir")
     @classmethod
@@ -301,6 +306,34 @@ class LivenessSection(_Table):
     # Generous: the probe normally takes well under a second, but it shares the
     # engine with whatever arrives after it (and tokens flowing excuse it anyway).
     probe_timeout_s: float = Field(default=60.0, gt=0)
+    # The route of the warm-up and of the idle probe: "auto" follows vLLM's `Supported tasks` line (a completion
+    # for a model that generates, an embedding for an embedding model); "none" sends no request at all.
+    probe_route: ProbeRoute = "auto"
+
+
+class Webhook(_Table):
+    """One `[[alerts.webhooks]]`: where gb10d posts its alerts, and in which body."""
+
+    url: str
+    format: Literal["json", "ntfy", "slack"] = "json"
+    # Values may say ${NAME}: taken from gb10d's environment or vllm.env_file when sent, so no token sits in gb10d.toml.
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError('must be an http:// or https:// URL such as "https://ntfy.sh/my-gb10"')
+        return value
+
+
+class AlertsSection(_Table):
+    """`[alerts]`: webhooks gb10d posts to on a give-up, a stall, a driver event, memory not returned and a recovery."""
+
+    webhooks: list[Webhook] = Field(default_factory=list)
+    timeout_s: float = Field(default=10.0, gt=0)
+    retries: int = Field(default=3, ge=0, le=10)
+    retry_initial_s: float = Field(default=2.0, ge=0)
 
 
 class MetricsSection(_Table):
@@ -498,6 +531,7 @@ class Config(_Table):
     restart: RestartSection = Field(default_factory=RestartSection)
     liveness: LivenessSection = Field(default_factory=LivenessSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
+    alerts: AlertsSection = Field(default_factory=AlertsSection)
     daemon: DaemonSection = Field(default_factory=DaemonSection)
     container: ContainerSection = Field(default_factory=ContainerSection)
     cluster: ClusterSection | None = None
@@ -754,6 +788,7 @@ class LoadedConfig:
     config: Config
     files: tuple[Path, ...]
     locations: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    derived: dict[str, str] = field(default_factory=dict)  # defaults of its own an instance got, and why
 
     def location_of(self, dotted: str) -> tuple[str, int | None] | None:
         """(file, line) that set this key or a table holding it; None for a default."""
@@ -768,7 +803,7 @@ class LoadedConfig:
         """`FILE:LINE` of the file that set this key, else "default"."""
         where = self.location_of(dotted)
         if where is None:
-            return DEFAULT_SOURCE
+            return self.derived.get(dotted, DEFAULT_SOURCE)
         file, line = where
         return f"{file}:{line}" if line else file
 
@@ -944,9 +979,14 @@ def load_config_explained(path: Path | None = None, dropin_dir: Path | None = No
         layers.add(file, data, text)
     if problems:
         raise ConfigError(problems)
+    derived: dict[str, str] = {}
+    if layers.data:
+        from .instance import fill_defaults  # the instance's own state files and metrics port; imports this module
+
+        derived = fill_defaults(layers.data, path)
     config = _validate(layers)
     locations = {".".join(key): layers.location(key) for key in layers.origin}
-    return LoadedConfig(config=config, files=tuple(layers.files), locations=locations)
+    return LoadedConfig(config=config, files=tuple(layers.files), locations=locations, derived=derived)
 
 
 def load_config(path: Path | None = None, dropin_dir: Path | None = None) -> Config:

@@ -25,8 +25,6 @@ from typing import Callable
 from .events import DriverOutOfMemory, GpuXid
 from .facts import KernelSaid
 from .kernel import parse_kernel_line
-from .levels import PRIORITY_WARNING
-from .reporter import Reporter
 
 # A source that stopped (journald restarted, a file replaced) is started again after this long.
 RESTART_S = 30.0
@@ -39,7 +37,10 @@ def source_argv(source: str) -> list[str] | None:
     if source == "none":
         return None
     if source == "journal":
-        return ["journalctl", "--dmesg", "--follow", "--lines=0", "--output=cat", "--no-pager", "--quiet"]
+        # From now on by time, not `--lines=0`: with a match (`--dmesg` is one),
+        # systemd 252's journalctl (Debian 12) drops the first matching entry
+        # after the position it starts from, so the first driver line would be lost.
+        return ["journalctl", "--dmesg", "--follow", "--since=now", "--output=cat", "--no-pager", "--quiet"]
     if source == "kmsg":
         return ["dmesg", "--follow-new", "--notime"]
     return ["tail", "--follow=name", "--retry", "--lines=0", source]
@@ -48,10 +49,11 @@ def source_argv(source: str) -> list[str] | None:
 class KernelLog:
     """Keeps the kernel-message source running and posts the driver's messages it shows."""
 
-    def __init__(self, source: str, post: Callable[[KernelSaid], None], reporter: Reporter) -> None:
+    def __init__(self, source: str, post: Callable[[KernelSaid], None], warn: Callable[[str], None]) -> None:
+        """`post` hands each driver message to the fact loop; `warn` tells the journal of trouble with the source."""
         self.source = source
         self._post = post
-        self._reporter = reporter
+        self._tell = warn
         self._task: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
 
@@ -113,4 +115,4 @@ class KernelLog:
         """Each kind of trouble with the source is told once: it may repeat every RESTART_S."""
         if kind not in self._warned:
             self._warned.add(kind)
-            self._reporter.say("kernel_log", message, PRIORITY_WARNING)
+            self._tell(message)

@@ -61,6 +61,13 @@ def require_engines() -> bool:
     return os.environ.get("GB10D_REQUIRE_CONTAINER_ENGINES") == "1"
 
 
+def dead_socket(path: Path) -> Path:
+    """A socket file nobody listens on: an engine's socket while its daemon is not running."""
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+    return path
+
+
 def engine_or_skip(kind: EngineKind, socket: Path | None = None) -> Engine:
     """The engine's client, or a skip (a failure under GB10D_REQUIRE_CONTAINER_ENGINES=1) saying why it is unusable."""
     engine = engine_client(kind, socket, as_root=os.geteuid() == 0)

@@ -27,6 +27,7 @@ from gb10d.facts import ProbeKind
 from gb10d.liveness import Dead, Hung
 from gb10d.probing import watch_liveness
 from gb10d.probe import Prober
+from gb10d.tasks import COMPLETIONS, Probe
 
 from harness import Daemon, NotifySocket, Setup, free_port, wait_until
 
@@ -153,7 +154,7 @@ def run_watch(sim: Sim, limit_s: float, load: Load | None = None, load_s: float 
 
     async def main() -> None:
         prober = Prober(sim.url, timeout_s=LIMITS.probe_timeout_s)
-        watcher = asyncio.create_task(watch_liveness(prober, LIMITS, post, model=MODEL))
+        watcher = asyncio.create_task(watch_liveness(prober, LIMITS, post, model=MODEL, probe=Probe(COMPLETIONS)))
         clients = None
         if load is not None:
             clients = asyncio.create_task(load.run(time.monotonic() + (limit_s if load_s is None else load_s)))

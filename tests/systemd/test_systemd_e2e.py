@@ -15,8 +15,11 @@ this machine is doing.
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import re
+import selectors
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from gb10d.journal import MESSAGE_IDS
+from gb10d.kernellog import source_argv
 from gb10d.lab import meminfo_text
 
 from systemd_harness import DEBIAN_12_AMD64, DEBIAN_13_ARM64, MACHINES, Container, Debian, gb10d_version
@@ -214,6 +219,47 @@ def test_the_vendored_extension_module_is_the_one_for_this_cpu_and_python(instal
     assert check.returncode == 0 and "Traceback" not in check.stderr, check.stdout + check.stderr
 
 
+def _journal_files_open(pid: int) -> bool:
+    """Whether a process has opened a journal file (journalctl has then fixed where it starts)."""
+    try:
+        return any(os.readlink(fd).endswith(".journal") for fd in glob.glob(f"/proc/{pid}/fd/*"))
+    except OSError:
+        return False
+
+
+@emulated_too
+def test_the_kernel_followers_query_shows_the_first_line_logged_after_it_starts(container: Container) -> None:
+    # gb10d follows the kernel's messages with journalctl, a match (--dmesg) and
+    # --follow. systemd 252's journalctl drops the first matching entry after the
+    # position it starts from when that position is the tail (--lines=0): the
+    # first driver line would go unseen. The same query, matching a tag instead
+    # of the kernel transport, must show the very first line.
+    tag = "gb10d-follow-check"
+    argv = source_argv("journal")
+    assert argv is not None and "--dmesg" in argv
+    query = [f"SYSLOG_IDENTIFIER={tag}" if arg == "--dmesg" else arg for arg in argv]
+    follower = subprocess.Popen(["nsenter", "-t", str(container.init_pid), "-a", *query], stdout=subprocess.PIPE)
+    try:
+        def journalctl() -> int | None:
+            children = Path(f"/proc/{follower.pid}/task/{follower.pid}/children")
+            pids = children.read_text().split() if children.exists() else []
+            return int(pids[0]) if pids else None
+
+        container.wait_for("journalctl to open the journal", lambda: (pid := journalctl()) is not None and _journal_files_open(pid))
+        container.run("logger", "-t", tag, "first")
+        container.run("logger", "-t", tag, "second")
+        assert follower.stdout is not None
+        shown = b""
+        with selectors.DefaultSelector() as selector:
+            selector.register(follower.stdout, selectors.EVENT_READ)
+            while shown.count(b"\n") < 2 and selector.select(timeout=30):
+                shown += os.read(follower.stdout.fileno(), 4096)
+        assert shown.decode().splitlines() == ["first", "second"], shown
+    finally:
+        follower.kill()
+        follower.wait()
+
+
 def test_starting_the_unedited_config_fails_once_and_names_what_to_edit(supervisor: Container) -> None:
     # The shipped /etc/gb10d.toml points at a vLLM venv this machine does not have.
     assert supervisor.run("systemctl", "start", UNIT, check=False).returncode != 0
@@ -273,15 +319,14 @@ def test_reload_keeps_the_same_vllm_serving(supervisor: Container) -> None:
     supervisor.run("systemctl", "start", UNIT)
     before = supervisor.show(UNIT, "MainPID")
     processes_before = unit_processes(supervisor)
-    cursor = supervisor.run("journalctl", "-u", UNIT, "-n", "0", "--show-cursor").stdout.split("cursor: ")[-1].strip()
+    mark = supervisor.journal_mark()
     supervisor.run("systemctl", "reload", UNIT)
 
-    def gb10d_logged_the_reload() -> bool:
-        # ExecReload returns once SIGHUP is sent; gb10d's own line says it was handled.
-        lines = journal(supervisor, UNIT, f"--after-cursor={cursor}", f"_PID={before['MainPID']}")
-        return "reload" in lines.lower()
+    def gb10d_applied_the_reload() -> bool:
+        # ExecReload returns once SIGHUP is sent; gb10d's own entry says the reload was handled.
+        return bool(supervisor.entries(UNIT, mark, _PID=before["MainPID"], MESSAGE_ID=MESSAGE_IDS["reload_applied"]))
 
-    supervisor.wait_for("gb10d to log the reload", gb10d_logged_the_reload)
+    supervisor.wait_for("gb10d to log the reload", gb10d_applied_the_reload)
     state = supervisor.show(UNIT, "ActiveState", "MainPID", "StatusText")
     assert (state["ActiveState"], state["MainPID"]) == ("active", before["MainPID"]) and state["StatusText"].startswith("serving"), state
     assert unit_processes(supervisor) == processes_before, "an unchanged config must not restart vLLM"
@@ -362,16 +407,9 @@ def test_free_memory_failure_recovers_and_the_warning_explains_it(supervisor: Co
 
 
 def test_instance_serves_from_its_own_config_beside_the_main_unit(supervisor: Container) -> None:
+    # Only its own port: the state file, learned file and metrics port are the instance's own by default.
     supervisor.write("/etc/gb10d.toml", sim_config(utilization=0.4))
-    supervisor.write(
-        "/etc/gb10d/second.toml",
-        sim_config(
-            utilization=0.4,
-            port=8001,
-            extra='\n[metrics]\nlisten = "127.0.0.1:9401"\n\n[daemon]\n'
-            'state_file = "/run/gb10d-second/state.json"\nlearned_file = "/var/lib/gb10d/second/state.toml"\n',
-        ),
-    )
+    supervisor.write("/etc/gb10d/second.toml", sim_config(utilization=0.4, port=8001))
     supervisor.run("systemctl", "start", UNIT, INSTANCE)
     for unit in (UNIT, INSTANCE):
         assert supervisor.show(unit, "StatusText")["StatusText"].startswith("serving"), unit
@@ -381,6 +419,29 @@ def test_instance_serves_from_its_own_config_beside_the_main_unit(supervisor: Co
     supervisor.run("systemctl", "stop", UNIT)
     assert supervisor.show(INSTANCE, "ActiveState")["ActiveState"] == "active"
     assert supervisor.exists("/run/gb10d-second/state.json"), "stopping gb10d.service must not touch an instance's files"
+
+
+def test_a_config_copied_from_the_main_one_is_refused_and_the_main_status_stays_right(supervisor: Container) -> None:
+    supervisor.write("/etc/gb10d.toml", sim_config(utilization=0.4))
+    supervisor.run("systemctl", "start", UNIT)
+    main_pid = supervisor.show(UNIT, "MainPID")["MainPID"]
+    supervisor.write("/etc/gb10d/copy.toml", sim_config(utilization=0.4))
+    try:
+        checked = supervisor.run("gb10d", "check-config", "--config", "/etc/gb10d/copy.toml", check=False)
+        assert checked.returncode == 78, checked.stdout + checked.stderr
+        assert f"is held by the running instance gb10d (/etc/gb10d.toml, pid {main_pid})" in checked.stderr, checked.stderr
+        start = supervisor.run("systemctl", "start", "gb10d@copy.service", check=False)
+        assert start.returncode != 0
+        assert supervisor.show("gb10d@copy.service", "ExecMainStatus")["ExecMainStatus"] == "78"
+        log = journal(supervisor, "gb10d@copy.service")
+        assert (f"vllm.port 127.0.0.1:8000 of gb10d@copy (/etc/gb10d/copy.toml) is held by the running instance gb10d "
+                f"(/etc/gb10d.toml, pid {main_pid})") in log, log
+        status = supervisor.run("gb10d", "status", check=False)
+        assert status.returncode == 0 and status.stdout.startswith("gb10d is running: serving"), status.stdout + status.stderr
+    finally:
+        supervisor.run("systemctl", "reset-failed", "gb10d@copy.service", check=False)
+        supervisor.run("rm", "-f", "/etc/gb10d/copy.toml")
+        supervisor.run("systemctl", "stop", UNIT)
 
 
 @emulated_too

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from systemd_harness import REPO, Container, Debian
-from test_systemd_e2e import MEMINFO, http_get, journal, set_memory
+from test_systemd_e2e import MEMINFO, http_get, set_memory
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -73,15 +73,14 @@ preflight = false
 
 
 def start_script() -> str:
-    """The reference script as its first user runs it: it also names a log file and removes the old one first."""
+    """The reference script as its first user runs it: it also names a log file and removes the old one first,
+    and activates the venv as the README's example does, through `~`."""
     lines = (REPO / "tests" / "fixtures" / "scripts" / "reference.sh").read_text().splitlines(keepends=True)
-    log = f'LOG_FILE="{HOME}/vllm.log"\nif [ -f "$LOG_FILE" ]; then rm "$LOG_FILE"; fi\n'
-    return "#!/bin/bash\n" + "".join(lines[:3]) + log + "".join(lines[3:])
+    log = 'LOG_FILE=~/vllm.log\nif [ -f "$LOG_FILE" ]; then rm "$LOG_FILE"; fi\n'
+    script = "#!/bin/bash\n" + "".join(lines[:3]) + log + "".join(lines[3:])
+    return script.replace('source "${ENV_DIR}/bin/activate"', "source ~/vllm-pip-env/bin/activate")
 
 
-def cursor(box: Container) -> str:
-    """Where the journal ends now, so a test reads only what its own start wrote."""
-    return box.run("journalctl", "-n", "0", "--show-cursor").stdout.split("cursor: ")[-1].strip()
 
 
 def as_operator(box: Container, command: str, check: bool = True) -> str:
@@ -90,14 +89,14 @@ def as_operator(box: Container, command: str, check: bool = True) -> str:
     return done.stdout + done.stderr
 
 
-def started_serving(box: Container, since: str) -> str:
+def started_serving(box: Container, since: int) -> str:
     """`systemctl start gb10d` must return with gb10d serving; the journal of that start."""
     box.run("systemctl", "start", UNIT)
     state = box.show(UNIT, "ActiveState", "StatusText")
     assert state["ActiveState"] == "active" and state["StatusText"].startswith("serving"), state
     models = http_get(box, "http://127.0.0.1:8000/v1/models")[1]
     assert '"id":"Qwen3.6-27B-FP8-Agent"' in models.replace(" ", ""), models
-    return journal(box, UNIT, f"--after-cursor={since}")
+    return box.messages(UNIT, since)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +112,7 @@ def operator(container: Container, debian: Debian, build_deb: Callable[[str, str
     container.write("/etc/gb10d.d/90-test-rig.toml", RIG)
     # The README's commands, in its order.
     container.run("dpkg", "-i", container.put(build_deb(debian.arch, debian.python), "gb10d.deb"))
-    as_operator(container, "gb10d import-script start.sh > gb10d.toml")
+    as_operator(container, "gb10d import-script ~/start.sh > gb10d.toml")
     container.run("install", "-m", "0644", f"{HOME}/gb10d.toml", "/etc/gb10d.toml")
     return container
 
@@ -121,6 +120,8 @@ def operator(container: Container, debian: Debian, build_deb: Callable[[str, str
 def test_import_script_points_at_the_model_already_downloaded_and_says_what_changes(operator: Container) -> None:
     config = operator.read("/etc/gb10d.toml")
     assert f'venv = "{VENV}"' in config
+    assert f"# note: read ~ as {HOME}, as when {USER} runs the script: the service has another home" in config
+    assert "relative to the directory" not in config and "is not set in the script" not in config
     assert f'HF_HUB_CACHE = "{HUB}"' in config and 'HF_HUB_OFFLINE = "1"' in config
     assert f"# note: {MODEL} is already in {USER}'s Hugging Face cache {HUB}" in config
     assert f"# note: the service runs vLLM as the system user gb10d, not as {USER} who ran this script" in config
@@ -132,11 +133,11 @@ def test_import_script_points_at_the_model_already_downloaded_and_says_what_chan
 def test_without_a_fix_the_start_fails_naming_the_home_and_both_ways_out(operator: Container) -> None:
     check = operator.run("gb10d", "check-config", check=False)
     assert check.returncode == 78, check.stdout + check.stderr
-    since = cursor(operator)
+    since = operator.journal_mark()
     assert operator.run("systemctl", "start", UNIT, check=False).returncode != 0
     state = operator.show(UNIT, "ActiveState", "ExecMainStatus", "NRestarts")
     assert state == {"ActiveState": "failed", "ExecMainStatus": "78", "NRestarts": "0"}, state
-    log = journal(operator, UNIT, f"--after-cursor={since}")
+    log = operator.messages(UNIT, since)
     for text in (check.stderr, log):
         assert f"vllm.venv: the program {VENV}/bin/vllm exists, but {HOME} is mode 0750 and the service user gb10d may not enter it" in text, text
         # Root sees the model there; gb10d itself cannot look, and says what is in the way rather than that it is missing.
@@ -151,7 +152,7 @@ def test_keeping_the_system_user_with_access_to_the_home_serves_the_downloaded_m
     operator.run("usermod", "-aG", USER, "gb10d")
     check = operator.run("gb10d", "check-config")
     assert "paths checked as gb10d (the user gb10d.service runs as)" in check.stdout and check.stderr == "", check.stdout + check.stderr
-    since = cursor(operator)
+    since = operator.journal_mark()
     try:
         log = started_serving(operator, since)
     finally:
@@ -168,7 +169,7 @@ def test_running_as_the_operator_serves_with_their_own_caches(operator: Containe
     assert f"paths checked as {USER} (the user gb10d.service runs as)" in check.stdout, check.stdout
     # The user lingers, so logind's RemoveIPC= leaves vLLM's semaphores alone at logout: no warning.
     assert operator.exists(f"/var/lib/systemd/linger/{USER}") and "RemoveIPC" not in check.stderr, check.stderr
-    since = cursor(operator)
+    since = operator.journal_mark()
     try:
         log = started_serving(operator, since)
         owners = operator.run("ps", "-o", "user=", "--ppid", operator.show(UNIT, "MainPID")["MainPID"]).stdout.split()
@@ -184,7 +185,7 @@ def test_back_to_the_system_user_and_the_services_own_empty_cache_the_download_i
     operator.run("gb10d", "service-user", "gb10d")
     operator.write("/etc/gb10d.d/95-own-cache.toml", '[vllm.env]\nHF_HUB_CACHE = "/var/cache/gb10d/huggingface/hub"\nHF_HUB_OFFLINE = "0"\n')
     operator.run("usermod", "-aG", USER, "gb10d")
-    since = cursor(operator)
+    since = operator.journal_mark()
     try:
         log = started_serving(operator, since)
     finally:
