@@ -32,6 +32,7 @@ import pytest
 from gb10d.config import Config, load_config
 from gb10d.errors import GiveUp
 from gb10d.facts import Reload, Stop
+from gb10d.instance import holds
 from gb10d.journal import Journal
 from gb10d.keeper import ConfigKeeper
 from gb10d.ledger import Booking, instance_name, open_booking
@@ -243,7 +244,8 @@ class FakeApi:
         finally:
             writer.close()
 
-    def _answer(self, method: str, path: str) -> bytes:
+    def _answer(self, method: str, target: str) -> bytes:
+        path = target.split("?", 1)[0]  # gb10d marks its own requests with a query
         if path == "/v1/models":
             return json.dumps({"object": "list", "data": [{"id": name, "object": "model"} for name in self.names]}).encode()
         if path == "/v1/completions":
@@ -463,7 +465,7 @@ async def start_shell(setup: Setup, scripts: Sequence[Script], clock: VirtualClo
     reporter = Reporter(snapshot.config, journal, notifier, Metrics())
     keeper = ConfigKeeper(setup.config, snapshot, reporter)
     loop = FactLoop(notifier)
-    preflight = Preflight(lambda: keeper.config, keeper.env, reporter)
+    preflight = Preflight(keeper, reporter)
     launcher = ScriptedLauncher(scripts)
 
     async def launchers(config: Config) -> Launcher:
@@ -471,7 +473,8 @@ async def start_shell(setup: Setup, scripts: Sequence[Script], clock: VirtualClo
 
     # The machine's memory ledger, shared by the instances of a test as by the gb10d of one machine.
     booking = open_booking(
-        snapshot.config.memory.ledger_path, instance_name(setup.config), str(setup.config), lambda text: reporter.say("memory_ledger", text, PRIORITY_WARNING)
+        snapshot.config.memory.ledger_path, instance_name(setup.config), str(setup.config),
+        lambda text: reporter.say("memory_ledger", text, PRIORITY_WARNING), holds(snapshot.config, setup.config),
     )
     reporter.booking = preflight.booking = booking
     supervisor = Supervisor(keeper, reporter, loop, preflight, launchers, None)
@@ -486,7 +489,7 @@ async def _supervising(supervisor: Supervisor, reporter: Reporter, booking: Book
     try:
         return await supervisor.supervise()
     except GiveUp as exc:
-        reporter.gave_up(exc.reason, exc.exit_status)
+        reporter.gave_up(exc.reason, exc.exit_status, exc.told)
         return exc.exit_status
     finally:
         await supervisor.close()

@@ -144,12 +144,14 @@ def test_a_permanent_failure_gives_up_after_max_attempts(tmp_path: Path, monkeyp
         try:
             assert await shell.exit_status() == EXIT_GAVE_UP
             assert len(shell.launcher.argvs) == 3
-            # The third failure's line says the cause and the decision; the give-up line says only the decision.
-            assert shell.said(r"^<3>gb10d: CUDA out of memory allocating 1.71 GiB: giving up after 3 failed starts")
-            gave_up = shell.said(r"^<3>gb10d: giving up after 3 failed starts")
-            assert len(gave_up) == 1, shell.own()
-            # systemctl status shows the journal's reason (STATUS= is cut at 200 characters).
-            assert shell.notify.statuses()[-1] == f"failed: {gave_up[0].removeprefix('<3>gb10d: ')}"[:200]
+            # The third failure's line says the cause, the decision and the fix; the last line points to it.
+            told = shell.said(r"^<3>gb10d: CUDA out of memory allocating 1.71 GiB: giving up after 3 failed starts")
+            assert len(told) == 1 and told[0].endswith("fix the cause, then: systemctl restart gb10d"), told
+            assert shell.own()[-1] == "<3>gb10d: giving up with exit status 75: the line above says what to do"
+            # systemctl status shows the cause, and where the fix is.
+            assert shell.notify.statuses()[-1] == (
+                "failed: giving up after 3 failed starts (last: CUDA out of memory allocating 1.71 GiB); the journal says how to fix it"
+            )
             assert shell.notify.count("READY") == 0
             assert not any(vllm.alive() for vllm in shell.launcher.started)
         finally:
@@ -276,7 +278,8 @@ def test_an_engine_that_dies_soon_after_every_ready_is_given_up_on(tmp_path: Pat
             assert len(shell.launcher.argvs) == 3
             counted = shell.said(r"it served only [\d.]+ s .*so this counts as a failed start.*\(attempt 2/3\)")
             assert len(counted) == 1, shell.own()
-            assert shell.said(r"^<3>gb10d: giving up after 3 failed starts")
+            assert shell.said(r"^<3>gb10d: engine_dead: .*: giving up after 3 failed starts")
+            assert shell.own()[-1] == "<3>gb10d: giving up with exit status 75: the line above says what to do"
             assert not any(vllm.alive() for vllm in shell.launcher.started)
         finally:
             await finish(shell)
