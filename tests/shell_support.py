@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence, TypeV
 
 import pytest
 
+from gb10d.cluster import Node, View
 from gb10d.config import Config, load_config
 from gb10d.errors import GiveUp
 from gb10d.facts import Reload, Stop
@@ -40,6 +41,8 @@ from gb10d.levels import PRIORITY_WARNING
 from gb10d.loop import FactLoop
 from gb10d.metrics import Metrics
 from gb10d.notify import Notifier
+from gb10d.pair import Pair
+from gb10d.raynode import RayNode
 from gb10d.preflight import Preflight
 from gb10d.process import ChunkHandler
 from gb10d.reload import ConfigSnapshot
@@ -386,6 +389,28 @@ class ScriptedLauncher(LocalLauncher):
         return vllm
 
 
+# --- Ray, scripted --------------------------------------------------------------------------------------
+
+
+class ScriptedRay(RayNode):
+    """This machine's Ray as a pair's head sees it: no `ray start`, no watcher; the test says what the node table shows."""
+
+    def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def table(self, view: View) -> None:
+        """The watcher reads a new node table from Ray's GCS."""
+        self._report(view)
+
+
+def node(ip: str, head: bool = False, alive: bool = True, death: str = "") -> Node:
+    """One machine of the pair's node table, with its GPU."""
+    return Node(f"node-{ip}", ip, alive, head, 1.0, death)
+
+
 # --- the daemon in one process ---------------------------------------------------------------------------
 
 
@@ -417,6 +442,12 @@ class Shell:
 
     def said(self, pattern: str) -> list[str]:
         return [line for line in self.own() if re.search(pattern, line)]
+
+    @property
+    def ray(self) -> ScriptedRay:
+        """The pair's Ray, once the head has found its link and started it."""
+        assert self.supervisor.pair is not None and isinstance(self.supervisor.pair.ray, ScriptedRay)
+        return self.supervisor.pair.ray
 
     def metric(self, name: str, **labels: str) -> float | None:
         """A sample of gb10d's /metrics exposition."""
@@ -477,7 +508,8 @@ async def start_shell(setup: Setup, scripts: Sequence[Script], clock: VirtualClo
         lambda text: reporter.say("memory_ledger", text, PRIORITY_WARNING), holds(snapshot.config, setup.config),
     )
     reporter.booking = preflight.booking = booking
-    supervisor = Supervisor(keeper, reporter, loop, preflight, launchers, None)
+    pair = Pair(keeper, reporter, loop, ScriptedRay) if snapshot.config.cluster is not None else None
+    supervisor = Supervisor(keeper, reporter, loop, preflight, launchers, pair)
     shell = Shell(setup, launcher, notify, out, reporter, keeper, loop, supervisor, clock)
     shell.task = asyncio.create_task(_supervising(supervisor, reporter, booking))
     return shell
@@ -493,6 +525,8 @@ async def _supervising(supervisor: Supervisor, reporter: Reporter, booking: Book
         return exc.exit_status
     finally:
         await supervisor.close()
+        if supervisor.pair is not None:
+            await supervisor.pair.close()
         if booking is not None:
             booking.close()
 
