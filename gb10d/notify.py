@@ -78,6 +78,12 @@ class Notifier:
             return False
         return True
 
+    def close(self) -> None:
+        """Close the socket once nothing more will be said (a daemon run in-process leaves none open)."""
+        if self._notifier is not None and self._notifier.socket is not None:
+            self._notifier.socket.close()
+        self._notifier = None
+
     def ready(self, status: str) -> bool:
         """READY=1 with the serving STATUS= line."""
         return self.send(ready=1, status=status)

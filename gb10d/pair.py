@@ -52,7 +52,8 @@ LINK_POLL_S = 2.0
 class Pair:
     """The cluster as this machine sees it; `start` before anything else, `close` at the end."""
 
-    def __init__(self, keeper: ConfigKeeper, reporter: Reporter, loop: FactLoop) -> None:
+    def __init__(self, keeper: ConfigKeeper, reporter: Reporter, loop: FactLoop, ray_node: type[RayNode] = RayNode) -> None:
+        """`ray_node` runs Ray and reads its node table: processes here, a scripted table in the in-process tests."""
         assert keeper.config.cluster is not None
         # [cluster] itself changes only at a start (the keeper refuses a reload that changes it); the rest
         # (vLLM's environment, the restart back-off) is read from the keeper each time Ray starts.
@@ -60,6 +61,7 @@ class Pair:
         self.keeper = keeper
         self.reporter = reporter
         self.loop = loop
+        self._ray_node = ray_node
         self.link: Choice | None = None
         self.ray: RayNode | None = None
         self.view: View | None = None
@@ -104,7 +106,7 @@ class Pair:
             raise GiveUp(f"cannot start Ray: {ray} cannot be read ({exc.strerror or exc}); check cluster.ray or vllm.venv", EXIT_GAVE_UP) from None
         self.death_notice_s = death_notice_s(self.ray_env())
         post: Callable[[Fact], None] = self.loop.post
-        self.ray = RayNode(
+        self.ray = self._ray_node(
             ray_argv(cluster, config.vllm, self.address),
             watcher_argv(python, cluster),
             self.ray_env,

@@ -357,6 +357,7 @@ class Reporter:
         self.metrics.close()
         self.alerts.close(ALERTS_CLOSE_S)
         self.journal.flush()
+        self.notifier.close()
 
     def _alert_environment(self) -> dict[str, str]:
         """Where ${NAME} in a webhook comes from: gb10d's environment, then vllm.env_file."""

@@ -260,11 +260,15 @@ def test_reload_with_a_new_image_tag_replaces_the_container(deployment: Containe
 
 
 def failed(daemon: Daemon, notify: NotifySocket, status_code: int, message: str) -> None:
-    """gb10d gave up with `status_code`, saying `message` (a regex) in the journal and in STATUS=."""
+    """gb10d gave up with `status_code`, saying `message` (a regex) in the journal, and its cause in STATUS=."""
     assert daemon.wait_exit(120) == status_code, daemon.tail()
     line = daemon.wait_line(rf"<3>gb10d: {message}")
-    assert notify.statuses()[-1].startswith("failed: "), notify.statuses()
-    assert line
+    # systemctl status shows the cause the journal gives (cut at a word to fit), and where the fix is.
+    status = notify.statuses()[-1]
+    assert status.startswith("failed: ") and status.endswith("; the journal says how to fix it"), status
+    # A cut cause ends in an ellipsis, which the ASCII-only sd_notify payload carries as "?".
+    cause = status.removeprefix("failed: ").removesuffix("; the journal says how to fix it").removesuffix("?")
+    assert cause in line.string, (status, line.string)
 
 
 def test_a_missing_image_with_pull_never_is_a_config_error(deployment: ContainerSetup, notify: NotifySocket, daemons: list[Daemon]) -> None:
