@@ -163,14 +163,16 @@ def status_of_give_up(reason: str, limit: int) -> str:
     """STATUS= when gb10d gives up: the cause, short enough for `systemctl status`, and where the fix is.
 
     The cause is the reason up to its advice (the first "; "); cut at a word
-    when still too long, never mid-word. The whole reason is in the journal.
+    when still too long, never mid-word, and marked with "..." (STATUS= is
+    plain ASCII, so an ellipsis character would show as "?"). The whole
+    reason is in the journal.
     """
     tail = "; the journal says how to fix it"
     cause = reason.split("; ", 1)[0]
     room = limit - len("failed: ") - len(tail)
     if len(cause) > room:
-        cut = cause[: room - 1]
-        cause = (cut.rsplit(" ", 1)[0] if " " in cut else cut) + "…"
+        cut = cause[: room - 3]
+        cause = (cut.rsplit(" ", 1)[0] if " " in cut else cut) + "..."
     return f"failed: {cause}{tail}"
 
 

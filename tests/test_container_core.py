@@ -87,7 +87,7 @@ def test_status_of_a_give_up_is_the_cause_and_a_pointer_to_the_journal_never_cut
     assert shown == f"failed: the image {IMAGE} cannot run vllm (No such file or directory): it has no vllm program on its PATH; the journal says how to fix it"
     long = "word " * 80
     shown = status_of_give_up(long + "; advice", STATUS_MAX)
-    assert len(shown) <= STATUS_MAX and shown.endswith("word…; the journal says how to fix it")
+    assert len(shown) <= STATUS_MAX and shown.isascii() and shown.endswith("word...; the journal says how to fix it")
 
 
 # --- a stalled pull ---------------------------------------------------------------------------------------------

@@ -266,8 +266,8 @@ def failed(daemon: Daemon, notify: NotifySocket, status_code: int, message: str)
     # systemctl status shows the cause the journal gives (cut at a word to fit), and where the fix is.
     status = notify.statuses()[-1]
     assert status.startswith("failed: ") and status.endswith("; the journal says how to fix it"), status
-    # A cut cause ends in an ellipsis, which the ASCII-only sd_notify payload carries as "?".
-    cause = status.removeprefix("failed: ").removesuffix("; the journal says how to fix it").removesuffix("?")
+    # A cause too long for STATUS= is cut at a word and ends in "...".
+    cause = status.removeprefix("failed: ").removesuffix("; the journal says how to fix it").removesuffix("...")
     assert cause in line.string, (status, line.string)
 
 
