@@ -263,6 +263,23 @@ def cmd_forget(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_front(args: argparse.Namespace) -> int:
+    """Serve the one public endpoint before every instance (what gb10d-front.service starts)."""
+    import asyncio
+
+    from .config import load_front
+    from .front.instances import discover
+    from .front.server import serve
+
+    settings = load_front(_config_path(args))
+    known = discover(settings, _config_path(args))
+    try:
+        asyncio.run(serve(settings, known))
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the real supervisor against gb10d.sim in a temporary directory."""
     from .demo import run_demo
@@ -389,6 +406,16 @@ def build_parser() -> argparse.ArgumentParser:
         "behind (killed, crashed), through docker or podman, as every start does first. The unit runs it as "
         "ExecStopPost, so a container never outlives its gb10d. Refuses while a gb10d runs with this config; "
         "does nothing for vLLM from a venv. Exit 0 when nothing of the config's container is left.",
+    )
+    add(
+        "front",
+        cmd_front,
+        "serve one OpenAI-compatible endpoint before every instance",
+        "Listen on [front] listen (default 0.0.0.0:8000) and pass each request to the gb10d instance serving its "
+        "\"model\": the main config when it runs a model, and every instance config in [front] instances_dir "
+        "(default /etc/gb10d/*.toml), each on its own internal [vllm] port. A request for an instance that is starting "
+        "or recovering is held until it serves (front.hold_timeout_s, front.queue_limit), then gets 503 with "
+        "Retry-After. /v1/models lists every configured model with its state. gb10d-front.service runs this.",
     )
     p = add(
         "status",

@@ -328,6 +328,39 @@ class MetricsSection(_Table):
         return host.strip("[]"), int(port)
 
 
+class FrontSection(_Table):
+    """`[front]`: the one public endpoint (`gb10d front`) before every gb10d instance of the machine.
+
+    Read from the front's own config (/etc/gb10d.toml); in an instance's config it is accepted and ignored, so one
+    file may carry both."""
+
+    listen: str = "0.0.0.0:8000"
+    # The instance configs, one *.toml per `gb10d@NAME`; their [vllm] host and port are the internal addresses.
+    instances_dir: Path = Field(default=Path("/etc/gb10d"), strict=False)
+    # How long a request waits for its model's instance to start or recover before it gets 503 with Retry-After.
+    hold_timeout_s: float = Field(default=900.0, gt=0)
+    # Requests held per model at once; one more gets 503 at once.
+    queue_limit: int = Field(default=256, ge=1)
+    # A request body over this gets 413: vLLM's image and audio inputs fit far below it.
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+
+    absolute_dir = field_validator("instances_dir")(_absolute)
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_form(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not port.isdigit() or not (0 < int(port) < 65536) or not host:
+            raise ValueError(f'must be "HOST:PORT" such as "0.0.0.0:8000" or "127.0.0.1:8000" (got {value!r})')
+        return value
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) to bind."""
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
 class DaemonSection(_Table):
     """`[daemon]`: gb10d's own behaviour and files."""
 
@@ -501,6 +534,7 @@ class Config(_Table):
     daemon: DaemonSection = Field(default_factory=DaemonSection)
     container: ContainerSection = Field(default_factory=ContainerSection)
     cluster: ClusterSection | None = None
+    front: FrontSection | None = None
 
     def tables(self) -> Iterator[tuple[str, _Table]]:
         """(name, table) in schema order, skipping a table that does not apply ([cluster] left out, [container] without an image)."""
@@ -952,3 +986,23 @@ def load_config_explained(path: Path | None = None, dropin_dir: Path | None = No
 def load_config(path: Path | None = None, dropin_dir: Path | None = None) -> Config:
     """Read, merge and validate the config file and its drop-ins; the only error raised is ConfigError."""
     return load_config_explained(path, dropin_dir).config
+
+
+class _FrontFile(_Table):
+    """The front's view of its config: `[front]` alone; the rest belongs to the gb10d instance the file may also run."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, validate_default=True, strict=True)
+    front: FrontSection = Field(default_factory=FrontSection)
+
+
+def load_front(path: Path) -> FrontSection:
+    """`[front]` of `path` (defaults when the file or the table is absent), problems located like load_config's."""
+    if not path.exists():
+        return FrontSection()
+    data, text = read_toml(path)
+    layers = _Layers()
+    layers.add(path, data, text)
+    try:
+        return _FrontFile.model_validate(data).front
+    except ValidationError as exc:
+        raise ConfigError(_problems_from(exc, layers)) from None
