@@ -79,6 +79,8 @@ class Front:
         """Wait until the instance serves (None), or the answer that refuses the request."""
         watched = self.watched[instance.name]
         started = time.monotonic()
+        if not watched.ready.serving:  # the last read may be up to STATE_POLL_S old: a refusal is decided on a fresh one
+            watched.ready = self._read(watched.known)
         decision = admit(instance, watched.ready, watched.held, self.settings.queue_limit, 0.0, self.settings.hold_timeout_s, True)
         if isinstance(decision, Wait):
             if watched.held == 0:
