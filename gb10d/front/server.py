@@ -199,10 +199,7 @@ async def _ask(upstream: Peer, request: h11.Request, body: bytes, instance: Inst
     """Send the request upstream and read the response head; None when the instance closed without answering."""
     headers = [*forwarded_headers(request.headers), (b"host", f"{instance.host}:{instance.port}".encode()), (b"content-length", str(len(body)).encode())]
     try:
-        await upstream.send(h11.Request(method=request.method, target=request.target, headers=headers))
-        if body:
-            await upstream.send(h11.Data(data=body))
-        await upstream.send(h11.EndOfMessage())
+        await upstream.send(h11.Request(method=request.method, target=request.target, headers=headers), *([h11.Data(data=body)] if body else []), h11.EndOfMessage())
         while True:
             event = await upstream.next_event()
             if isinstance(event, h11.Response):
@@ -219,19 +216,24 @@ async def _pump(peer: Peer, upstream: Peer, response: h11.Response, head_only: b
     headers = forwarded_headers(response.headers) + length
     stream = any(n == b"content-type" and v.startswith(b"text/event-stream") for n, v in response.headers)
     await peer.send(h11.Response(status_code=response.status_code, headers=headers, reason=response.reason))
+    finished = False
     try:
-        while True:
-            event = await upstream.next_event()
-            if isinstance(event, h11.Data):
-                await peer.send(h11.Data(data=bytes(event.data)))
-            elif isinstance(event, h11.EndOfMessage):
-                break
+        while not finished:
+            out: list[h11.Data | h11.EndOfMessage] = []
+            for event in await upstream.next_events():
+                if isinstance(event, h11.Data):
+                    out.append(h11.Data(data=bytes(event.data)))
+                elif isinstance(event, h11.EndOfMessage):
+                    out.append(h11.EndOfMessage())
+                    finished = True
+                elif isinstance(event, h11.ConnectionClosed):
+                    raise h11.RemoteProtocolError("the instance closed the connection mid-answer")
+            await peer.send(*out)
     except (OSError, h11.RemoteProtocolError):
         if not stream or length or head_only:
             return False
         say(f"{instance.name} ended a stream mid-answer; the client got an error event", 4)
-        await peer.send(h11.Data(data=sse_error_event(f"{instance.name} stopped answering mid-stream")))
-    await peer.send(h11.EndOfMessage())
+        await peer.send(h11.Data(data=sse_error_event(f"{instance.name} stopped answering mid-stream")), h11.EndOfMessage())
     return True
 
 

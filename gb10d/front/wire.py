@@ -33,9 +33,24 @@ class Peer:
                 return event
             self.conn.receive_data(await self.reader.read(READ_SIZE))
 
-    async def send(self, event: Any) -> None:
-        """Write one event and wait until the socket has taken it (backpressure)."""
-        data = self.conn.send(event)
+    async def next_events(self) -> list[Any]:
+        """Every event that what has arrived holds, reading from the socket only when it holds none.
+
+        A stream's events are passed on as they come, but those that arrived together leave together: one write
+        instead of one per event, which is most of a proxy's cost per event."""
+        while True:
+            events: list[Any] = []
+            while (event := self.conn.next_event()) is not h11.NEED_DATA and event is not h11.PAUSED:
+                events.append(event)
+                if isinstance(event, h11.ConnectionClosed):
+                    break
+            if events:
+                return events
+            self.conn.receive_data(await self.reader.read(READ_SIZE))
+
+    async def send(self, *events: Any) -> None:
+        """Write events in one write and wait until the socket has taken them (backpressure)."""
+        data = b"".join(self.conn.send(event) or b"" for event in events)
         if data:
             self.writer.write(data)
             await self.writer.drain()
