@@ -363,6 +363,8 @@ def redact_setting(dotted: str, value: Any) -> Any:
         return REDACTED
     if dotted == "vllm.extra_args":
         return redact_argv(value)
+    if dotted == "front.api_keys":
+        return [REDACTED for _ in value]
     return value
 
 

@@ -343,8 +343,17 @@ class FrontSection(_Table):
     queue_limit: int = Field(default=256, ge=1)
     # A request body over this gets 413: vLLM's image and audio inputs fit far below it.
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    # Keys a client must send (`Authorization: Bearer KEY` or `x-api-key: KEY`); none: every client is let in.
+    api_keys: list[str] = Field(default_factory=list)
 
     absolute_dir = field_validator("instances_dir")(_absolute)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_long_enough(cls, value: list[str]) -> list[str]:
+        if any(len(key) < 16 or any(c.isspace() for c in key) for key in value):
+            raise ValueError("each key must be at least 16 characters without spaces, e.g. from `openssl rand -hex 24`")
+        return value
 
     @field_validator("listen")
     @classmethod

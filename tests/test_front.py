@@ -97,9 +97,13 @@ def test_streams_pass_through_event_by_event_and_models_list_every_model_with_it
 
 
 def test_bad_requests_get_a_clear_json_error_and_never_reach_an_instance(tmp_path: Path) -> None:
-    deployment = Deployment(tmp_path, {"max_body_bytes": 4096})
+    key = "front-key-0123456789"
+    deployment = Deployment(tmp_path, {"max_body_bytes": 4096, "api_keys": [key]})
     try:
         with httpx.Client(base_url=deployment.url, timeout=60) as client:
+            keyless = client.post("/v1/chat/completions", json={"model": "alpha", "messages": []})
+            assert keyless.status_code == 401 and keyless.json()["error"]["type"] == "AuthenticationError"
+            client.headers["authorization"] = f"Bearer {key}"
             answers = {
                 "unknown": client.post("/v1/chat/completions", json={"model": "gpt-4", "messages": []}),
                 "malformed": client.post("/v1/chat/completions", content=b'{"model": "alpha",', headers={"content-type": "application/json"}),
@@ -113,6 +117,7 @@ def test_bad_requests_get_a_clear_json_error_and_never_reach_an_instance(tmp_pat
         assert "front.max_body_bytes" in answers["too large"].json()["error"]["message"]
         assert answers["stopped"].headers["retry-after"] == "5"
         deployment.front.wait_line(r"rejected a request for beta \(503\): beta is not running")
+        assert not deployment.front.out.find(key), "the front logged an API key"
     finally:
         deployment.close()
 

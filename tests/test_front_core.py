@@ -8,7 +8,7 @@ import json
 import pytest
 
 from gb10d.front.core import (
-    Answer, Forward, Go, Instance, Readiness, Wait, admit, forwarded_headers, model_of, readiness_of, route, sse_error_event,
+    Answer, Forward, Go, Instance, Readiness, Wait, admit, authorized, forwarded_headers, model_of, readiness_of, route, sse_error_event,
 )
 from gb10d.statefile import DaemonState, Progress, StateRecord
 
@@ -121,3 +121,26 @@ def test_the_error_event_of_a_broken_stream_is_one_sse_event() -> None:
     event = sse_error_event("qwen stopped")
     assert event.startswith(b"event: error\ndata: ") and event.endswith(b"\n\n")
     assert json.loads(event.split(b"data: ", 1)[1])["error"]["message"] == "qwen stopped"
+
+
+KEYS = ("k" * 16, "second-key-0123456789")
+
+
+@pytest.mark.parametrize("headers,passes", [
+    ([(b"Authorization", b"Bearer " + b"k" * 16)], True),
+    ([(b"authorization", b"bearer second-key-0123456789")], True),
+    ([(b"x-api-key", b"second-key-0123456789")], True),
+    ([(b"Authorization", b"Bearer " + b"k" * 15)], False),
+    ([(b"Authorization", b"Basic " + b"k" * 16)], False),
+    ([], False),
+])
+def test_with_api_keys_only_a_request_carrying_one_passes(headers: list[tuple[bytes, bytes]], passes: bool) -> None:
+    answer = authorized("/v1/chat/completions", headers, KEYS)
+    assert (answer is None) is passes
+    if answer is not None:
+        assert answer.status == 401 and b"k" * 15 not in json.dumps(answer.body).encode()
+
+
+def test_without_api_keys_or_for_health_every_request_passes() -> None:
+    assert authorized("/v1/models", [], ()) is None
+    assert authorized("/health?x", [], KEYS) is None

@@ -7,6 +7,7 @@ every case is a fast test.
 
 from __future__ import annotations
 
+import hmac
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -81,6 +82,27 @@ def forwarded_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[byte
     named = {token.strip().lower() for name, value in pairs if name == b"connection" for token in value.split(b",")}
     dropped = {h.encode() for h in HOP_BY_HOP} | named | {b"host", b"content-length"}
     return [(name, value) for name, value in pairs if name not in dropped]
+
+
+def authorized(path: str, headers: Iterable[tuple[bytes, bytes]], keys: Sequence[str]) -> Answer | None:
+    """None when the request may pass: no keys are set, it is the front's /health, or it carries one of the keys.
+
+    Every key is compared, each in constant time, so neither a key nor how many match leaks through timing."""
+    if not keys or path.split("?", 1)[0] == FRONT_HEALTH:
+        return None
+    given = b""
+    for name, value in headers:
+        name = name.lower()
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            given = value[7:].strip()
+        elif name == b"x-api-key":
+            given = value.strip()
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(given, key.encode())
+    if matched:
+        return None
+    return error(401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)", "AuthenticationError")
 
 
 def model_of(body: bytes, content_type: str) -> tuple[str | None, Answer | None]:

@@ -22,7 +22,7 @@ from ..config import FrontSection
 from ..statefile import read_state
 from ..status import pid_alive
 from .core import (
-    Answer, Instance, Readiness, Wait, admit, error, forwarded_headers, readiness_of, route, sse_error_event,
+    Answer, Instance, Readiness, Wait, admit, authorized, error, forwarded_headers, readiness_of, route, sse_error_event,
 )
 from .instances import Known
 from .wire import READ_SIZE, Peer, connect
@@ -130,7 +130,9 @@ class Front:
         content_type = dict(request.headers).get(b"content-type", b"").decode("latin-1")
         target = request.target.decode("latin-1")
         readiness = {name: watched.ready for name, watched in self.watched.items()}
-        decided = route(request.method.decode(), target, body, content_type, self.instances, readiness, time.time())
+        decided = authorized(target, request.headers, self.settings.api_keys) or route(
+            request.method.decode(), target, body, content_type, self.instances, readiness, time.time()
+        )
         if isinstance(decided, Answer):
             await _send_answer(peer, decided)
             return peer.conn.our_state is h11.DONE and peer.conn.their_state is h11.DONE
