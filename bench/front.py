@@ -219,7 +219,7 @@ def run(ws: Workspace, quick: bool) -> dict[str, Any]:
     (directory / "instances").mkdir()
     (directory / "instances" / "tiny.toml").write_text(deployment.config.read_text())
     front_port = free_port()
-    (directory / "front.toml").write_text(f'[front]\nlisten = "127.0.0.1:{front_port}"\ninstances_dir = "{directory / "instances"}"\n')
+    (directory / "front.toml").write_text(f'[front]\nlisten = "127.0.0.1:{front_port}"\nmetrics_listen = ""\ninstances_dir = "{directory / "instances"}"\n')
     with Gb10d(deployment) as gb10d, FrontChild(directory / "front.toml") as front:
         gb10d.wait_ready()
         front.wait_line("serving tiny on")

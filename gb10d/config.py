@@ -24,7 +24,7 @@ from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from .errors import ConfigError, ConfigProblem
@@ -343,6 +343,8 @@ class FrontSection(_Table):
     queue_limit: int = Field(default=256, ge=1)
     # A request body over this gets 413: vLLM's image and audio inputs fit far below it.
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    # Prometheus metrics per model (requests, held, hold time, rejected); "" disables them.
+    metrics_listen: str = "127.0.0.1:9500"
     # Keys a client must send (`Authorization: Bearer KEY` or `x-api-key: KEY`); none: every client is let in.
     api_keys: list[str] = Field(default_factory=list)
 
@@ -355,18 +357,29 @@ class FrontSection(_Table):
             raise ValueError("each key must be at least 16 characters without spaces, e.g. from `openssl rand -hex 24`")
         return value
 
-    @field_validator("listen")
+    @field_validator("listen", "metrics_listen")
     @classmethod
-    def _listen_form(cls, value: str) -> str:
+    def _listen_form(cls, value: str, info: ValidationInfo) -> str:
+        if value == "" and info.field_name == "metrics_listen":
+            return value
         host, sep, port = value.rpartition(":")
         if not sep or not port.isdigit() or not (0 < int(port) < 65536) or not host:
-            raise ValueError(f'must be "HOST:PORT" such as "0.0.0.0:8000" or "127.0.0.1:8000" (got {value!r})')
+            example = '"0.0.0.0:8000" or "127.0.0.1:8000"' if info.field_name == "listen" else '"127.0.0.1:9500", or "" to disable'
+            raise ValueError(f"must be \"HOST:PORT\" such as {example} (got {value!r})")
         return value
 
     @property
     def address(self) -> tuple[str, int]:
         """(host, port) to bind."""
         host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of the metrics listener, or None when disabled."""
+        if not self.metrics_listen:
+            return None
+        host, _, port = self.metrics_listen.rpartition(":")
         return host.strip("[]"), int(port)
 
 

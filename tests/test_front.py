@@ -38,7 +38,11 @@ class Deployment:
         (root / "instances").mkdir()
         for name, setup in self.setups.items():
             (root / "instances" / f"{name}.toml").write_text(setup.config.read_text())
-        settings = {"listen": f"127.0.0.1:{self.port}", "instances_dir": str(root / "instances"), "hold_timeout_s": 60.0, **(front or {})}
+        self.metrics_url = f"http://127.0.0.1:{free_port()}/metrics"
+        settings = {
+            "listen": f"127.0.0.1:{self.port}", "metrics_listen": self.metrics_url.split("/")[2], "instances_dir": str(root / "instances"),
+            "hold_timeout_s": 60.0, **(front or {}),
+        }
         lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
         (root / "front.toml").write_text("[front]\n" + lines)
         self.daemons: list[Daemon] = []
@@ -58,6 +62,13 @@ class Deployment:
             record = read_state(self.setups[name].state_file)
             return record is not None and record.state is not None and record.state.value == state
         assert wait_until(there, 60) is not None, f"{name} never reached {state}"
+
+    def metric(self, sample: str) -> float:
+        """One sample of the front's metrics (0 when absent), e.g. 'gb10d_front_requests_total{instance="alpha"}'."""
+        for line in httpx.get(self.metrics_url).text.splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+        return 0.0
 
     def close(self) -> None:
         self.front.close()
@@ -118,6 +129,7 @@ def test_bad_requests_get_a_clear_json_error_and_never_reach_an_instance(tmp_pat
         assert answers["stopped"].headers["retry-after"] == "5"
         deployment.front.wait_line(r"rejected a request for beta \(503\): beta is not running")
         assert not deployment.front.out.find(key), "the front logged an API key"
+        assert deployment.metric('gb10d_front_rejected_requests_total{instance="beta",status="503"}') == 1
     finally:
         deployment.close()
 
@@ -163,6 +175,9 @@ def test_a_request_for_a_starting_instance_is_held_until_it_serves(deployment: D
     assert answer.status_code == 200, answer.text
     deployment.front.wait_line(r"holding requests for beta: it is (starting|waiting)")
     deployment.front.wait_line(r"released the requests held for beta after [0-9.]+ s: it serves")
+    assert deployment.metric('gb10d_front_hold_seconds_count{instance="beta"}') == 1
+    assert deployment.metric('gb10d_front_requests_total{instance="beta"}') == 1
+    assert deployment.metric('gb10d_front_held_requests{instance="beta"}') == 0
 
 
 def test_a_restart_of_vllm_is_only_a_wait_for_clients(deployment: Deployment) -> None:

@@ -25,6 +25,7 @@ from .core import (
     Answer, Instance, Readiness, Wait, admit, authorized, error, forwarded_headers, readiness_of, route, sse_error_event,
 )
 from .instances import Known
+from .metrics import FrontMetrics
 from .wire import READ_SIZE, Peer, connect
 
 # How often each instance's state file is read: a held request goes through at most this long after READY.
@@ -48,8 +49,9 @@ class Watched:
 
 
 class Front:
-    def __init__(self, settings: FrontSection, known: Sequence[Known]) -> None:
+    def __init__(self, settings: FrontSection, known: Sequence[Known], metrics: FrontMetrics) -> None:
         self.settings = settings
+        self.metrics = metrics
         self.instances = [k.instance for k in known]
         self.watched = {k.instance.name: Watched(k, self._read(k), asyncio.Event()) for k in known}
 
@@ -87,6 +89,7 @@ class Front:
                 watched.hold_started = started
                 say(f"holding requests for {instance.name}: it is {watched.ready.detail}")
             watched.held += 1
+            self.metrics.held.labels(instance.name).inc()
             try:
                 while isinstance(decision, Wait):
                     waited = time.monotonic() - started
@@ -96,11 +99,15 @@ class Front:
                     decision = admit(instance, watched.ready, watched.held, self.settings.queue_limit, waited, self.settings.hold_timeout_s, False)
             finally:
                 watched.held -= 1
+                self.metrics.held.labels(instance.name).dec()
+                self.metrics.hold_seconds.labels(instance.name).observe(time.monotonic() - started)
                 if watched.held == 0 and watched.ready.serving:
                     say(f"released the requests held for {instance.name} after {time.monotonic() - watched.hold_started:.1f} s: it serves")
         if isinstance(decision, Answer):
             say(f"rejected a request for {instance.name} ({decision.status}): {decision.message}", 4)
+            self.metrics.rejected.labels(instance.name, str(decision.status)).inc()
             return decision
+        self.metrics.requests.labels(instance.name).inc()
         return None
 
     async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -253,8 +260,11 @@ async def _send_answer(peer: Peer, answer: Answer, close: bool = False) -> None:
 
 async def serve(settings: FrontSection, known: Sequence[Known]) -> None:
     """Listen on front.listen until cancelled."""
-    front = Front(settings, known)
+    metrics = FrontMetrics()
+    front = Front(settings, known, metrics)
     host, port = settings.address
+    if settings.metrics_address is not None:
+        metrics.serve(*settings.metrics_address)
     server = await asyncio.start_server(front.client, host, port, backlog=1024, limit=READ_SIZE)
     say(f"serving {', '.join(m for i in front.instances for m in i.models)} on {settings.listen}")
     sys.stdout.flush()
