@@ -3,8 +3,8 @@
 Run: `python -m bench.front` (about two minutes); writes bench/results/front.json and prints a Markdown table.
 
 In one run, in interleaved rounds so that both see the same machine: streams straight to the stand-in (the
-baseline), through the front, and through Debian's nginx (one worker, `proxy_buffering off`, HTTP/1.1 upstream,
-a new upstream connection per request, as the front does). Every request is a new client connection, a streamed
+baseline), through the front, and through Debian's nginx (one worker, `proxy_buffering off`, HTTP/1.1 upstream
+with `keepalive 64`: idle connections kept for the next request, as the front does). Every request is a new client connection, a streamed
 completion; the client is asyncio with raw sockets, the same code for all three.
 
 - First byte: the time from sending the request to the first SSE event, with 64 streams at once; the added
@@ -51,10 +51,14 @@ http {{
     fastcgi_temp_path {dir}/fastcgi;
     uwsgi_temp_path {dir}/uwsgi;
     scgi_temp_path {dir}/scgi;
+    upstream instance {{
+        server 127.0.0.1:{upstream};
+        keepalive 64;
+    }}
     server {{
         listen 127.0.0.1:{port} backlog=4096;
         location / {{
-            proxy_pass http://127.0.0.1:{upstream};
+            proxy_pass http://instance;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_buffering off;

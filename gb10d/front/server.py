@@ -1,7 +1,7 @@
 """`gb10d front`'s I/O: the public listener, the instances' state files, and the byte pump between client and vLLM.
 
 Every decision is gb10d.front.core's; this module reads what it needs (request bytes, state files, the clock),
-asks, and acts. One asyncio task per client connection; one upstream connection per request, closed when the
+asks, and acts. One asyncio task per client connection; one upstream connection per request at a time (kept for the next one when it ended cleanly), closed when the
 client leaves, which is how vLLM learns to stop generating.
 """
 
@@ -28,6 +28,8 @@ from .instances import Known
 from .metrics import FrontMetrics
 from .wire import READ_SIZE, Peer, connect
 
+# Connections kept open to each instance between requests (as nginx's `keepalive`): a new one costs both sides.
+IDLE_UPSTREAMS = 64
 # How often each instance's state file is read: a held request goes through at most this long after READY.
 STATE_POLL_S = 0.1
 
@@ -54,6 +56,7 @@ class Front:
         self.metrics = metrics
         self.instances = [k.instance for k in known]
         self.watched = {k.instance.name: Watched(k, self._read(k), asyncio.Event()) for k in known}
+        self.idle: dict[str, list[Peer]] = {k.instance.name: [] for k in known}
 
     @staticmethod
     def _read(known: Known) -> Readiness:
@@ -167,18 +170,42 @@ class Front:
                 await _send_answer(peer, refusal)
                 return True
             try:
-                upstream = await connect(instance.host, instance.port)
+                upstream, reused = await self._upstream(instance)
             except OSError:
                 self.refused(instance)
                 continue
+            answered = False
             try:
                 response = await _ask(upstream, request, body, instance)
                 if response is None:
-                    self.refused(instance)
+                    if not reused:  # a kept connection vLLM closed meanwhile says nothing about vLLM
+                        self.refused(instance)
                     continue
-                return await _pump(peer, upstream, response, request.method == b"HEAD", instance)
+                kept = await _pump(peer, upstream, response, request.method == b"HEAD", instance)
+                answered = True
+                return kept
             finally:
-                upstream.close()
+                self._release(instance, upstream, answered)
+
+    async def _upstream(self, instance: Instance) -> tuple[Peer, bool]:
+        """A connection to the instance, kept from an earlier request when one is open (True), else a new one."""
+        idle = self.idle[instance.name]
+        while idle:
+            peer = idle.pop()
+            if not peer.reader.at_eof() and not peer.writer.is_closing():
+                return peer, True
+            peer.close()
+        return await connect(instance.host, instance.port), False
+
+    def _release(self, instance: Instance, upstream: Peer, answered: bool) -> None:
+        """Keep a connection whose exchange ended cleanly for the next request; close any other, which is also
+        how vLLM learns that a client left."""
+        idle = self.idle[instance.name]
+        if answered and upstream.conn.our_state is h11.DONE and upstream.conn.their_state is h11.DONE and len(idle) < IDLE_UPSTREAMS:
+            upstream.conn.start_next_cycle()
+            idle.append(upstream)
+        else:
+            upstream.close()
 
 
 async def _read_body(peer: Peer, request: h11.Request, limit: int) -> bytes | Answer:
