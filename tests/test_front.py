@@ -15,12 +15,16 @@ import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import h11
 import httpx
 import pytest
 
 from gb10d.front.lab import FrontChild
+from gb10d.front.wire import READ_SIZE
 from gb10d.lab import wait_until
+from gb10d.sim.api import token_text
 from gb10d.statefile import read_state
 from harness import Daemon, Setup, free_port
 
@@ -30,11 +34,11 @@ pytestmark = pytest.mark.slow
 class Deployment:
     """A front and its instances' configs; instances are started by the test that needs them running."""
 
-    def __init__(self, root: Path, front: dict[str, object] | None = None) -> None:
+    def __init__(self, root: Path, front: dict[str, object] | None = None, **setup: Any) -> None:
         self.root = root
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.setups = {name: Setup(root / name, served_name=name, utilization=0.3) for name in ("alpha", "beta")}
+        self.setups = {name: Setup(root / name, served_name=name, utilization=0.3, **setup) for name in ("alpha", "beta")}
         (root / "instances").mkdir()
         for name, setup in self.setups.items():
             (root / "instances" / f"{name}.toml").write_text(setup.config.read_text())
@@ -149,6 +153,45 @@ def test_a_client_that_leaves_mid_stream_closes_the_upstream_request(deployment:
         assert b"200 OK" in client.recv(65536)
         assert upstream_connections(deployment.front.proc.pid, port) == 1
     assert wait_until(lambda: upstream_connections(deployment.front.proc.pid, port) == 0, 2) is not None, "the upstream request outlived its client"
+
+
+def upstream_unread_bytes(front_pid: int, port: int) -> int:
+    """Bytes an instance sent that wait unread in the kernel on the front's connection to it (ss's Recv-Q)."""
+    out = subprocess.run(["ss", "-tnpH", "state", "established", "dport", f"= :{port}"], capture_output=True, text=True, check=True).stdout
+    return sum(int(line.split()[0]) for line in out.splitlines() if f"pid={front_pid}," in line)
+
+
+def test_a_slow_reader_holds_the_instance_back_instead_of_filling_the_fronts_memory(tmp_path: Path) -> None:
+    """A client that stops reading a long stream (8 MB, more than Linux lets a socket buffer: tcp_wmem's 4 MiB): once
+    the socket buffers between are full, the front stops reading from vLLM, whose bytes wait unread in the kernel (more
+    than the front reads at once), not in the front; when the client reads again, the whole stream arrives, nothing
+    lost or reordered."""
+    deployment = Deployment(tmp_path, speed=0.002, extra={"vllm.args": {"max_model_len": 65536}})
+    try:
+        deployment.start("alpha")
+        unread = lambda: upstream_unread_bytes(deployment.front.proc.pid, deployment.setups["alpha"].port)  # noqa: E731
+        body = json.dumps({**completion("alpha", 40_000, stream=True), "stream_options": {"include_usage": True}}).encode()
+        http = h11.Connection(h11.CLIENT)
+        head = h11.Request(method="POST", target="/v1/completions", headers=[("host", "x"), ("content-type", "application/json"), ("content-length", str(len(body)))])
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", deployment.port))
+            client.sendall(http.send(head) + http.send(h11.Data(data=body)) + http.send(h11.EndOfMessage()))
+            assert wait_until(lambda: unread() > READ_SIZE, 60) is not None, f"the front kept reading vLLM's stream for a client that reads nothing ({unread()} bytes unread)"
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            pieces: list[bytes] = []
+            while not isinstance(event := http.next_event(), h11.EndOfMessage):
+                if event is h11.NEED_DATA:
+                    http.receive_data(client.recv(65536))
+                elif isinstance(event, h11.Data):
+                    pieces.append(event.data)
+        received = b"".join(pieces).decode()
+    finally:
+        deployment.close()
+    payloads = [json.loads(line[len("data: "):]) for line in received.split("\n") if line.startswith("data: {")]
+    text = "".join(choice["text"] for payload in payloads for choice in payload["choices"])
+    tokens = payloads[-1]["usage"]["completion_tokens"]
+    assert tokens == 40_000 and text == "".join(token_text(i) for i in range(tokens))
 
 
 def test_an_instance_that_dies_mid_stream_ends_the_clients_stream_with_an_error_event(deployment: Deployment) -> None:
