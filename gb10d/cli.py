@@ -268,13 +268,14 @@ def cmd_front(args: argparse.Namespace) -> int:
     import asyncio
 
     from .config import load_front
-    from .front.instances import discover
+    from .front.instances import api_keys, discover
     from .front.server import serve
 
     settings = load_front(_config_path(args))
     known = discover(settings, _config_path(args))
+    keys = api_keys(settings)
     try:
-        asyncio.run(serve(settings, known))
+        asyncio.run(serve(settings, known, keys))
     except KeyboardInterrupt:
         pass
     return EXIT_OK

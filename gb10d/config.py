@@ -328,6 +328,18 @@ class MetricsSection(_Table):
         return host.strip("[]"), int(port)
 
 
+API_KEY_FORM = (
+    "each key must be at least 16 characters without spaces (e.g. from `openssl rand -hex 24`), optionally followed by "
+    'the models it may use: "KEY qwen llama"'
+)
+
+
+def api_key_problem(entry: str) -> bool:
+    """Whether an api_keys entry is malformed (its key too short); the message, API_KEY_FORM, never repeats the key."""
+    words = entry.split()
+    return not words or len(words[0]) < 16
+
+
 class FrontSection(_Table):
     """`[front]`: the one public endpoint (`gb10d front`) before every gb10d instance of the machine.
 
@@ -346,15 +358,18 @@ class FrontSection(_Table):
     # Prometheus metrics per model (requests, held, hold time, rejected); "" disables them.
     metrics_listen: str = "127.0.0.1:9500"
     # Keys a client must send (`Authorization: Bearer KEY` or `x-api-key: KEY`); none: every client is let in.
+    # "KEY qwen llama": a key that may use only those models.
     api_keys: list[str] = Field(default_factory=list)
+    # More keys, one entry a line in the same form (# comments), kept out of the config: root:gb10d, mode 0640.
+    api_keys_file: Path | None = Field(default=None, strict=False)
 
-    absolute_dir = field_validator("instances_dir")(_absolute)
+    absolute_dir = field_validator("instances_dir", "api_keys_file")(_absolute)
 
     @field_validator("api_keys")
     @classmethod
     def _keys_long_enough(cls, value: list[str]) -> list[str]:
-        if any(len(key) < 16 or any(c.isspace() for c in key) for key in value):
-            raise ValueError("each key must be at least 16 characters without spaces, e.g. from `openssl rand -hex 24`")
+        if any(api_key_problem(entry) for entry in value):
+            raise ValueError(API_KEY_FORM)
         return value
 
     @field_validator("listen", "metrics_listen")

@@ -112,12 +112,17 @@ def test_streams_pass_through_event_by_event_and_models_list_every_model_with_it
 
 
 def test_bad_requests_get_a_clear_json_error_and_never_reach_an_instance(tmp_path: Path) -> None:
-    key = "front-key-0123456789"
-    deployment = Deployment(tmp_path, {"max_body_bytes": 4096, "api_keys": [key]})
+    key, beta_only = "front-key-0123456789", "beta-only-key-0123456789"
+    (tmp_path / "front.keys").write_text(f"# keys restricted to some models\n{beta_only} beta\n")
+    deployment = Deployment(tmp_path, {"max_body_bytes": 4096, "api_keys": [key], "api_keys_file": str(tmp_path / "front.keys")})
     try:
         with httpx.Client(base_url=deployment.url, timeout=60) as client:
             keyless = client.post("/v1/chat/completions", json={"model": "alpha", "messages": []})
             assert keyless.status_code == 401 and keyless.json()["error"]["type"] == "AuthenticationError"
+            restricted = client.post("/v1/completions", json=completion("alpha"), headers={"x-api-key": beta_only})
+            assert restricted.status_code == 403 and restricted.json()["error"]["message"] == "this API key may not use alpha; it may use beta"
+            listed = client.get("/v1/models", headers={"x-api-key": beta_only})
+            assert [m["id"] for m in listed.json()["data"]] == ["beta"]
             client.headers["authorization"] = f"Bearer {key}"
             answers = {
                 "unknown": client.post("/v1/chat/completions", json={"model": "gpt-4", "messages": []}),
@@ -132,7 +137,7 @@ def test_bad_requests_get_a_clear_json_error_and_never_reach_an_instance(tmp_pat
         assert "front.max_body_bytes" in answers["too large"].json()["error"]["message"]
         assert answers["stopped"].headers["retry-after"] == "5"
         deployment.front.wait_line(r"rejected a request for beta \(503\): beta is not running")
-        assert not deployment.front.out.find(key), "the front logged an API key"
+        assert not deployment.front.out.find(key) and not deployment.front.out.find(beta_only), "the front logged an API key"
         assert deployment.metric('gb10d_front_rejected_requests_total{instance="beta",status="503"}') == 1
     finally:
         deployment.close()

@@ -46,3 +46,19 @@ def test_no_instance_at_all_is_refused(tmp_path: Path, capsys: pytest.CaptureFix
 def test_short_api_keys_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     status, said = front(tmp_path, capsys, 'api_keys = ["Kq7fZp2x"]\n')
     assert status == 78 and "front.api_keys: each key must be at least 16 characters" in said and "Kq7fZp2x" not in said
+
+
+def test_a_bad_entry_of_the_api_keys_file_is_named_by_its_line_and_never_shown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_instance(tmp_path / "instances", "a", 8101, "qwen")
+    keys = tmp_path / "front.keys"
+    keys.write_text("# one key a line\nfront-key-0123456789 qwen\n\nKq7fZp2x qwen\n")
+    status, said = front(tmp_path, capsys, f'instances_dir = "{tmp_path / "instances"}"\napi_keys_file = "{keys}"\n')
+    assert status == 78 and f"{keys}:4: each key must be at least 16 characters" in said
+    assert "Kq7fZp2x" not in said and "front-key-0123456789" not in said
+
+
+def test_an_unreadable_api_keys_file_is_refused_with_the_way_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_instance(tmp_path / "instances", "a", 8101, "qwen")
+    status, said = front(tmp_path, capsys, f'instances_dir = "{tmp_path / "instances"}"\napi_keys_file = "{tmp_path / "missing.keys"}"\n')
+    assert status == 78 and f"{tmp_path / 'missing.keys'}: front.api_keys_file: cannot be read (No such file or directory)" in said
+    assert "root:gb10d, mode 0640" in said

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from gb10d.front.core import (
-    Answer, Forward, Go, Instance, Readiness, Wait, admit, authorized, forwarded_headers, model_of, readiness_of, route, sse_error_event,
+    Answer, ApiKey, Forward, Go, Instance, Readiness, Wait, admit, authorized, forwarded_headers, model_of, readiness_of, route, sse_error_event,
 )
 from gb10d.statefile import DaemonState, Progress, StateRecord
 
@@ -123,24 +123,49 @@ def test_the_error_event_of_a_broken_stream_is_one_sse_event() -> None:
     assert json.loads(event.split(b"data: ", 1)[1])["error"]["message"] == "qwen stopped"
 
 
-KEYS = ("k" * 16, "second-key-0123456789")
+KEYS = (ApiKey(b"k" * 16), ApiKey(b"second-key-0123456789", frozenset({"llama"})))
 
 
 @pytest.mark.parametrize("headers,passes", [
-    ([(b"Authorization", b"Bearer " + b"k" * 16)], True),
-    ([(b"authorization", b"bearer second-key-0123456789")], True),
-    ([(b"x-api-key", b"second-key-0123456789")], True),
-    ([(b"Authorization", b"Bearer " + b"k" * 15)], False),
-    ([(b"Authorization", b"Basic " + b"k" * 16)], False),
-    ([], False),
+    ([(b"Authorization", b"Bearer " + b"k" * 16)], KEYS[0]),
+    ([(b"authorization", b"bearer second-key-0123456789")], KEYS[1]),
+    ([(b"x-api-key", b"second-key-0123456789")], KEYS[1]),
+    ([(b"Authorization", b"Bearer " + b"k" * 15)], None),
+    ([(b"Authorization", b"Basic " + b"k" * 16)], None),
+    ([], None),
 ])
-def test_with_api_keys_only_a_request_carrying_one_passes(headers: list[tuple[bytes, bytes]], passes: bool) -> None:
+def test_with_api_keys_only_a_request_carrying_one_passes_and_is_known_by_its_key(headers: list[tuple[bytes, bytes]], passes: ApiKey | None) -> None:
     answer = authorized("/v1/chat/completions", headers, KEYS)
-    assert (answer is None) is passes
-    if answer is not None:
-        assert answer.status == 401 and b"k" * 15 not in json.dumps(answer.body).encode()
+    if passes is not None:
+        assert answer == passes
+    else:
+        assert isinstance(answer, Answer) and answer.status == 401 and b"k" * 15 not in json.dumps(answer.body).encode()
 
 
 def test_without_api_keys_or_for_health_every_request_passes() -> None:
     assert authorized("/v1/models", [], ()) is None
     assert authorized("/health?x", [], KEYS) is None
+
+
+def test_an_api_key_entry_names_the_models_it_may_use() -> None:
+    assert ApiKey.parse("  second-key-0123456789 llama  qwen ") == ApiKey(b"second-key-0123456789", frozenset({"llama", "qwen"}))
+    assert ApiKey.parse("k" * 16) == ApiKey(b"k" * 16, frozenset())
+
+
+def test_a_key_restricted_to_some_models_reaches_only_those_and_sees_only_those() -> None:
+    only_llama = frozenset({"llama"})
+
+    def keyed(body: bytes, instances: tuple[Instance, ...] = (QWEN, LLAMA), path: str = "/v1/chat/completions", method: str = "POST") -> Forward | Answer:
+        return route(method, path, body, JSON, instances, READY, 1000.0, only_llama)
+
+    assert keyed(chat("llama")) == Forward(LLAMA)
+    denied = keyed(chat("qwen-fast"))
+    assert isinstance(denied, Answer) and denied.status == 403
+    assert denied.message == "this API key may not use qwen-fast; it may use llama"
+    unknown = keyed(chat("gpt-4"))
+    assert isinstance(unknown, Answer) and unknown.status == 404 and unknown.message.endswith("This endpoint serves: llama.")
+    alone = keyed(b"", instances=(QWEN,))
+    assert isinstance(alone, Answer) and alone.status == 403
+    assert keyed(b"", instances=(LLAMA,)) == Forward(LLAMA)
+    listed = keyed(b"", path="/v1/models", method="GET")
+    assert isinstance(listed, Answer) and [m["id"] for m in listed.body["data"]] == ["llama"]  # type: ignore[index, union-attr]

@@ -84,10 +84,24 @@ def forwarded_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[byte
     return [(name, value) for name, value in pairs if name not in dropped]
 
 
-def authorized(path: str, headers: Iterable[tuple[bytes, bytes]], keys: Sequence[str]) -> Answer | None:
-    """None when the request may pass: no keys are set, it is the front's /health, or it carries one of the keys.
+@dataclass(frozen=True)
+class ApiKey:
+    """A key clients may send, and the models it may use (none named: every model)."""
 
-    Every key is compared, each in constant time, so neither a key nor how many match leaks through timing."""
+    secret: bytes
+    models: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, entry: str) -> ApiKey:
+        """`KEY`, or `KEY MODEL...` for a key restricted to those models (keys hold no spaces)."""
+        secret, *models = entry.split()
+        return cls(secret.encode(), frozenset(models))
+
+
+def authorized(path: str, headers: Iterable[tuple[bytes, bytes]], keys: Sequence[ApiKey]) -> ApiKey | Answer | None:
+    """The key the request carries, None when it needs none (no keys are set, or it is the front's /health), or 401.
+
+    Every key is compared, each in constant time, so neither a key nor which one matched leaks through timing."""
     if not keys or path.split("?", 1)[0] == FRONT_HEALTH:
         return None
     given = b""
@@ -97,11 +111,12 @@ def authorized(path: str, headers: Iterable[tuple[bytes, bytes]], keys: Sequence
             given = value[7:].strip()
         elif name == b"x-api-key":
             given = value.strip()
-    matched = False
+    matched: ApiKey | None = None
     for key in keys:
-        matched |= hmac.compare_digest(given, key.encode())
-    if matched:
-        return None
+        if hmac.compare_digest(given, key.secret) and matched is None:
+            matched = key
+    if matched is not None:
+        return matched
     return error(401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)", "AuthenticationError")
 
 
@@ -123,26 +138,37 @@ def model_of(body: bytes, content_type: str) -> tuple[str | None, Answer | None]
     return model, None
 
 
-def route(method: str, path: str, body: bytes, content_type: str, instances: Sequence[Instance], readiness: Mapping[str, Readiness], now: float) -> Route:
+def route(
+    method: str, path: str, body: bytes, content_type: str, instances: Sequence[Instance], readiness: Mapping[str, Readiness], now: float,
+    allowed: frozenset[str] = frozenset(),
+) -> Route:
     """Where a request goes: the instance serving its `model`, or the only instance when it names none, or an answer
-    (the front's own /health and /v1/models among them)."""
+    (the front's own /health and /v1/models among them). `allowed`: the models the request's key may use (empty:
+    every model); a restricted key sees only those, and gets 403 for the others."""
     bare = path.split("?", 1)[0]
     if bare == FRONT_HEALTH and method in ("GET", "HEAD"):
         return Answer(200, {"status": "ok"})
     if bare == MODELS and method == "GET":
-        return model_list(instances, readiness, now)
+        return model_list(instances, readiness, now, allowed)
     model, problem = model_of(body, content_type)
     if problem is not None:
         return problem
-    served = sorted(name for instance in instances for name in instance.models)
+    served = sorted(name for instance in instances for name in instance.models if not allowed or name in allowed)
     if model is None:
         if len(instances) == 1:
-            return Forward(instances[0])
+            return _permitted(Forward(instances[0]), allowed, instances[0].models)
         return error(400, f'the request names no "model"; this endpoint serves {", ".join(served) or "no model"}', "BadRequestError")
     for instance in instances:
         if model in instance.models:
-            return Forward(instance)
+            return _permitted(Forward(instance), allowed, (model,))
     return error(404, f"The model `{model}` does not exist. This endpoint serves: {', '.join(served) or 'none'}.", "NotFoundError")
+
+
+def _permitted(forward: Forward, allowed: frozenset[str], asked: Sequence[str]) -> Route:
+    """`forward` when the key may use one of the models `asked` for, else 403 naming those it may use."""
+    if not allowed or allowed.intersection(asked):
+        return forward
+    return error(403, f"this API key may not use {', '.join(asked)}; it may use {', '.join(sorted(allowed))}", "PermissionDeniedError")
 
 
 @dataclass(frozen=True)
@@ -178,15 +204,16 @@ def admit(instance: Instance, ready: Readiness, held: int, queue_limit: int, wai
     return Wait()
 
 
-def model_list(instances: Sequence[Instance], readiness: Mapping[str, Readiness], now: float) -> Answer:
-    """/v1/models for every configured model, each with its instance's state (`gb10d_state`), serving or not."""
+def model_list(instances: Sequence[Instance], readiness: Mapping[str, Readiness], now: float, allowed: frozenset[str] = frozenset()) -> Answer:
+    """/v1/models for every configured model (those `allowed` when a key is restricted), each with its instance's
+    state (`gb10d_state`), serving or not."""
     data = [
         {
             "id": model, "object": "model", "created": int(now), "owned_by": "gb10d",
             "gb10d_instance": instance.name,
             "gb10d_state": "serving" if readiness[instance.name].serving else readiness[instance.name].detail,
         }
-        for instance in instances for model in instance.models
+        for instance in instances for model in instance.models if not allowed or model in allowed
     ]
     return Answer(200, {"object": "list", "data": data})
 

@@ -22,7 +22,7 @@ from ..config import FrontSection
 from ..statefile import read_state
 from ..status import pid_alive
 from .core import (
-    Answer, Instance, Readiness, Wait, admit, authorized, error, forwarded_headers, readiness_of, route, sse_error_event,
+    Answer, ApiKey, Instance, Readiness, Wait, admit, authorized, error, forwarded_headers, readiness_of, route, sse_error_event,
 )
 from .instances import Known
 from .metrics import FrontMetrics
@@ -51,8 +51,9 @@ class Watched:
 
 
 class Front:
-    def __init__(self, settings: FrontSection, known: Sequence[Known], metrics: FrontMetrics) -> None:
+    def __init__(self, settings: FrontSection, known: Sequence[Known], metrics: FrontMetrics, keys: Sequence[ApiKey]) -> None:
         self.settings = settings
+        self.keys = keys
         self.metrics = metrics
         self.instances = [k.instance for k in known]
         self.watched = {k.instance.name: Watched(k, self._read(k), asyncio.Event()) for k in known}
@@ -140,8 +141,9 @@ class Front:
         content_type = dict(request.headers).get(b"content-type", b"").decode("latin-1")
         target = request.target.decode("latin-1")
         readiness = {name: watched.ready for name, watched in self.watched.items()}
-        decided = authorized(target, request.headers, self.settings.api_keys) or route(
-            request.method.decode(), target, body, content_type, self.instances, readiness, time.time()
+        key = authorized(target, request.headers, self.keys)
+        decided = key if isinstance(key, Answer) else route(
+            request.method.decode(), target, body, content_type, self.instances, readiness, time.time(), key.models if key else frozenset()
         )
         if isinstance(decided, Answer):
             await _send_answer(peer, decided)
@@ -285,10 +287,10 @@ async def _send_answer(peer: Peer, answer: Answer, close: bool = False) -> None:
     await peer.send(h11.EndOfMessage())
 
 
-async def serve(settings: FrontSection, known: Sequence[Known]) -> None:
+async def serve(settings: FrontSection, known: Sequence[Known], keys: Sequence[ApiKey]) -> None:
     """Listen on front.listen until cancelled."""
     metrics = FrontMetrics()
-    front = Front(settings, known, metrics)
+    front = Front(settings, known, metrics, keys)
     host, port = settings.address
     if settings.metrics_address is not None:
         metrics.serve(*settings.metrics_address)
