@@ -357,13 +357,15 @@ class FrontSection(_Table):
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     # Prometheus metrics per model (requests, held, hold time, rejected); "" disables them.
     metrics_listen: str = "127.0.0.1:9500"
+    # Each model's state and held requests, rewritten as they change, for `gb10d status --all`.
+    state_file: Path = Field(default=Path("/run/gb10d-front/state.json"), strict=False)
     # Keys a client must send (`Authorization: Bearer KEY` or `x-api-key: KEY`); none: every client is let in.
     # "KEY qwen llama": a key that may use only those models.
     api_keys: list[str] = Field(default_factory=list)
     # More keys, one entry a line in the same form (# comments), kept out of the config: root:gb10d, mode 0640.
     api_keys_file: Path | None = Field(default=None, strict=False)
 
-    absolute_dir = field_validator("instances_dir", "api_keys_file")(_absolute)
+    absolute_dir = field_validator("instances_dir", "api_keys_file", "state_file")(_absolute)
 
     @field_validator("api_keys")
     @classmethod

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from . import budget
 from .budget import Reservation, Stage
-from .config import MemorySection, load_config
+from .config import FrontSection, MemorySection, load_config, load_front
 from .errors import Gb10dError
 from .ledger import read_ledger
 from .memory import MemInfo, read_meminfo
@@ -55,6 +55,14 @@ def memory_settings(config_path: Path | None) -> MemorySection:
         return load_config(config_path).memory
     except Gb10dError:
         return MemorySection()
+
+
+def front_state_file(config_path: Path) -> Path:
+    """Where the config's front writes its queues ([front] state_file), or the default when the config does not load."""
+    try:
+        return load_front(config_path).state_file
+    except Gb10dError:
+        return FrontSection().state_file
 
 
 def pid_alive(pid: int) -> bool:
@@ -294,8 +302,11 @@ def all_as_json(records: list[Reservation], mem: MemInfo | None, now: float, dir
     }
 
 
-def show_all(memory: MemorySection, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Print every gb10d instance of the machine from the memory ledger; return the exit status."""
+def show_all(
+    memory: MemorySection, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr, front: Path | None = None,
+) -> int:
+    """Print every gb10d instance of the machine from the memory ledger, then the front's queue per model when a
+    front wrote its state file (`front`); return the exit status."""
     directory = memory.ledger_path
     if directory is None:
         message = 'the memory ledger is off in this config (memory.ledger_dir = ""): instances do not see each other'
@@ -312,8 +323,15 @@ def show_all(memory: MemorySection, json_output: bool = False, out: TextIO = sys
     except (OSError, ValueError):
         mem = None
     now = time.monotonic()
+    from .front import snapshot  # the front's module renders with this one's duration()
+
+    queues = snapshot.read(front) if front is not None else None
+    alive = queues is not None and pid_alive(queues.pid)
     if json_output:
-        out.write(json.dumps(all_as_json(records, mem, now, directory), indent=2, sort_keys=True) + "\n")
+        shown = {**all_as_json(records, mem, now, directory), "front": {**snapshot.as_json(queues), "running": alive} if queues else None}
+        out.write(json.dumps(shown, indent=2, sort_keys=True) + "\n")
     else:
         out.write(render_all(records, mem, now, directory))
+        if queues is not None and front is not None:
+            out.write(snapshot.render(queues, alive, time.time(), front))
     return EXIT_RUNNING if records else EXIT_NOT_RUNNING

@@ -8,8 +8,11 @@ break half-way.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,7 +28,9 @@ from gb10d.front.lab import FrontChild
 from gb10d.front.wire import READ_SIZE
 from gb10d.lab import wait_until
 from gb10d.sim.api import token_text
+from gb10d.config import MemorySection
 from gb10d.statefile import read_state
+from gb10d.status import show_all
 from harness import Daemon, Setup, free_port
 
 pytestmark = pytest.mark.slow
@@ -45,7 +50,7 @@ class Deployment:
         self.metrics_url = f"http://127.0.0.1:{free_port()}/metrics"
         settings = {
             "listen": f"127.0.0.1:{self.port}", "metrics_listen": self.metrics_url.split("/")[2], "instances_dir": str(root / "instances"),
-            "hold_timeout_s": 60.0, **(front or {}),
+            "hold_timeout_s": 60.0, "state_file": str(root / "front-state.json"), **(front or {}),
         }
         lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
         (root / "front.toml").write_text("[front]\n" + lines)
@@ -250,7 +255,9 @@ def test_a_restart_of_vllm_is_only_a_wait_for_clients(deployment: Deployment) ->
 
 
 def test_a_flood_for_a_starting_model_is_held_up_to_the_bound_and_the_rest_refused_at_once(tmp_path: Path) -> None:
-    deployment = Deployment(tmp_path, {"queue_limit": 100})
+    """1,000 requests at once for a model that is starting: one vLLM start, `queue_limit` held (and shown by
+    `gb10d status --all`), the rest refused at once; the held ones are answered once it serves."""
+    deployment = Deployment(tmp_path, {"queue_limit": 100}, speed=0.03)
     try:
         deployment.start("beta", serving=False)
         assert wait_until(lambda: read_state(deployment.setups["beta"].state_file) is not None, 60) is not None
@@ -260,7 +267,10 @@ def test_a_flood_for_a_starting_model_is_held_up_to_the_bound_and_the_rest_refus
             async with httpx.AsyncClient(base_url=deployment.url, timeout=120, limits=limits) as client:
                 return await asyncio.gather(*(client.post("/v1/completions", json=completion("beta", 1)) for _ in range(1000)))
 
-        answers = asyncio.run(flood())
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            flooding = pool.submit(asyncio.run, flood())
+            assert wait_until(lambda: re.search(r"\nbeta +beta +starting\S* .* 100 +\d+s\n", status_all(tmp_path)) is not None, 60) is not None, status_all(tmp_path)
+            answers = flooding.result()
         counts = {code: sum(1 for a in answers if a.status_code == code) for code in {a.status_code for a in answers}}
         assert set(counts) <= {200, 503} and counts.get(200, 0) >= 100, counts
         refused = [a for a in answers if a.status_code == 503]
@@ -268,3 +278,10 @@ def test_a_flood_for_a_starting_model_is_held_up_to_the_bound_and_the_rest_refus
         assert len(deployment.daemons[0].child.vllm_pgids()) == 1, "more than one vLLM start"
     finally:
         deployment.close()
+
+
+def status_all(root: Path) -> str:
+    """What `gb10d status --all` prints for the deployment's front (no instance in a ledger here)."""
+    out = io.StringIO()
+    show_all(MemorySection(ledger_dir=str(root / "ledger")), out=out, front=root / "front-state.json")
+    return out.getvalue()

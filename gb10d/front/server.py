@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from .core import (
     Answer, ApiKey, Instance, Readiness, Wait, admit, authorized, error, forwarded_headers, readiness_of, route, sse_error_event,
 )
 from .instances import Known
+from . import snapshot
 from .metrics import FrontMetrics
 from .wire import READ_SIZE, Peer, connect
 
@@ -48,6 +50,8 @@ class Watched:
     changed: asyncio.Event
     held: int = 0
     hold_started: float = 0.0
+    # The same moment on the wall clock, for `gb10d status --all`.
+    held_since: float = 0.0
 
 
 class Front:
@@ -65,15 +69,36 @@ class Front:
         return readiness_of(state, state is not None and state.pid is not None and pid_alive(state.pid))
 
     async def watch_states(self) -> None:
-        """Re-read every state file each STATE_POLL_S and wake the requests held for an instance whose state changed."""
+        """Re-read every state file each STATE_POLL_S and wake the requests held for an instance whose state changed;
+        rewrite the front's own state file when any model's state or queue changed."""
+        shown: snapshot.FrontSnapshot | None = None
         while True:
-            await asyncio.sleep(STATE_POLL_S)
             for watched in self.watched.values():
                 ready = self._read(watched.known)
                 if ready != watched.ready:
                     watched.ready = ready
                     watched.changed.set()
                     watched.changed = asyncio.Event()
+            now = self.queues()
+            if now != shown:
+                try:
+                    snapshot.write(self.settings.state_file, now)
+                    shown = now
+                except OSError as exc:
+                    if shown is None:  # said once, not every STATE_POLL_S
+                        say(f"cannot write {self.settings.state_file} ({exc.strerror or exc}): gb10d status --all will not show the queues", 4)
+                        shown = now
+            await asyncio.sleep(STATE_POLL_S)
+
+    def queues(self) -> snapshot.FrontSnapshot:
+        """Each model's instance, state and held requests, as `gb10d status --all` shows them."""
+        models = tuple(
+            snapshot.ModelQueue(
+                model, name, watched.ready.detail, watched.held, watched.held_since if watched.held else None,
+            )
+            for name, watched in self.watched.items() for model in watched.known.instance.models
+        )
+        return snapshot.FrontSnapshot(os.getpid(), self.settings.listen, models)
 
     def refused(self, instance: Instance) -> None:
         """The instance's address refused while its state said serving (vLLM restarting): wait for the next read."""
@@ -90,7 +115,7 @@ class Front:
         decision = admit(instance, watched.ready, watched.held, self.settings.queue_limit, 0.0, self.settings.hold_timeout_s, True)
         if isinstance(decision, Wait):
             if watched.held == 0:
-                watched.hold_started = started
+                watched.hold_started, watched.held_since = started, time.time()
                 say(f"holding requests for {instance.name}: it is {watched.ready.detail}")
             watched.held += 1
             self.metrics.held.labels(instance.name).inc()
