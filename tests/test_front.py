@@ -70,7 +70,7 @@ class Deployment:
         def there() -> bool:
             record = read_state(self.setups[name].state_file)
             return record is not None and record.state is not None and record.state.value == state
-        assert wait_until(there, 60) is not None, f"{name} never reached {state}"
+        assert wait_until(there, 60) is not None, f"{name} never reached {state}:\n" + "\n".join(d.tail() for d in self.daemons)
 
     def metric(self, sample: str) -> float:
         """One sample of the front's metrics (0 when absent), e.g. 'gb10d_front_requests_total{instance="alpha"}'."""
