@@ -233,22 +233,29 @@ def test_a_request_for_a_starting_instance_is_held_until_it_serves(deployment: D
     assert deployment.metric('gb10d_front_held_requests{instance="beta"}') == 0
 
 
-def test_a_restart_of_vllm_is_only_a_wait_for_clients(deployment: Deployment) -> None:
-    """Requests every 50 ms across vLLM's crash and gb10d's restart: none refused, none failed."""
-    deployment.start("alpha")
+@pytest.mark.parametrize("cause", ["crash", "reload"])
+def test_a_restart_of_vllm_is_only_a_wait_for_clients(deployment: Deployment, cause: str) -> None:
+    """Requests every 50 ms across vLLM's crash and gb10d's restart, or across a reload whose change restarts vLLM
+    (gpu_memory_utilization): none refused, none failed."""
+    daemon = deployment.start("alpha")
     statuses: list[int] = []
     with httpx.Client(base_url=deployment.url, timeout=60) as client:
         record = read_state(deployment.setups["alpha"].state_file)
         assert record is not None and record.vllm_pid is not None
         first_vllm = record.vllm_pid
-        os.killpg(first_vllm, signal.SIGKILL)
+        if cause == "crash":
+            os.killpg(first_vllm, signal.SIGKILL)
+        else:
+            deployment.setups["alpha"].utilization = 0.35
+            deployment.setups["alpha"].write_config()
+            os.kill(daemon.proc.pid, signal.SIGHUP)
 
         def restarted() -> bool:
             statuses.append(client.post("/v1/completions", json=completion("alpha", 2)).status_code)
             now = read_state(deployment.setups["alpha"].state_file)
             return now is not None and now.vllm_pid not in (None, first_vllm) and now.state is not None and now.state.value == "serving"
 
-        assert wait_until(restarted, 90) is not None
+        assert wait_until(restarted, 90) is not None, daemon.tail()
         statuses.append(client.post("/v1/completions", json=completion("alpha", 2)).status_code)
     assert set(statuses) == {200}, statuses
     deployment.front.wait_line(r"holding requests for alpha")
