@@ -25,8 +25,8 @@ from ..status import pid_alive
 from .core import (
     Answer, ApiKey, Instance, Readiness, Wait, admit, authorized, error, forwarded_headers, readiness_of, route, sse_error_event,
 )
-from .instances import Known
 from . import snapshot
+from .instances import Known
 from .metrics import FrontMetrics
 from .wire import READ_SIZE, Peer, connect
 
@@ -79,15 +79,14 @@ class Front:
                     watched.ready = ready
                     watched.changed.set()
                     watched.changed = asyncio.Event()
-            now = self.queues()
-            if now != shown:
+            current = self.queues()
+            if current != shown:
                 try:
-                    snapshot.write(self.settings.state_file, now)
-                    shown = now
+                    snapshot.write(self.settings.state_file, current)
                 except OSError as exc:
                     if shown is None:  # said once, not every STATE_POLL_S
                         say(f"cannot write {self.settings.state_file} ({exc.strerror or exc}): gb10d status --all will not show the queues", 4)
-                        shown = now
+                shown = current
             await asyncio.sleep(STATE_POLL_S)
 
     def queues(self) -> snapshot.FrontSnapshot:
