@@ -261,7 +261,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Summarise the running daemon from its state file, or every instance from the memory ledger (exit 3 when not running)."""
-    from .status import show_all, show_status, state_file_path, status_config
+    from .status import front_state_file, show_all, show_status, state_file_path, status_config
 
     if args.state_file and not args.all:
         config = None  # the state file is named: no config is read for it
@@ -269,7 +269,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         config = status_config(_config_path(args), named=bool(getattr(args, "config", None) or os.environ.get(CONFIG_ENV)))
     state_file = state_file_path(args.state_file, config)
     if args.all:
-        return show_all(config.memory if config is not None else MemorySection(), state_file, json_output=args.json)
+        return show_all(config.memory if config is not None else MemorySection(), state_file, json_output=args.json,
+                        front=front_state_file(_config_path(args)))
     return show_status(state_file, json_output=args.json)
 
 
@@ -284,6 +285,24 @@ def cmd_forget(args: argparse.Namespace) -> int:
         return EXIT_OK
     what = f"forgot the settings {state.entry.describe()}" if state.entry else "it held nothing gb10d could use"
     print(f"removed {path}: {what}. The next start of gb10d begins from the config's values (now: systemctl restart gb10d)")
+    return EXIT_OK
+
+
+def cmd_front(args: argparse.Namespace) -> int:
+    """Serve the one public endpoint before every instance (what gb10d-front.service starts)."""
+    import asyncio
+
+    from .config import load_front
+    from .front.instances import api_keys, discover
+    from .front.server import serve
+
+    settings = load_front(_config_path(args))
+    known = discover(settings, _config_path(args))
+    keys = api_keys(settings)
+    try:
+        asyncio.run(serve(settings, known, keys))
+    except KeyboardInterrupt:
+        pass
     return EXIT_OK
 
 
@@ -413,6 +432,16 @@ def build_parser() -> argparse.ArgumentParser:
         "behind (killed, crashed), through docker or podman, as every start does first. The unit runs it as "
         "ExecStopPost, so a container never outlives its gb10d. Refuses while a gb10d runs with this config; "
         "does nothing for vLLM from a venv. Exit 0 when nothing of the config's container is left.",
+    )
+    add(
+        "front",
+        cmd_front,
+        "serve one OpenAI-compatible endpoint before every instance",
+        "Listen on [front] listen (default 0.0.0.0:8000) and pass each request to the gb10d instance serving its "
+        "\"model\": the main config when it runs a model, and every instance config in [front] instances_dir "
+        "(default /etc/gb10d/*.toml), each on its own internal [vllm] port. A request for an instance that is starting "
+        "or recovering is held until it serves (front.hold_timeout_s, front.queue_limit), then gets 503 with "
+        "Retry-After. /v1/models lists every configured model with its state. gb10d-front.service runs this.",
     )
     p = add(
         "status",

@@ -368,6 +368,8 @@ def redact_setting(dotted: str, value: Any) -> Any:
         # Tokens live in webhook paths, queries and headers: only where each one goes, and how, is shown.
         return [{"url": url_shown(hook.url), "format": hook.format, **({"headers": dict.fromkeys(hook.headers, REDACTED)} if hook.headers else {})}
                 for hook in value]
+    if dotted == "front.api_keys":
+        return [REDACTED for _ in value]
     return value
 
 

@@ -12,6 +12,7 @@ the process table.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ from typing import Any, TextIO
 
 from . import budget
 from .budget import Reservation, Stage
-from .config import Config, MemorySection, load_config
+from .config import Config, FrontSection, MemorySection, load_config, load_front
 from .errors import Gb10dError
 from .ledger import read_ledger
 from .memory import MemInfo, read_meminfo
@@ -58,6 +59,14 @@ def state_file_path(explicit: str | None, config: Config | None) -> Path:
     if explicit:
         return Path(explicit)
     return config.daemon.state_file if config is not None else DEFAULT_STATE_FILE
+
+
+def front_state_file(config_path: Path) -> Path:
+    """Where the config's front writes its queues ([front] state_file), or the default when the config does not load."""
+    try:
+        return load_front(config_path).state_file
+    except Gb10dError:
+        return FrontSection().state_file
 
 
 def pid_alive(pid: int) -> bool:
@@ -301,16 +310,37 @@ def all_as_json(records: list[Reservation], mem: MemInfo | None, now: float, dir
 
 
 def show_all(
-    memory: MemorySection, state_file: Path, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr
+    memory: MemorySection, state_file: Path, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
+    front: Path | None = None,
 ) -> int:
-    """Print every gb10d instance of the machine from the memory ledger; return the exit status.
+    """Print every gb10d instance of the machine, then the front's queue per model when a front wrote its
+    state file (`front`); return the exit status (that of the instances).
 
-    Without a ledger (off in the config, or its directory missing), or with
-    an empty one while an instance runs alone outside it (it could not use
-    the ledger: one warning in its journal), the state files beside this
-    config's tell instead, and the answer says so: an instance that runs
-    must never be reported as absent.
+    The instances come from the memory ledger. Without a ledger (off in the
+    config, or its directory missing), or with an empty one while an
+    instance runs alone outside it (it could not use the ledger: one warning
+    in its journal), the state files beside this config's tell instead, and
+    the answer says so: an instance that runs must never be reported as absent.
     """
+    from .front import snapshot  # the front's module renders with this one's duration()
+
+    queues = snapshot.read(front) if front is not None else None
+    if queues is None or front is None:
+        return _show_instances(memory, state_file, json_output, out, err)
+    alive = pid_alive(queues.pid)
+    shown = io.StringIO()
+    status = _show_instances(memory, state_file, json_output, shown, err)
+    if json_output:
+        answer = json.loads(shown.getvalue() or "{}")
+        answer["front"] = {**snapshot.as_json(queues), "running": alive}
+        out.write(json.dumps(answer, indent=2, sort_keys=True) + "\n")
+    else:
+        out.write(shown.getvalue() + snapshot.render(queues, alive, time.time(), front))
+    return status
+
+
+def _show_instances(memory: MemorySection, state_file: Path, json_output: bool, out: TextIO, err: TextIO) -> int:
+    """The instances part of show_all."""
     directory, state_dir = memory.ledger_path, state_file.parent
     if directory is None:
         why = 'the memory ledger is off in this config (memory.ledger_dir = "")'
