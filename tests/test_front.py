@@ -266,7 +266,8 @@ def test_a_flood_for_a_starting_model_is_held_up_to_the_bound_and_the_rest_refus
     `gb10d status --all`), the rest refused at once; the held ones are answered once it serves."""
     # beta's load waits at this gate until the flood is held: the test, not the machine's speed, decides how long it starts.
     gate = tmp_path / "load-gate"
-    deployment = Deployment(tmp_path, {"queue_limit": 100}, sim_env={"GB10D_SIM_LOAD_GATE": str(gate)})
+    # Held there, the load makes no progress: gb10d must not take it for a stall.
+    deployment = Deployment(tmp_path, {"queue_limit": 100}, sim_env={"GB10D_SIM_LOAD_GATE": str(gate)}, extra={"startup.stall_timeout_s": 600.0})
     try:
         deployment.start("beta", serving=False)
         assert wait_until(lambda: read_state(deployment.setups["beta"].state_file) is not None, 60) is not None
