@@ -14,6 +14,7 @@ import queue
 import socket
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,6 +43,14 @@ ROUTES = [
     ("/inference/v1/generate", "POST"), ("/scale_elastic_ep", "POST"), ("/is_scaling_elastic_ep", "POST"),
     ("/v1/chat/completions/render", "POST"), ("/v1/completions/render", "POST"),
 ]
+
+# VLLM_SERVER_DEV_MODE=1 adds these (REFERENCE §18); the stand-in simulates the sleep ones and reload_weights.
+DEV_ROUTES = [
+    ("/reset_prefix_cache", "POST"), ("/reset_mm_cache", "POST"), ("/reset_encoder_cache", "POST"), ("/pause", "POST"),
+    ("/resume", "POST"), ("/is_paused", "GET"), ("/collective_rpc", "POST"), ("/server_info", "GET"), ("/sleep", "POST"),
+    ("/wake_up", "POST"), ("/is_sleeping", "GET"),
+]
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
 
 def token_text(index: int) -> str:
@@ -100,7 +109,7 @@ def _labels(values: dict[str, str]) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(values.items())) + "}"
 
 
-def render_metrics(m: Metrics, model_name: str, running: int, kv_usage: float, spec_k: int | None, utilization: float) -> str:
+def render_metrics(m: Metrics, model_name: str, running: int, kv_usage: float, spec_k: int | None, utilization: float, sleep_level: int = 0) -> str:
     """The Prometheus text exposition of the vllm: metrics (labels sorted, as the recording shows)."""
     base = {"engine": "0", "model_name": model_name}
     out: list[str] = []
@@ -131,7 +140,7 @@ def render_metrics(m: Metrics, model_name: str, running: int, kv_usage: float, s
     family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", [("", {}, running)])
     family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", [("", {}, 0)])
     family("vllm:num_requests_waiting_by_reason", "gauge", "Number of requests waiting, by reason.", [("", {"reason": r}, 0) for r in ("capacity", "deferred")])
-    family("vllm:engine_sleep_state", "gauge", "Engine sleep state; awake = 0 means engine is sleeping.", [("", {"sleep_state": s}, 1 if s == "awake" else 0) for s in ("awake", "weights_offloaded", "discard_all")])
+    family("vllm:engine_sleep_state", "gauge", "Engine sleep state; awake = 0 means engine is sleeping.", [("", {"sleep_state": s}, int(s == SLEEP_STATES[sleep_level])) for s in SLEEP_STATES])
     family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", [("", {}, kv_usage)])
     family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", [("", {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True", "gpu_memory_utilization": repr(utilization)}, 1)])
     family("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.", counter(m.prefix_queries))
@@ -171,6 +180,7 @@ class _Pending:
     produced: int = 0
     first_at: float | None = None
     last_at: float | None = None
+    empty: bool = False  # the weights were woken without reload_weights: tokens come, text does not
 
 
 class EngineClient:
@@ -188,6 +198,8 @@ class EngineClient:
         self._on_death = on_death
         self._seen_prompts: set[str] = set()
         self._counter = 0
+        self._controls: dict[str, queue.SimpleQueue[dict[str, Any] | None]] = {}
+        self.sleep_level = 0
 
     def start(self) -> None:
         threading.Thread(target=self._read, name="engine-output", daemon=True).start()
@@ -214,6 +226,24 @@ class EngineClient:
             except OSError:
                 pass
         return rid, pending
+
+    def control(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        """A development endpoint's call to the engine, answered when it is done; None if the engine is dead."""
+        answers: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        with self.lock:
+            if self.dead:
+                return None
+            self._counter += 1
+            rid = f"c{self._counter:x}"
+            self._controls[rid] = answers
+            try:
+                self.conn.sendall(json.dumps({**message, "id": rid}).encode() + b"\n")
+            except OSError:
+                pass
+        answer = answers.get()
+        if answer is not None:
+            self.sleep_level = int(answer.get("level", 0))
+        return answer
 
     def running(self) -> int:
         with self.lock:
@@ -242,11 +272,21 @@ class EngineClient:
             self.dead = True
             waiting = list(self.pending.values())
             self.pending.clear()
+            controls = list(self._controls.values())
+            self._controls.clear()
         for pending in waiting:
             pending.events.put(None)
+        for answers in controls:
+            answers.put(None)
         self._on_death()
 
     def _on_message(self, message: dict[str, Any]) -> None:
+        if message.get("t") == "done":
+            with self.lock:
+                answers = self._controls.pop(str(message.get("id")), None)
+            if answers is not None:
+                answers.put(message)
+            return
         if message.get("t") != "tok":
             return
         now = time.monotonic()
@@ -265,6 +305,7 @@ class EngineClient:
             elif pending.last_at is not None:
                 m.itl.observe(self._sim(now - pending.last_at))
             pending.last_at = now
+            pending.empty = bool(message.get("empty"))
             pending.produced += count
             m.generation_tokens += count
             m.iteration.observe(count)
@@ -311,6 +352,7 @@ class ServeConfig:
     api_keys: tuple[str, ...]
     access_log: bool
     utilization: float
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: the development endpoints exist
 
 
 _JSON = "application/json"
@@ -419,12 +461,50 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, _dumps({"server_load": self.server.client.running()}))
         elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
             self._generate(chat=path == "/v1/chat/completions")
-        elif any(path == route and method in methods for route, methods in ROUTES):
+        elif self.server.config.dev_mode and self._dev(method, path):
+            pass
+        elif any(path == route and method in methods for route, methods in ROUTES + (DEV_ROUTES if self.server.config.dev_mode else [])):
             self._error(501, "NotImplementedError", f"{method} {path} is a vLLM route the stand-in does not simulate")
-        elif any(path == route for route, _ in ROUTES):
+        elif any(path == route for route, _ in ROUTES + (DEV_ROUTES if self.server.config.dev_mode else [])):
             self._send(405, _dumps({"detail": "Method Not Allowed"}))
         else:
             self._send(404, _dumps({"detail": "Not Found"}))
+
+    def _dev(self, method: str, path: str) -> bool:
+        """The sleep endpoints as vLLM's api_router has them: level and mode from the query (not the body), tags
+        repeated; 200 with an empty body once the engine is done. False for any other route."""
+        query = urllib.parse.parse_qs(self.path.partition("?")[2])
+        if path == "/sleep" and method == "POST":
+            message: dict[str, Any] = {"t": "sleep", "level": int(query.get("level", ["1"])[0]), "mode": query.get("mode", ["abort"])[0]}
+        elif path == "/wake_up" and method == "POST":
+            tags = query.get("tags") or None
+            self.server.console.log("INFO", "entrypoints/serve/dev/sleep/api_router.py:37", f"wake up the engine with tags: {tags}")
+            message = {"t": "wake_up", "tags": tags}
+        elif path == "/is_sleeping" and method == "GET":
+            message = {"t": "is_sleeping"}
+        elif path == "/collective_rpc" and method == "POST":
+            try:
+                body = self._body()
+            except ValueError as exc:
+                self._send(400, _dumps({"detail": f"JSON decode error: {exc}"}))
+                return True
+            if not isinstance(body, dict) or body.get("method") is None:
+                self._send(400, _dumps({"detail": "Missing 'method' in request body"}))
+                return True
+            message = {"t": "rpc", "method": body["method"]}
+        else:
+            return False
+        answer = self.server.client.control(message)
+        if answer is None or answer.get("error"):
+            why = answer.get("error") if answer else "EngineCore encountered an issue. See stack trace (above) for the root cause."
+            self._error(500, "InternalServerError", str(why))
+        elif path == "/is_sleeping":
+            self._send(200, _dumps({"is_sleeping": bool(answer.get("is_sleeping"))}))
+        elif path == "/collective_rpc":
+            self._send(200, _dumps({"results": answer.get("results", [])}))
+        else:
+            self._send(200, content_type=None)
+        return True
 
     def _models(self) -> dict[str, Any]:
         config = self.server.config
@@ -447,7 +527,7 @@ class Handler(BaseHTTPRequestHandler):
         client, config = self.server.client, self.server.config
         usage = client.kv_usage()
         with client.lock:
-            text = render_metrics(client.metrics, config.served_names[0], len(client.pending), usage, client.spec_k, config.utilization)
+            text = render_metrics(client.metrics, config.served_names[0], len(client.pending), usage, client.spec_k, config.utilization, client.sleep_level)
         self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
 
     # --- generation ----------------------------------------------------------------
@@ -511,7 +591,7 @@ class Handler(BaseHTTPRequestHandler):
         pieces: list[str] = []
         done = False
         for first, count, finished in self._tokens(pending):
-            pieces += [token_text(first + i) for i in range(count)]
+            pieces += ["" if pending.empty else token_text(first + i) for i in range(count)]
             done = finished
         if not done:
             self._error(500, "InternalServerError", "EngineCore encountered an issue. See stack trace (above) for the root cause.")
@@ -552,7 +632,7 @@ class Handler(BaseHTTPRequestHandler):
             event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
         finished = False
         for first, count, finished in self._tokens(pending):
-            text = "".join(token_text(first + i) for i in range(count))
+            text = "" if pending.empty else "".join(token_text(first + i) for i in range(count))
             produced += count
             end = reason if finished else None
             if chat:
