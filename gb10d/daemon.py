@@ -19,7 +19,9 @@ import sys
 from pathlib import Path
 
 from .command import Engine
+from . import sleepmode
 from .config import Config, load_config
+from .control import ControlSocket
 from .container import ContainerLauncher, choose_engine
 from .errors import GiveUp
 from .facts import Edited
@@ -78,6 +80,7 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
     preflight = Preflight(lambda: keeper.config, keeper.env, reporter)
     supervisor: Supervisor | None = None
     booking: Booking | None = None
+    control: ControlSocket | None = None
     kernel = KernelLog(config.daemon.kernel_log, loop.post, reporter)
     loop.install()
     reporter.serve_metrics()
@@ -93,6 +96,9 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
             config.memory.ledger_path, instance_name(path), str(path), lambda text: reporter.say("memory_ledger", text, PRIORITY_WARNING)
         )
         reporter.booking = preflight.booking = booking
+        if sleepmode.sleeps(config):
+            control = ControlSocket(sleepmode.control_path(config.daemon.state_file), loop.post)
+            await control.start()
         supervisor = Supervisor(keeper, reporter, loop, preflight, EngineChoice(path), pair, host)
         return await supervisor.supervise()
     except GiveUp as exc:
@@ -108,6 +114,8 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
         await loop.remove()
         if booking is not None:
             booking.close()
+        if control is not None:
+            await control.close()
         reporter.close()
 
 

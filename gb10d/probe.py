@@ -11,6 +11,7 @@ import time
 
 import httpx
 
+from .sleepmode import Call
 from .facts import REFUSED, ProbeResult
 
 
@@ -74,6 +75,23 @@ class Prober:
             "POST", "/v1/completions", timeout_s, json={"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
         )
         return result
+
+    async def call(self, call: Call, timeout_s: float) -> ProbeResult:
+        """One call to vLLM's development endpoints (sleep mode): level, mode and tags in the query, as vLLM reads them."""
+        _, result = await self._request(call.method, call.path, timeout_s, params=list(call.params), json=call.body)
+        return result
+
+    async def generate(self, model: str, prompt: str, max_tokens: int, timeout_s: float) -> str | None:
+        """The text of a deterministic completion, or None when there is no good answer."""
+        response, result = await self._request(
+            "POST", "/v1/completions", timeout_s, json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        )
+        if response is None or not result.ok:
+            return None
+        try:
+            return str(response.json()["choices"][0]["text"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            return None
 
     async def metrics_text(self, timeout_s: float = 5.0) -> str | None:
         """vLLM's own /metrics text, or None when it does not answer."""

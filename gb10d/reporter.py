@@ -182,6 +182,14 @@ class Reporter:
         utilization = self._tunables.gpu_memory_utilization if self._tunables else v.gpu_memory_utilization
         return f"serving {v.served_names[0]} on {v.host}:{v.port} (attempt {self._number}, gpu_memory_utilization={utilization:g})"
 
+    def sleep_state(self, state: DaemonState, text: str) -> None:
+        """Parking, asleep, waking, or serving again: STATUS=, the state file, the metrics and the ledger's record say
+        which. READY stays: gb10d and vLLM run, and the front wakes vLLM for the next request."""
+        self.metrics.set_sleep_state(state.value)
+        if self.booking is not None:
+            self.booking.update(phase="" if state is DaemonState.SERVING else text.partition(";")[0])
+        self.status(text, state)
+
     def failure(self, cause: str, message: str, action: str) -> None:
         """Remember the latest failure for `gb10d status` (shown until the next one)."""
         self.last_failure = LastFailure(cause, message, action, time.time())

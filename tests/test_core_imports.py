@@ -11,7 +11,7 @@ import pytest
 CORE = (
     "errors", "levels", "config", "command", "importscript", "events", "logparse", "phases", "facts", "lifecycle",
     "outcome", "policy", "memory", "budget", "devices", "liveness", "reload", "learned", "statefile", "status", "cluster",
-    "interfaces", "diagnose", "known", "kernel", "advice", "migrate", "access", "hfcache", "host", "front.core",
+    "interfaces", "diagnose", "known", "kernel", "advice", "migrate", "access", "hfcache", "host", "front.core", "sleepmode",
 )
 SHELL_LIBRARIES = ("httpx", "watchdog", "asyncio")
 

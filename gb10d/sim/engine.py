@@ -287,7 +287,7 @@ class EngineCore:
         self.log("config/vllm.py:999", "Asynchronous scheduling is enabled.")
         self.log("config/kernel.py:270", "Final IR op priority after setting platform defaults: IrOpPriorityConfig(rms_norm=['native'], fused_add_rms_norm=['native'])")
         if self.args.enable_sleep_mode:
-            self.sleep_mode = SleepMode(self.hold, self.rank_model.weights_gib, self.log, self.settings.sleep, self._wake_oom)
+            self.sleep_mode = SleepMode(self.hold, self.rank_model.weights_gib, self.log, self.settings.sleep, self._wake_oom, self.settings.scenario.bad_wake)
         if not self.send({"t": "ready", "kv_tokens": kv_tokens}):
             hang_forever()
         signal.signal(signal.SIGTERM, self._on_sigterm)

@@ -50,8 +50,9 @@ Fail = Callable[[float], None]
 class SleepMode:
     """The engine's side of /sleep, /wake_up and collective_rpc reload_weights."""
 
-    def __init__(self, hold: Hold | None, weights_gib: float, log: Log, pause: Callable[[float], None], oom: Fail) -> None:
+    def __init__(self, hold: Hold | None, weights_gib: float, log: Log, pause: Callable[[float], None], oom: Fail, bad_wake: bool = False) -> None:
         self.hold = hold
+        self.bad_wake = bad_wake  # the scenario: reload_weights answers and logs as usual, the weights stay garbage
         self.weights_bytes = int(weights_gib * GIB) // 1024 * 1024  # the meminfo file counts kB
         self.log = log
         self.pause = pause
@@ -131,5 +132,5 @@ class SleepMode:
         started = time.monotonic()
         self.log("model_executor/layers/rotary_embedding/base.py:148", "RotaryEmbedding: Failed to load weights", "WARNING")
         self.pause(self.weights_bytes / GIB * RELOAD_S_PER_GIB)
-        self.state.weights_valid = True
+        self.state.weights_valid = not self.bad_wake
         self.log("v1/worker/gpu_model_runner.py:4312", f"Reloading and processing weights took {time.monotonic() - started:.2f} seconds", "INFO")
