@@ -78,16 +78,23 @@ class Front:
         while True:
             await asyncio.sleep(STATE_POLL_S)
             for watched in self.watched.values():
-                ready = self._read(watched.known)
-                if ready != watched.ready:
-                    if ready.serving or not ready.asleep:
-                        watched.wake_asked = False
-                    if not ready.serving:
-                        watched.parking_asked = False
-                    watched.ready = ready
-                    watched.changed.set()
-                    watched.changed = asyncio.Event()
+                self._refresh(watched)
                 self._park_or_wake(watched)
+
+    def _refresh(self, watched: Watched) -> None:
+        """Read the instance's state file; on a change, wake the requests held for it."""
+        ready = self._read(watched.known)
+        if ready == watched.ready:
+            return
+        if ready.serving or not ready.asleep:
+            watched.wake_asked = False
+        if not ready.serving:
+            watched.parking_asked = False
+        elif not watched.ready.serving:  # idle counts from when it serves, not from before its start
+            watched.active_at = time.monotonic()
+        watched.ready = ready
+        watched.changed.set()
+        watched.changed = asyncio.Event()
 
     def _park_or_wake(self, watched: Watched) -> None:
         """Wake a sleeping instance that a request waits for; park an on-demand one idle for its timeout."""
@@ -129,8 +136,10 @@ class Front:
         """Wait until the instance serves (None), or the answer that refuses the request."""
         watched = self.watched[instance.name]
         started = watched.active_at = time.monotonic()
-        if not watched.ready.serving:  # the last read may be up to STATE_POLL_S old: a refusal is decided on a fresh one
-            watched.ready = self._read(watched.known)
+        # The last read may be up to STATE_POLL_S old: a refusal is decided on a fresh one, and so is a request for
+        # an instance that parks, which may have begun to fall asleep since.
+        if not watched.ready.serving or watched.known.control is not None:
+            self._refresh(watched)
         decision = admit(instance, watched.ready, watched.held, self.settings.queue_limit, 0.0, self.settings.hold_timeout_s, True)
         if isinstance(decision, Wait):
             if watched.held == 0:
