@@ -30,11 +30,14 @@ pytestmark = pytest.mark.slow
 class Deployment:
     """A front and its instances' configs; instances are started by the test that needs them running."""
 
-    def __init__(self, root: Path, front: dict[str, object] | None = None, on_demand: dict[str, object] | None = None, scenario: str = "healthy") -> None:
+    def __init__(
+        self, root: Path, front: dict[str, object] | None = None, on_demand: dict[str, object] | None = None, scenario: str = "healthy",
+        extra: dict[str, object] | None = None,
+    ) -> None:
         self.root = root
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        extra = {"on_demand": on_demand} if on_demand is not None else {}
+        extra = {**({"on_demand": on_demand} if on_demand is not None else {}), **(extra or {})}
         self.setups = {name: Setup(root / name, served_name=name, utilization=0.3, extra=extra, scenario=scenario) for name in ("alpha", "beta")}
         (root / "instances").mkdir()
         for name, setup in self.setups.items():

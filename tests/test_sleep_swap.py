@@ -8,6 +8,8 @@ answered.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ import pytest
 
 from gb10d.memory import GIB, read_meminfo
 from gb10d.sim.memory import adjust
+from harness import vllm_groups
 from test_front import Deployment, completion
 
 pytestmark = pytest.mark.slow
@@ -100,3 +103,20 @@ def test_a_wake_whose_memory_was_taken_meanwhile_starts_vllm_cold_once_it_is_bac
         asker.join(90)
     assert answer == [before]
     assert len([line for line in alpha.lines if "started vLLM as" in line]) == 2
+
+
+def test_stopping_a_sleeping_instance_whose_vllm_ignores_sigterm_ends_in_sigkill_and_leaves_nothing(tmp_path: Path) -> None:
+    # Measured on vLLM 0.26: a SIGTERM can leave the engine a zombie and the API server running. A frozen vLLM
+    # (SIGSTOP) takes no SIGTERM at all; the stop ladder must still end it.
+    swapping = Deployment(tmp_path, on_demand={"idle_timeout_s": IDLE_S}, extra={"daemon.stop_timeout_s": 2.0})
+    try:
+        alpha = swapping.start("alpha")
+        swapping.wait_state("alpha", "asleep")
+        group = next(vllm_groups(alpha.lines))
+        os.killpg(group, signal.SIGSTOP)
+        assert alpha.stop() == 0
+        alpha.wait_line(r"vLLM did not exit within daemon.stop_timeout_s 2 s; sending SIGKILL")
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)
+    finally:
+        swapping.close()
