@@ -28,9 +28,9 @@ from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
 from .memory import MemInfo
 from .outcome import Failed
 from .probe import Prober, base_url
-from .sleepmode import sleep_freed, sleeps
 from .probing import check_ready, poll_until_healthy, watch_liveness
 from .reporter import Reporter
+from .sleepmode import sleep_freed, sleeps
 from .runtime import Launcher, Runtime
 
 # How long the pipes may stay open after the API server exited before gb10d acts on the exit anyway.

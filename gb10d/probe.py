@@ -11,8 +11,8 @@ import time
 
 import httpx
 
-from .sleepmode import Call
 from .facts import REFUSED, ProbeResult
+from .sleepmode import Call
 
 
 def base_url(host: str, port: int) -> str:

@@ -145,6 +145,8 @@ class Reporter:
             self.metrics.set_phase(Phase.READY.value)
             self.metrics.set_startup_seconds(startup_s)
             self.metrics.set_ready(True)
+            if self.config.on_demand is not None:
+                self.metrics.set_sleep_state(DaemonState.SERVING.value)  # a new vLLM is awake
         self._cancel_deferred()
         self.write()
         tunables = self._tunables
@@ -206,6 +208,8 @@ class Reporter:
         with self.metrics.batch():
             self.metrics.set_ready(False)
             self.metrics.set_vllm_up(False)
+            if self.config.on_demand is not None:
+                self.metrics.set_sleep_state("")  # no vLLM: neither awake nor asleep
 
     def stopping(self, what: str) -> None:
         """Shutdown begins: STOPPING=1 with what is being stopped; the state file says stopping."""

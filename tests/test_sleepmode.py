@@ -9,6 +9,7 @@ import pytest
 
 from gb10d.config import load_config
 from gb10d.errors import ConfigError
+from gb10d.reload import ConfigSnapshot, diff_configs
 from gb10d.front.core import Readiness, readiness_of, should_park, should_wake
 from gb10d.sleepmode import GIB, PARK, WAKE, check_failure, control_path, sleep_freed, vllm_env, vllm_flags, wake_refusal
 from gb10d.statefile import DaemonState, StateRecord
@@ -66,6 +67,16 @@ def test_on_demand_sleep_adds_the_flag_and_the_dev_mode_and_nothing_without_it(t
     assert vllm_flags(parked) == ("--enable-sleep-mode",) and vllm_env(parked) == {"VLLM_SERVER_DEV_MODE": "1"}
     plain = load_config(config(tmp_path, "0.0.0.0", on_demand=""))
     assert vllm_flags(plain) == () and vllm_env(plain) == {}
+
+
+def test_turning_on_demand_on_by_a_reload_restarts_vllm_and_a_new_idle_timeout_does_not(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = ConfigSnapshot.take(load_config(config(tmp_path / "a", "127.0.0.1", on_demand="")))
+    parked = ConfigSnapshot.take(load_config(config(tmp_path / "b", "127.0.0.1")))
+    assert diff_configs(plain, parked).needs_vllm_restart, "--enable-sleep-mode is on vLLM's command line"
+    later = ConfigSnapshot.take(load_config(config(tmp_path / "a", "127.0.0.1", on_demand="[on_demand]\nidle_timeout_s = 90\n")))
+    assert not diff_configs(parked, later).needs_vllm_restart
 
 
 def test_sleep_on_a_public_address_is_a_config_error_naming_the_host(tmp_path: Path) -> None:
