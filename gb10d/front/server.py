@@ -15,7 +15,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from pathlib import Path
 
 import h11
 
@@ -33,6 +32,8 @@ from .wire import READ_SIZE, Peer, connect
 
 # Connections kept open to each instance between requests (as nginx's `keepalive`): a new one costs both sides.
 IDLE_UPSTREAMS = 64
+# After an instance's gb10d did not take a park or wake (not running, an old gb10d), ask again this much later.
+ASK_AGAIN_S = 5.0
 # How often each instance's state file is read: a held request goes through at most this long after READY.
 STATE_POLL_S = 0.1
 
@@ -106,21 +107,28 @@ class Front:
             watched.wake_asked = True
             say(f"waking {name}: {watched.held + watched.in_flight} request(s) wait for it")
             self.metrics.swaps.labels(name, "wake").inc()
-            self._ask(known.control, "wake", name)
+            self._ask(watched, "wake")
         idle_s = time.monotonic() - watched.active_at
         if should_park(watched.ready, watched.held, watched.in_flight, idle_s, known.idle_timeout_s, watched.parking_asked):
             watched.parking_asked = True
             say(f"parking {name}: no request for {idle_s:.0f} s (on_demand.idle_timeout_s)")
             self.metrics.swaps.labels(name, "park").inc()
-            self._ask(known.control, "park", name)
+            self._ask(watched, "park")
 
-    def _ask(self, path: Path, command: str, name: str) -> None:
-        """Ask the instance's gb10d over its control socket, without holding up the state poll."""
+    def _ask(self, watched: Watched, command: str) -> None:
+        """Ask the instance's gb10d over its control socket, without holding up the state poll; when it does not
+        take the command, a poll ASK_AGAIN_S later may ask again (not every poll: one warning, not ten a second)."""
+        path, name = watched.known.control, watched.known.instance.name
+        assert path is not None
 
         async def send() -> None:
             answer = await ask(path, command)
             if answer != "ok":
                 say(f"{name}'s gb10d did not take {command!r} on {path}: {answer or 'no answer'}", 4)
+                asyncio.get_running_loop().call_later(ASK_AGAIN_S, again)
+
+        def again() -> None:
+            watched.wake_asked = watched.parking_asked = False
 
         task = asyncio.ensure_future(send())
         self.asking.add(task)
