@@ -14,13 +14,13 @@ import queue
 import socket
 import threading
 import time
-import urllib.parse
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable, Sequence
 
 from . import texts
+from .devapi import DEV_ROUTES, SLEEP_STATES, dev_route
 from .output import STDOUT, Console
 
 WORDS = ("The", "stand-in", "engine", "answers", "every", "prompt", "with", "this", "same", "short", "calm", "sentence", ".")
@@ -43,15 +43,6 @@ ROUTES = [
     ("/inference/v1/generate", "POST"), ("/scale_elastic_ep", "POST"), ("/is_scaling_elastic_ep", "POST"),
     ("/v1/chat/completions/render", "POST"), ("/v1/completions/render", "POST"),
 ]
-
-# VLLM_SERVER_DEV_MODE=1 adds these (REFERENCE §18); the stand-in simulates the sleep ones and reload_weights.
-DEV_ROUTES = [
-    ("/reset_prefix_cache", "POST"), ("/reset_mm_cache", "POST"), ("/reset_encoder_cache", "POST"), ("/pause", "POST"),
-    ("/resume", "POST"), ("/is_paused", "GET"), ("/collective_rpc", "POST"), ("/server_info", "GET"), ("/sleep", "POST"),
-    ("/wake_up", "POST"), ("/is_sleeping", "GET"),
-]
-SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
-
 
 def token_text(index: int) -> str:
     """The deterministic text of generated token number `index`."""
@@ -461,7 +452,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, _dumps({"server_load": self.server.client.running()}))
         elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
             self._generate(chat=path == "/v1/chat/completions")
-        elif self.server.config.dev_mode and self._dev(method, path):
+        elif self.server.config.dev_mode and dev_route(self, method, path):
             pass
         elif any(path == route and method in methods for route, methods in ROUTES + (DEV_ROUTES if self.server.config.dev_mode else [])):
             self._error(501, "NotImplementedError", f"{method} {path} is a vLLM route the stand-in does not simulate")
@@ -469,42 +460,6 @@ class Handler(BaseHTTPRequestHandler):
             self._send(405, _dumps({"detail": "Method Not Allowed"}))
         else:
             self._send(404, _dumps({"detail": "Not Found"}))
-
-    def _dev(self, method: str, path: str) -> bool:
-        """The sleep endpoints as vLLM's api_router has them: level and mode from the query (not the body), tags
-        repeated; 200 with an empty body once the engine is done. False for any other route."""
-        query = urllib.parse.parse_qs(self.path.partition("?")[2])
-        if path == "/sleep" and method == "POST":
-            message: dict[str, Any] = {"t": "sleep", "level": int(query.get("level", ["1"])[0]), "mode": query.get("mode", ["abort"])[0]}
-        elif path == "/wake_up" and method == "POST":
-            tags = query.get("tags") or None
-            self.server.console.log("INFO", "entrypoints/serve/dev/sleep/api_router.py:37", f"wake up the engine with tags: {tags}")
-            message = {"t": "wake_up", "tags": tags}
-        elif path == "/is_sleeping" and method == "GET":
-            message = {"t": "is_sleeping"}
-        elif path == "/collective_rpc" and method == "POST":
-            try:
-                body = self._body()
-            except ValueError as exc:
-                self._send(400, _dumps({"detail": f"JSON decode error: {exc}"}))
-                return True
-            if not isinstance(body, dict) or body.get("method") is None:
-                self._send(400, _dumps({"detail": "Missing 'method' in request body"}))
-                return True
-            message = {"t": "rpc", "method": body["method"]}
-        else:
-            return False
-        answer = self.server.client.control(message)
-        if answer is None or answer.get("error"):
-            why = answer.get("error") if answer else "EngineCore encountered an issue. See stack trace (above) for the root cause."
-            self._error(500, "InternalServerError", str(why))
-        elif path == "/is_sleeping":
-            self._send(200, _dumps({"is_sleeping": bool(answer.get("is_sleeping"))}))
-        elif path == "/collective_rpc":
-            self._send(200, _dumps({"results": answer.get("results", [])}))
-        else:
-            self._send(200, content_type=None)
-        return True
 
     def _models(self) -> dict[str, Any]:
         config = self.server.config

@@ -245,7 +245,8 @@ class ApiServer:
 
     def serve(self, sock: socket.socket, kv_tokens: int) -> NoReturn:
         """The serving phase: routes, uvicorn's lines, listen(), then act on queued events."""
-        from .api import DEV_ROUTES, ROUTES, EngineClient, Handler, ServeConfig, SimHTTPServer
+        from .api import ROUTES, EngineClient, Handler, ServeConfig, SimHTTPServer
+        from .devapi import DEV_ROUTES
 
         args, settings = self.args, self.settings
         assert self.conn is not None
