@@ -130,3 +130,18 @@ def test_the_front_parks_only_an_idle_serving_on_demand_instance(
     ready: Readiness, held: int, in_flight: int, idle_s: float, timeout: float | None, asked: bool, park: bool,
 ) -> None:
     assert should_park(ready, held, in_flight, idle_s, timeout, asked) is park
+
+
+def test_the_sleep_state_metric_names_one_state_at_a_time_and_none_without_vllm() -> None:
+    from prometheus_client import generate_latest
+
+    from gb10d.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.set_sleep_state("asleep")
+    metrics.wake("check_failed")
+    text = generate_latest(metrics.registry).decode()
+    assert 'gb10d_sleep_state{state="asleep"} 1.0' in text and 'gb10d_sleep_state{state="serving"} 0.0' in text
+    assert 'gb10d_wakes_total{result="check_failed"} 1.0' in text
+    metrics.set_sleep_state("")
+    assert 'gb10d_sleep_state{state="asleep"} 0.0' in generate_latest(metrics.registry).decode()
