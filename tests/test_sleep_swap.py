@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 
 from gb10d.memory import GIB, read_meminfo
 from gb10d.sim.memory import adjust
+from gb10d.statefile import read_state
 from harness import vllm_groups
 from test_front import Deployment, completion
 
@@ -120,3 +122,30 @@ def test_stopping_a_sleeping_instance_whose_vllm_ignores_sigterm_ends_in_sigkill
             os.killpg(group, 0)
     finally:
         swapping.close()
+
+
+def test_a_sleeping_vllm_is_not_taken_for_hung_though_it_generates_nothing(tmp_path: Path) -> None:
+    # Asleep, vLLM holds every completion until a wake: the liveness watch's idle probe would time out and call it
+    # hung. With probes every 0.5 s timing out after 1 s, a few seconds asleep are many missed probes.
+    liveness = {"liveness.idle_probe_interval_s": 0.5, "liveness.probe_timeout_s": 1.0, "liveness.health_interval_s": 0.5}
+    swapping = Deployment(tmp_path, on_demand={"idle_timeout_s": IDLE_S}, extra=liveness)
+    try:
+        alpha = swapping.start("alpha")
+        swapping.wait_state("alpha", "asleep")
+        asleep_at = len(alpha.lines)
+        with httpx.Client(base_url=swapping.url, timeout=60) as client:
+            assert text_of(client, "alpha")  # held only until the wake, not until a restart
+            swapping.wait_state("alpha", "asleep")  # idle again, parked again
+            swapping.front.wait_line(r"parking alpha", timeout=30)
+        alpha.wait_line(r"vLLM sleeps \(level 2\)", since=asleep_at)
+        time.sleep(4.0)  # not a sync: four probe timeouts in which a restart for "hung" would have happened
+        assert _state(swapping) == "asleep"
+        assert not [line for line in alpha.lines if "hung" in line or "liveness" in line.lower()], alpha.tail()
+        assert len([line for line in alpha.lines if "started vLLM as" in line]) == 1
+    finally:
+        swapping.close()
+
+
+def _state(deployment: Deployment) -> str | None:
+    record = read_state(deployment.setups["alpha"].state_file)
+    return record.state.value if record is not None and record.state is not None else None
