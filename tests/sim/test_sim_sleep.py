@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 from gb10d.memory import GIB, read_meminfo
+from gb10d.sim.memory import adjust
 from sim_support import Reply, http
 from test_sim_memory import machine
 
@@ -108,7 +109,6 @@ def test_a_wake_whose_memory_another_process_took_kills_the_engine(sim, tmp_path
     s = sim("m", "--enable-sleep-mode", "--gpu-memory-utilization", "0.5", env={**DEV, "GB10D_SIM_MEMINFO": str(meminfo)})
     s.wait_ready()
     assert http(s.port, "/sleep?level=2", {}).status == 200
-    from gb10d.sim.memory import adjust
     adjust(meminfo, -int(read_meminfo(meminfo).available - 2 * GIB) // 1024 * 1024)
     reply: Reply = http(s.port, "/wake_up?tags=weights", {})
     assert reply.status == 500
