@@ -30,6 +30,7 @@ from .outcome import Failed
 from .probe import OWN_QUERY, Prober, base_url, own_access_line
 from .probing import check_ready, poll_until_healthy, watch_liveness
 from .reporter import Reporter
+from .sleepmode import sleep_freed, sleeps
 from .runtime import Launcher, Runtime
 from .tasks import Probe
 from .tasks import choose as choose_probe
@@ -45,7 +46,8 @@ class OutputStream:
     only parsed events go to the loop.
     """
 
-    def __init__(self, journal: Journal, collapser: BarCollapser, post: Callable[[Event], None]) -> None:
+    def __init__(self, journal: Journal, collapser: BarCollapser, post: Callable[[Event], None], on_message: Callable[[str], None] | None = None) -> None:
+        self.on_message = on_message  # sees every message, for the one line of sleep mode that is no Event
         self._journal = journal
         self._collapser = collapser
         self._post = post
@@ -72,6 +74,8 @@ class OutputStream:
             if forward(text):
                 # gb10d's own probes fill uvicorn's access log (some 19,000 lines a day idle): debug priority.
                 vllm_line(text, PRIORITY_DEBUG if own_access_line(record.message) else record.priority)
+            if self.on_message is not None:
+                self.on_message(record.message)
             events = scan(record.message)
             if events:
                 # A remote Ray worker's failure says which machine it happened on.
@@ -151,6 +155,10 @@ class Attempt:
         self.prober = Prober(base_url(v.host, v.port), v.api_key, timeout_s=config.liveness.probe_timeout_s)
         self._readiness: asyncio.Task[None] | None = None
         self._poller: asyncio.Task[None] | None = None
+        self._liveness: asyncio.Task[None] | None = None
+        # vLLM's `Sleep mode freed X GiB memory, Y GiB memory is still in use.`, once per sleep (on_demand.park).
+        self.slept: tuple[int, int] | None = None
+        self.slept_seen = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -231,12 +239,27 @@ class Attempt:
             self._poller.cancel()
         self.reporter.ready(self.state.startup, action.message, action.startup_s, self.number)
         self._on_ready(self.state.tunables)
-        if self.config.liveness.enabled:
-            self._tasks.append(
-                asyncio.create_task(
-                    watch_liveness(self.prober, self.config.liveness, self._post_probe, model=self.config.vllm.served_names[0], probe=self._probe())
-                )
+        self.resume_liveness()
+
+    def pause_liveness(self) -> None:
+        """Asleep, vLLM generates nothing by design: the liveness watch would take it for hung."""
+        if self._liveness is not None:
+            self._liveness.cancel()
+            self._liveness = None
+
+    def resume_liveness(self) -> None:
+        """Watch a serving vLLM from now on (after ready, and after a checked wake)."""
+        if self.config.liveness.enabled and self._liveness is None:
+            self._liveness = asyncio.create_task(
+                watch_liveness(self.prober, self.config.liveness, self._post_probe, model=self.config.vllm.served_names[0], probe=self._probe())
             )
+            self._tasks.append(self._liveness)
+
+    def _message(self, message: str) -> None:
+        freed = sleep_freed(message)
+        if freed is not None:
+            self.slept = freed
+            self.slept_seen.set()
 
     def _start_readiness(self) -> None:
         """Run the readiness checks, unless they are running; a check that gave up may run again."""
@@ -260,7 +283,8 @@ class Attempt:
         the pipes are read to the end."""
         n = self.serial
         collapser = BarCollapser()
-        streams = [OutputStream(self.reporter.journal, collapser, lambda event: self._post(Parsed(n, event))) for _ in range(2)]
+        on_message = self._message if sleeps(self.config) else None
+        streams = [OutputStream(self.reporter.journal, collapser, lambda event: self._post(Parsed(n, event)), on_message) for _ in range(2)]
         readers = asyncio.gather(*self.runtime.readers(streams[0].feed, streams[1].feed))
         status = await self.runtime.wait()
         self._post(ExitSeen(n, status))

@@ -336,6 +336,20 @@ class AlertsSection(_Table):
     retry_initial_s: float = Field(default=2.0, ge=0)
 
 
+class OnDemandSection(_Table):
+    """`[on_demand]`: the front parks this instance when idle and wakes it for the next request.
+
+    `park = "sleep"` keeps vLLM running and puts it to sleep at vLLM's level 2 (weights and KV cache given back,
+    about 1.7 GiB kept); a wake takes seconds instead of a whole start. Its endpoints are vLLM's development ones, so
+    vLLM must listen on loopback only, behind `gb10d front`."""
+
+    park: Literal["sleep"] = "sleep"
+    # The front parks the instance after this long without a request (and none in flight).
+    idle_timeout_s: float = Field(default=600.0, gt=0)
+    # A wake needs the memory the sleep gave back plus this much free, else gb10d stops vLLM and starts it cold.
+    wake_margin_gib: float = Field(default=2.0, ge=0)
+
+
 class MetricsSection(_Table):
     """`[metrics]`: the Prometheus listener; an empty `listen` disables it."""
 
@@ -608,6 +622,7 @@ class Config(_Table):
     container: ContainerSection = Field(default_factory=ContainerSection)
     cluster: ClusterSection | None = None
     front: FrontSection | None = None
+    on_demand: OnDemandSection | None = None
 
     def tables(self) -> Iterator[tuple[str, _Table]]:
         """(name, table) in schema order, skipping a table that does not apply ([cluster] left out, [container] without an image)."""
@@ -624,6 +639,18 @@ class Config(_Table):
         if self.vllm.image is not None and self.cluster is not None:
             _raise_keyed([(("vllm", "image"), "vLLM from a container image is not supported on a two-machine pair ([cluster]); "
                            "use vllm.venv or vllm.executable on both machines, or remove [cluster] to serve from this machine alone")])
+        return self
+
+    @model_validator(mode="after")
+    def _sleep_behind_the_front(self) -> Config:
+        """vLLM's sleep endpoints are development endpoints that anyone who reaches the port may call."""
+        if self.on_demand is None:
+            return self
+        if self.vllm.host not in ("127.0.0.1", "::1", "localhost"):
+            _raise_keyed([(("vllm", "host"), f'is {self.vllm.host!r}, but on_demand.park = "sleep" turns on vLLM\'s development endpoints '
+                           '(VLLM_SERVER_DEV_MODE=1), which anyone reaching the port could call: set host = "127.0.0.1" and let clients in through gb10d front')])
+        if self.cluster is not None:
+            _raise_keyed([(("on_demand",), "is not supported on a two-machine pair ([cluster]): remove [on_demand], or serve from this machine alone")])
         return self
 
     @model_validator(mode="after")

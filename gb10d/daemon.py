@@ -19,7 +19,9 @@ import sys
 from pathlib import Path
 
 from .command import Engine
+from . import sleepmode
 from .config import Config, load_config
+from .control import ControlSocket
 from .container import ContainerLauncher, choose_engine
 from .errors import GiveUp
 from .facts import Edited
@@ -89,6 +91,7 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
     pair = Pair(keeper, reporter, loop) if config.cluster is not None else None
     preflight = Preflight(keeper, reporter)
     supervisor: Supervisor | None = None
+    control: ControlSocket | None = None
     kernel = KernelLog(config.daemon.kernel_log, loop.post, lambda text: reporter.say("kernel_log", text, PRIORITY_WARNING))
     loop.install()
     reporter.serve_metrics()
@@ -101,6 +104,9 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
             return await WorkerDaemon(keeper, reporter, loop, pair).serve()
         # vLLM runs here: its share of the machine's memory is booked in the ledger the instances share.
         reporter.booking = preflight.booking = booking
+        if sleepmode.sleeps(config):
+            control = ControlSocket(sleepmode.control_path(config.daemon.state_file), loop.post)
+            await control.start()
         supervisor = Supervisor(keeper, reporter, loop, preflight, EngineChoice(path), pair, host)
         return await supervisor.supervise()
     except GiveUp as exc:
@@ -116,6 +122,8 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
         await loop.remove()
         if booking is not None:
             booking.close()
+        if control is not None:
+            await control.close()
         reporter.close()
 
 

@@ -60,6 +60,16 @@ class Edited:
 
 
 @dataclass(frozen=True)
+class ParkAsked:
+    """The front asked, over the control socket, to park the idle instance (on_demand.park = "sleep")."""
+
+
+@dataclass(frozen=True)
+class WakeAsked:
+    """The front asked, over the control socket, to wake the parked instance for a request."""
+
+
+@dataclass(frozen=True)
 class KernelSaid:
     """The kernel logged a message of the NVIDIA driver's: it ran out of memory, or an Xid error."""
 
@@ -152,5 +162,5 @@ class Tick:
     io_bytes: int | None
 
 
-Fact = Union[Stop, Reload, Edited, KernelSaid, ClusterSeen, Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, PullEnded]
+Fact = Union[Stop, Reload, Edited, ParkAsked, WakeAsked, KernelSaid, ClusterSeen, Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, PullEnded]
 AttemptFact = Union[Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, Tick]

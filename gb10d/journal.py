@@ -83,6 +83,11 @@ MESSAGE_IDS: dict[str, str] = {
     "image_moved": "65d3d8c8e4a7477d8a67a73ce2f6db91",
     "image_pull": "a89ed8e9b5114c1f96939f95c3bc19d0",
     "container_removed": "f61d1c6e6cd447c08b1840ed652e8a92",
+    "parked": "673575428b97495994e1aff34f7d320b",
+    "woke": "697ff073e8d74b50ad8196d9b668ef51",
+    "wake_failed": "2131134a0eb049dd82f40840b6f3c3b4",
+    "park_failed": "e3e0c439f866438ba5222223d9442e38",
+    "park_ignored": "5957d2dabf2744b39c1ee64f2b9d78f4",
 }
 
 

@@ -64,6 +64,10 @@ def vllm_families(exposition: str) -> str:
     return "\n".join(kept) + "\n" if kept else ""
 
 
+# The states of gb10d_sleep_state: DaemonState's values for them.
+SLEEP_STATES = ("serving", "parking", "asleep", "waking")
+
+
 class Metrics:
     """The gauges and counters gb10d updates (through the Reporter, mostly), and the listener Prometheus scrapes."""
 
@@ -114,6 +118,11 @@ class Metrics:
             "MemAvailable drop over this instance's last start, when no other start overlapped it.",
             ("instance_name",),
         )
+        self._sleep_state = gauge(
+            "gb10d_sleep_state", "1 for the state of an instance that parks by sleep: serving, parking, asleep or waking.", ("state",)
+        )
+        self._wakes = counter("gb10d_wakes", "Wakes from sleep, by result: ok, or why gb10d started vLLM cold instead.", "result")
+        self._wake_seconds = gauge("gb10d_last_wake_seconds", "Seconds the last checked wake from sleep took (calls and check generation).")
         self._memory_waiting = gauge("gb10d_memory_waiting", "1 while this instance's start waits for other gb10d instances' starts.")
 
         engine = ("engine",)
@@ -185,6 +194,15 @@ class Metrics:
 
     def start_attempt(self, reason: str) -> None:
         self._attempts.labels(reason=reason).inc()
+
+    def set_sleep_state(self, state: str) -> None:
+        for name in SLEEP_STATES:
+            self._sleep_state.labels(state=name).set(1 if name == state else 0)
+
+    def wake(self, result: str, seconds: float | None = None) -> None:
+        self._wakes.labels(result=result).inc()
+        if seconds is not None:
+            self._wake_seconds.set(seconds)
 
     def restart(self, cause: str) -> None:
         self._restarts.labels(cause=cause).inc()

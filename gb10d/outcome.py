@@ -67,6 +67,14 @@ class Reloaded:
 
 
 @dataclass(frozen=True)
+class WakeFailed:
+    """A wake from sleep could not be trusted (no memory for it, or its check generation failed); vLLM was stopped
+    to start cold."""
+
+    why: str
+
+
+@dataclass(frozen=True)
 class NodeLost:
     """A machine of the Ray pair left; not vLLM's failure, so it starts again uncounted once the cluster is whole."""
 
@@ -81,7 +89,7 @@ class Stopped:
     signame: str
 
 
-Ended = Union[Failed, Reloaded, NodeLost, Stopped]
+Ended = Union[Failed, Reloaded, WakeFailed, NodeLost, Stopped]
 
 
 def describe_exit(status: int | None) -> str:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 
 import httpx
 
 from .facts import REFUSED, ProbeResult
+from .sleepmode import Call
 from .tasks import Probe
 
 
@@ -50,11 +52,15 @@ class Prober:
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def _request(self, method: str, path: str, timeout_s: float | None = None, **kwargs: object) -> tuple[httpx.Response | None, ProbeResult]:
+    async def _request(
+        self, method: str, path: str, timeout_s: float | None = None, params: Sequence[tuple[str, str]] = (), **kwargs: object
+    ) -> tuple[httpx.Response | None, ProbeResult]:
+        """One request of gb10d's own, marked so by its query (OWN_PARAMS) beside the call's own `params`."""
         start = time.monotonic()
+        query = [*OWN_PARAMS.items(), *params]
         try:
             response = await self._client.request(
-                method, path, params=OWN_PARAMS, timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT, **kwargs  # type: ignore[arg-type]
+                method, path, params=query, timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT, **kwargs  # type: ignore[arg-type]
             )
         except httpx.ConnectError:
             # httpx reports a refused loopback connection only as "All connection attempts failed":
@@ -89,6 +95,23 @@ class Prober:
         assert probe.route is not None, "a probe without a route sends nothing"
         _, result = await self._request("POST", probe.route, timeout_s, json=probe.body(model))
         return result
+
+    async def call(self, call: Call, timeout_s: float) -> ProbeResult:
+        """One call to vLLM's development endpoints (sleep mode): level, mode and tags in the query, as vLLM reads them."""
+        _, result = await self._request(call.method, call.path, timeout_s, params=list(call.params), json=call.body)
+        return result
+
+    async def generate(self, model: str, prompt: str, max_tokens: int, timeout_s: float) -> str | None:
+        """The text of a deterministic completion, or None when there is no good answer."""
+        response, result = await self._request(
+            "POST", "/v1/completions", timeout_s, json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        )
+        if response is None or not result.ok:
+            return None
+        try:
+            return str(response.json()["choices"][0]["text"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            return None
 
     async def metrics_text(self, timeout_s: float = 5.0) -> str | None:
         """vLLM's own /metrics text, or None when it does not answer."""

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from .command import REDACTED, build_argv, build_env, is_secret_name, read_env_file, redact_setting
 from .config import Config, VllmSection, normalize_flag
+from .sleepmode import vllm_flags
 
 NOT_SET = "(not set)"
 
@@ -125,15 +126,16 @@ def diff_configs(old: ConfigSnapshot, new: ConfigSnapshot) -> ConfigDiff:
     return ConfigDiff(changes, live_keys=live, no_effect_keys=vllm_keys)
 
 
-# The tables whose keys say how vLLM runs; gb10d's own settings are all the others.
-_RUNS_VLLM = ("vllm.", "container.")
+# The keys that say how vLLM runs ([on_demand] park: its sleep mode); gb10d's own settings are all the others.
+_RUNS_VLLM = ("vllm.", "container.", "on_demand.park")
 
 
 def _vllm_sees(snapshot: ConfigSnapshot) -> tuple[list[str], dict[str, str], str | None, dict[str, Any] | None]:
     """The argv and added environment vLLM gets (the env_file contents from the snapshot); in a container, its image and [container]."""
     config = snapshot.config
     container = config.container.model_dump(mode="json") if config.vllm.image is not None else None
-    return build_argv(config.vllm), snapshot.env(base={}), config.vllm.image, container
+    # [on_demand]'s sleep mode is a flag and an environment variable of vLLM's: turning it on or off restarts vLLM.
+    return [*build_argv(config.vllm), *vllm_flags(config)], snapshot.env(base={}), config.vllm.image, container
 
 
 def _fields(config: Config) -> Iterator[tuple[str, Any]]:

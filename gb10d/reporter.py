@@ -154,6 +154,8 @@ class Reporter:
             self.metrics.set_phase(Phase.READY.value)
             self.metrics.set_startup_seconds(startup_s)
             self.metrics.set_ready(True)
+            if self.config.on_demand is not None:
+                self.metrics.set_sleep_state(DaemonState.SERVING.value)  # a new vLLM is awake
         self._cancel_deferred()
         self.write()
         tunables = self._tunables
@@ -191,6 +193,14 @@ class Reporter:
         utilization = self._tunables.gpu_memory_utilization if self._tunables else v.gpu_memory_utilization
         return f"serving {v.served_names[0]} on {v.host}:{v.port} (attempt {self._number}, gpu_memory_utilization={utilization:g})"
 
+    def sleep_state(self, state: DaemonState, text: str) -> None:
+        """Parking, asleep, waking, or serving again: STATUS=, the state file, the metrics and the ledger's record say
+        which. READY stays: gb10d and vLLM run, and the front wakes vLLM for the next request."""
+        self.metrics.set_sleep_state(state.value)
+        if self.booking is not None:
+            self.booking.update(phase="" if state is DaemonState.SERVING else text.partition(";")[0])
+        self.status(text, state)
+
     def failure(self, cause: str, message: str, action: str) -> None:
         """Remember the latest failure for `gb10d status` (shown until the next one)."""
         self.last_failure = LastFailure(cause, message, action, time.time())
@@ -207,6 +217,8 @@ class Reporter:
         with self.metrics.batch():
             self.metrics.set_ready(False)
             self.metrics.set_vllm_up(False)
+            if self.config.on_demand is not None:
+                self.metrics.set_sleep_state("")  # no vLLM: neither awake nor asleep
 
     def stopping(self, what: str) -> None:
         """Shutdown begins: STOPPING=1 with what is being stopped; the state file says stopping."""

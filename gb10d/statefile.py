@@ -80,6 +80,9 @@ class DaemonState(str, Enum):
     WAITING = "waiting"  # the head of a pair, for the other machine
     WAITING_FOR_MEMORY = "waiting for memory"  # for the starts of other gb10d instances of this machine
     JOINING = "joining"  # the worker of a pair, until the head lists it
+    PARKING = "parking"  # on_demand.park = "sleep": vLLM is falling asleep
+    ASLEEP = "asleep"  # vLLM runs, asleep; the front wakes it for the next request
+    WAKING = "waking"
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"

@@ -19,14 +19,14 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable
 
-from . import budget, policy
+from . import budget, policy, sleepmode
 from .attempt import Attempt, Start
 from .cluster import vllm_flags
 from .command import Tunables, build_argv
 from .config import Config
 from .errors import EXIT_OK, GiveUp, SpawnError
 from .events import DriverOutOfMemory, GpuXid
-from .facts import ClusterSeen, DriverLine, Edited, Exited, Fact, KernelSaid, Parsed, PullEnded, Pulled, Reload, Stop, Tick
+from .facts import ClusterSeen, DriverLine, Edited, Exited, Fact, KernelSaid, ParkAsked, Parsed, PullEnded, Pulled, Reload, Stop, Tick, WakeAsked
 from .host import HostFacts
 from .image import PreparedImage
 from .keeper import ConfigKeeper
@@ -34,8 +34,9 @@ from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from .lifecycle import start_time_asked
 from .loop import FactLoop
 from .memory import ALONE
-from .outcome import Cause, Ended, Failed, NodeLost, Reloaded, Stopped
+from .outcome import Cause, Ended, Failed, NodeLost, Reloaded, Stopped, WakeFailed
 from .pair import Pair
+from .parking import Parking
 from .policy import History
 from .preflight import Preflight
 from .pull import Pull
@@ -71,6 +72,7 @@ class Supervisor:
         self._serial = 0
         # A reload between attempts changed what vLLM runs with: the next start begins afresh.
         self._fresh_start = False
+        self.parking = Parking(reporter, preflight.meminfo)
 
     async def supervise(self) -> int:
         """Start vLLM, restart it as the policy says, until a stop signal (exit 0) or GiveUp."""
@@ -106,12 +108,12 @@ class Supervisor:
             if isinstance(ended, Stopped):
                 return await self._stop()
             baseline = self.attempt.start.baseline if self.attempt else None
-            if isinstance(ended, Reloaded):
+            if isinstance(ended, (Reloaded, WakeFailed)):
                 await self.close()
                 # As after a failure: measured before its memory is back, the new start would be lowered or refused.
                 if await self.preflight.memory_back(baseline, self._pause):
                     return await self._stop()
-                tunables, history, reason = None, History(), "reload"
+                tunables, history, reason = None, History(), "reload" if isinstance(ended, Reloaded) else "wake_failed"
                 continue
             if isinstance(ended, Failed) and ended.cause is Cause.WORKER_LOST and self.pair is not None:
                 confirmed = await self._confirm_node_loss(ended)
@@ -209,8 +211,8 @@ class Supervisor:
         """Start vLLM once and follow it until it ends."""
         config = self.keeper.config
         launcher = await self.launchers(config)
-        argv = build_argv(config.vllm, tunables, vllm_flags(config.cluster) if config.cluster else ())
-        env = {**launcher.environment(self.keeper.snapshot.vllm, tunables.env), **(self.pair.env() if self.pair else {})}
+        argv = build_argv(config.vllm, tunables, (*(vllm_flags(config.cluster) if config.cluster else ()), *sleepmode.vllm_flags(config)))
+        env = {**launcher.environment(self.keeper.snapshot.vllm, tunables.env), **(self.pair.env() if self.pair else {}), **sleepmode.vllm_env(config)}
         self._serial += 1
         start = Start(self._serial, number, tunables, argv, env, reason, self.preflight.meminfo(), self.pair.view if self.pair else None)
         self.attempt = attempt = await Attempt.launch(start, launcher, config, self.reporter, self.loop.post, self.keeper.remember)
@@ -223,6 +225,10 @@ class Supervisor:
                 return Stopped(fact.signame)
             elif isinstance(fact, (Reload, Edited)):
                 ended = await self._config_change(attempt, requested=isinstance(fact, Reload))
+            elif isinstance(fact, (ParkAsked, WakeAsked)):
+                ended = await self.parking.handle(fact, attempt)
+                if ended is not None:
+                    await attempt.runtime.stop(self.keeper.config.daemon.stop_timeout_s, self._on_escalate)
             elif isinstance(fact, KernelSaid):
                 ended = await attempt.handle(self._kernel_fact(attempt.serial, fact.event))
             elif isinstance(fact, ClusterSeen):

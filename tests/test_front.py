@@ -39,11 +39,15 @@ pytestmark = pytest.mark.slow
 class Deployment:
     """A front and its instances' configs; instances are started by the test that needs them running."""
 
-    def __init__(self, root: Path, front: dict[str, object] | None = None, **setup: Any) -> None:
+    def __init__(
+        self, root: Path, front: dict[str, object] | None = None, on_demand: dict[str, object] | None = None,
+        extra: dict[str, object] | None = None, **setup: Any,
+    ) -> None:
         self.root = root
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.setups = {name: Setup(root / name, served_name=name, utilization=0.3, **setup) for name in ("alpha", "beta")}
+        extra = {**({"on_demand": on_demand} if on_demand is not None else {}), **(extra or {})}
+        self.setups = {name: Setup(root / name, served_name=name, utilization=0.3, extra=extra, **setup) for name in ("alpha", "beta")}
         (root / "instances").mkdir()
         for name, setup in self.setups.items():
             (root / "instances" / f"{name}.toml").write_text(setup.config.read_text())

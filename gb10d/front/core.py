@@ -45,6 +45,8 @@ class Readiness:
     coming: bool
     # What a client is told while it waits, e.g. "loading weights 12/66".
     detail: str
+    # Parked by sleep (on_demand.park = "sleep"): the front wakes it for a request.
+    asleep: bool = False
 
 
 @dataclass(frozen=True)
@@ -231,9 +233,23 @@ def readiness_of(state: StateRecord | None, alive: bool) -> Readiness:
         return Readiness(serving=False, coming=False, detail=f"not running ({reason or 'no state yet'})")
     if state.state is DaemonState.SERVING:
         return Readiness(serving=True, coming=True, detail="serving")
+    if state.state in (DaemonState.ASLEEP, DaemonState.PARKING, DaemonState.WAKING):
+        return Readiness(serving=False, coming=True, detail=state.state.value, asleep=state.state is DaemonState.ASLEEP)
     detail = state.state.value
     if state.phase:
         detail += f": {state.phase}"
     if state.progress is not None:
         detail += f" {state.progress.shards_done}/{state.progress.shards_total}"
     return Readiness(serving=False, coming=True, detail=detail)
+
+
+def should_wake(ready: Readiness, held: int, in_flight: int, asked: bool) -> bool:
+    """Ask a sleeping instance to wake: a request waits for it (held by the front, or sent just before it fell
+    asleep, which vLLM holds), and no wake was asked since it fell asleep."""
+    return ready.asleep and (held > 0 or in_flight > 0) and not asked
+
+
+def should_park(ready: Readiness, held: int, in_flight: int, idle_s: float, idle_timeout_s: float | None, asked: bool) -> bool:
+    """Ask an on-demand instance to park: it serves, nothing waits for it or runs on it, and it has been idle
+    for its on_demand.idle_timeout_s."""
+    return idle_timeout_s is not None and ready.serving and held == 0 and in_flight == 0 and idle_s >= idle_timeout_s and not asked

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..config import API_KEY_FORM, Config, FrontSection, api_key_problem, load_config, read_toml
 from ..errors import ConfigError, ConfigProblem
+from ..sleepmode import control_path, sleeps
 from .core import ApiKey, Instance
 
 # An instance bound to every address is reached on the loopback one.
@@ -19,12 +20,17 @@ _LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}
 class Known:
     instance: Instance
     state_file: Path
+    # on_demand.idle_timeout_s of an instance that parks by sleep, else None; its control socket.
+    idle_timeout_s: float | None = None
+    control: Path | None = None
 
 
 def _known(name: str, config: Config) -> Known:
     vllm = config.vllm
     host = _LOOPBACK.get(vllm.host, vllm.host)
-    return Known(Instance(name, tuple(vllm.served_names), host, vllm.port), config.daemon.state_file)
+    parks = config.on_demand.idle_timeout_s if sleeps(config) and config.on_demand else None
+    control = control_path(config.daemon.state_file) if parks is not None else None
+    return Known(Instance(name, tuple(vllm.served_names), host, vllm.port), config.daemon.state_file, parks, control)
 
 
 def discover(front: FrontSection, main: Path) -> list[Known]:

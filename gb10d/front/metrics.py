@@ -1,4 +1,4 @@
-"""The front's Prometheus metrics, per instance: requests passed on, held now, time held, rejected."""
+"""The front's Prometheus metrics, per instance: requests passed on, held now, time held, rejected, parks and wakes."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class FrontMetrics:
             "gb10d_front_hold_seconds", "How long requests that were held waited for their instance.", ["instance"],
             buckets=HOLD_BUCKETS, registry=self.registry,
         )
+        self.swaps = Counter("gb10d_front_swaps", "Parks and wakes the front asked of on-demand instances.", ["instance", "kind"], registry=self.registry)
         self.rejected = Counter("gb10d_front_rejected_requests", "Requests answered with an error by the front itself.", ["instance", "status"], registry=self.registry)
 
     def serve(self, host: str, port: int) -> None:

@@ -14,16 +14,18 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 
 import h11
 
 from ..config import FrontSection
+from ..control import ask
 from ..statefile import read_state
 from ..status import pid_alive
 from .core import (
-    Answer, ApiKey, Instance, Readiness, Wait, admit, authorized, error, forwarded_headers, readiness_of, route, sse_error_event,
+    Answer, ApiKey, Instance, Readiness, Wait, admit, authorized, error, forwarded_headers, readiness_of, route, should_park, should_wake,
+    sse_error_event,
 )
 from . import snapshot
 from .instances import Known
@@ -32,6 +34,8 @@ from .wire import READ_SIZE, Peer, connect
 
 # Connections kept open to each instance between requests (as nginx's `keepalive`): a new one costs both sides.
 IDLE_UPSTREAMS = 64
+# After an instance's gb10d did not take a park or wake (not running, an old gb10d), ask again this much later.
+ASK_AGAIN_S = 5.0
 # How often each instance's state file is read: a held request goes through at most this long after READY.
 STATE_POLL_S = 0.1
 
@@ -52,6 +56,12 @@ class Watched:
     hold_started: float = 0.0
     # The same moment on the wall clock, for `gb10d status --all`.
     held_since: float = 0.0
+    # Requests passed on and not yet answered, and when the last one came or ended (for parking when idle).
+    in_flight: int = 0
+    active_at: float = field(default_factory=time.monotonic)
+    # A park or a wake asked and not yet shown in the state file: asked once, not every poll.
+    parking_asked: bool = False
+    wake_asked: bool = False
 
 
 class Front:
@@ -62,6 +72,7 @@ class Front:
         self.instances = [k.instance for k in known]
         self.watched = {k.instance.name: Watched(k, self._read(k), asyncio.Event()) for k in known}
         self.idle: dict[str, list[Peer]] = {k.instance.name: [] for k in known}
+        self.asking: set[asyncio.Future[None]] = set()
 
     @staticmethod
     def _read(known: Known) -> Readiness:
@@ -74,11 +85,8 @@ class Front:
         shown: snapshot.FrontSnapshot | None = None
         while True:
             for watched in self.watched.values():
-                ready = self._read(watched.known)
-                if ready != watched.ready:
-                    watched.ready = ready
-                    watched.changed.set()
-                    watched.changed = asyncio.Event()
+                self._refresh(watched)
+                self._park_or_wake(watched)
             current = self.queues()
             if current != shown:
                 try:
@@ -99,6 +107,58 @@ class Front:
         )
         return snapshot.FrontSnapshot(os.getpid(), self.settings.listen, models)
 
+    def _refresh(self, watched: Watched) -> None:
+        """Read the instance's state file; on a change, wake the requests held for it."""
+        ready = self._read(watched.known)
+        if ready == watched.ready:
+            return
+        if ready.serving or not ready.asleep:
+            watched.wake_asked = False
+        if not ready.serving:
+            watched.parking_asked = False
+        elif not watched.ready.serving:  # idle counts from when it serves, not from before its start
+            watched.active_at = time.monotonic()
+        watched.ready = ready
+        watched.changed.set()
+        watched.changed = asyncio.Event()
+
+    def _park_or_wake(self, watched: Watched) -> None:
+        """Wake a sleeping instance that a request waits for; park an on-demand one idle for its timeout."""
+        known = watched.known
+        if known.control is None:
+            return
+        name = known.instance.name
+        if should_wake(watched.ready, watched.held, watched.in_flight, watched.wake_asked):
+            watched.wake_asked = True
+            say(f"waking {name}: {watched.held + watched.in_flight} request(s) wait for it")
+            self.metrics.swaps.labels(name, "wake").inc()
+            self._ask(watched, "wake")
+        idle_s = time.monotonic() - watched.active_at
+        if should_park(watched.ready, watched.held, watched.in_flight, idle_s, known.idle_timeout_s, watched.parking_asked):
+            watched.parking_asked = True
+            say(f"parking {name}: no request for {idle_s:.0f} s (on_demand.idle_timeout_s)")
+            self.metrics.swaps.labels(name, "park").inc()
+            self._ask(watched, "park")
+
+    def _ask(self, watched: Watched, command: str) -> None:
+        """Ask the instance's gb10d over its control socket, without holding up the state poll; when it does not
+        take the command, a poll ASK_AGAIN_S later may ask again (not every poll: one warning, not ten a second)."""
+        path, name = watched.known.control, watched.known.instance.name
+        assert path is not None
+
+        async def send() -> None:
+            answer = await ask(path, command)
+            if answer != "ok":
+                say(f"{name}'s gb10d did not take {command!r} on {path}: {answer or 'no answer'}", 4)
+                asyncio.get_running_loop().call_later(ASK_AGAIN_S, again)
+
+        def again() -> None:
+            watched.wake_asked = watched.parking_asked = False
+
+        task = asyncio.ensure_future(send())
+        self.asking.add(task)
+        task.add_done_callback(self.asking.discard)
+
     def refused(self, instance: Instance) -> None:
         """The instance's address refused while its state said serving (vLLM restarting): wait for the next read."""
         watched = self.watched[instance.name]
@@ -108,9 +168,11 @@ class Front:
     async def hold(self, instance: Instance) -> Answer | None:
         """Wait until the instance serves (None), or the answer that refuses the request."""
         watched = self.watched[instance.name]
-        started = time.monotonic()
-        if not watched.ready.serving:  # the last read may be up to STATE_POLL_S old: a refusal is decided on a fresh one
-            watched.ready = self._read(watched.known)
+        started = watched.active_at = time.monotonic()
+        # The last read may be up to STATE_POLL_S old: a refusal is decided on a fresh one, and so is a request for
+        # an instance that parks, which may have begun to fall asleep since.
+        if not watched.ready.serving or watched.known.control is not None:
+            self._refresh(watched)
         decision = admit(instance, watched.ready, watched.held, self.settings.queue_limit, 0.0, self.settings.hold_timeout_s, True)
         if isinstance(decision, Wait):
             if watched.held == 0:
@@ -118,6 +180,7 @@ class Front:
                 say(f"holding requests for {instance.name}: it is {watched.ready.detail}")
             watched.held += 1
             self.metrics.held.labels(instance.name).inc()
+            self._park_or_wake(watched)
             try:
                 while isinstance(decision, Wait):
                     waited = time.monotonic() - started
@@ -201,6 +264,8 @@ class Front:
                 self.refused(instance)
                 continue
             answered = False
+            watched = self.watched[instance.name]
+            watched.in_flight += 1
             try:
                 response = await _ask(upstream, request, body, instance)
                 if response is None:
@@ -212,6 +277,8 @@ class Front:
                 return kept
             finally:
                 self._release(instance, upstream, answered)
+                watched.in_flight -= 1
+                watched.active_at = time.monotonic()
 
     async def _upstream(self, instance: Instance) -> tuple[Peer, bool]:
         """A connection to the instance, kept from an earlier request when one is open (True), else a new one."""

@@ -26,7 +26,10 @@ Knobs (environment):
   weights: a build without kernels for the GPU), `hidden_init_failure` (vLLM
   0.23 only: the EngineCore dies without a word and the API server says
   `Failed core proc(s): {}`), `ipc_removed` (the spawned EngineCore cannot
-  open its parent's semaphore: FileNotFoundError in SemLock._rebuild).
+  open its parent's semaphore: FileNotFoundError in SemLock._rebuild),
+  `bad_wake` (with --enable-sleep-mode: reload_weights answers and logs as
+  usual but the weights stay garbage, so a woken engine answers 200 with
+  empty text, as vllm#49237 reports).
 - `GB10D_SIM_LOAD_GATE`: a path; the weights' load waits before its first
   shard until it exists (a test holds a start there for as long as it needs).
 - `GB10D_SIM_SPEED`: factor on every delay (1: minutes, like a 27B model on

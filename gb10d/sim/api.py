@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable, Sequence
 
 from . import texts
+from .devapi import DEV_ROUTES, SLEEP_STATES, dev_route
 from .output import STDOUT, Console
 from .pooling import pool, routes
 
@@ -43,7 +44,6 @@ ROUTES = [
     ("/inference/v1/generate", "POST"), ("/scale_elastic_ep", "POST"), ("/is_scaling_elastic_ep", "POST"),
     ("/v1/chat/completions/render", "POST"), ("/v1/completions/render", "POST"),
 ]
-
 
 def token_text(index: int) -> str:
     """The deterministic text of generated token number `index`."""
@@ -101,7 +101,7 @@ def _labels(values: dict[str, str]) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(values.items())) + "}"
 
 
-def render_metrics(m: Metrics, model_name: str, running: int, kv_usage: float, spec_k: int | None, utilization: float) -> str:
+def render_metrics(m: Metrics, model_name: str, running: int, kv_usage: float, spec_k: int | None, utilization: float, sleep_level: int = 0) -> str:
     """The Prometheus text exposition of the vllm: metrics (labels sorted, as the recording shows)."""
     base = {"engine": "0", "model_name": model_name}
     out: list[str] = []
@@ -132,7 +132,7 @@ def render_metrics(m: Metrics, model_name: str, running: int, kv_usage: float, s
     family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", [("", {}, running)])
     family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", [("", {}, 0)])
     family("vllm:num_requests_waiting_by_reason", "gauge", "Number of requests waiting, by reason.", [("", {"reason": r}, 0) for r in ("capacity", "deferred")])
-    family("vllm:engine_sleep_state", "gauge", "Engine sleep state; awake = 0 means engine is sleeping.", [("", {"sleep_state": s}, 1 if s == "awake" else 0) for s in ("awake", "weights_offloaded", "discard_all")])
+    family("vllm:engine_sleep_state", "gauge", "Engine sleep state; awake = 0 means engine is sleeping.", [("", {"sleep_state": s}, int(s == SLEEP_STATES[sleep_level])) for s in SLEEP_STATES])
     family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", [("", {}, kv_usage)])
     family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", [("", {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True", "gpu_memory_utilization": repr(utilization)}, 1)])
     family("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.", counter(m.prefix_queries))
@@ -173,6 +173,7 @@ class _Pending:
     first_at: float | None = None
     last_at: float | None = None
     pooling: bool = False  # a pooling request: its one engine pass generates no token
+    empty: bool = False  # the weights were woken without reload_weights: tokens come, text does not
 
 
 class EngineClient:
@@ -190,6 +191,8 @@ class EngineClient:
         self._on_death = on_death
         self._seen_prompts: set[str] = set()
         self._counter = 0
+        self._controls: dict[str, queue.SimpleQueue[dict[str, Any] | None]] = {}
+        self.sleep_level = 0
 
     def start(self) -> None:
         threading.Thread(target=self._read, name="engine-output", daemon=True).start()
@@ -216,6 +219,24 @@ class EngineClient:
             except OSError:
                 pass
         return rid, pending
+
+    def control(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        """A development endpoint's call to the engine, answered when it is done; None if the engine is dead."""
+        answers: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        with self.lock:
+            if self.dead:
+                return None
+            self._counter += 1
+            rid = f"c{self._counter:x}"
+            self._controls[rid] = answers
+            try:
+                self.conn.sendall(json.dumps({**message, "id": rid}).encode() + b"\n")
+            except OSError:
+                pass
+        answer = answers.get()
+        if answer is not None:
+            self.sleep_level = int(answer.get("level", 0))
+        return answer
 
     def running(self) -> int:
         with self.lock:
@@ -244,11 +265,21 @@ class EngineClient:
             self.dead = True
             waiting = list(self.pending.values())
             self.pending.clear()
+            controls = list(self._controls.values())
+            self._controls.clear()
         for pending in waiting:
             pending.events.put(None)
+        for answers in controls:
+            answers.put(None)
         self._on_death()
 
     def _on_message(self, message: dict[str, Any]) -> None:
+        if message.get("t") == "done":
+            with self.lock:
+                answers = self._controls.pop(str(message.get("id")), None)
+            if answers is not None:
+                answers.put(message)
+            return
         if message.get("t") != "tok":
             return
         now = time.monotonic()
@@ -267,6 +298,7 @@ class EngineClient:
             elif pending.last_at is not None:
                 m.itl.observe(self._sim(now - pending.last_at))
             pending.last_at = now
+            pending.empty = bool(message.get("empty"))
             pending.produced += count
             if not pending.pooling:
                 m.generation_tokens += count
@@ -315,6 +347,7 @@ class ServeConfig:
     access_log: bool
     utilization: float
     tasks: tuple[str, ...] = ("generate",)  # `Supported tasks`: which routes are open (`pooling.routes`)
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: the development endpoints exist
 
 
 _JSON = "application/json"
@@ -342,7 +375,7 @@ class SimHTTPServer(ThreadingHTTPServer):
         self.client = client
         self.console = console
         self.engine_dead = False
-        self.routes = routes(ROUTES, config.tasks)
+        self.routes = routes(ROUTES, config.tasks) + (DEV_ROUTES if config.dev_mode else [])
 
     def server_bind(self) -> None:  # the socket is already bound
         pass
@@ -426,6 +459,8 @@ class Handler(BaseHTTPRequestHandler):
             self._generate(chat=path == "/v1/chat/completions")
         elif path in ("/v1/embeddings", "/classify", "/pooling") and self._opened(path, method):
             pool(self, path)
+        elif self.server.config.dev_mode and dev_route(self, method, path):
+            pass
         elif self._opened(path, method):
             self.error(501, "NotImplementedError", f"{method} {path} is a vLLM route the stand-in does not simulate")
         elif any(path == route for route, _ in self.server.routes):
@@ -458,7 +493,7 @@ class Handler(BaseHTTPRequestHandler):
         client, config = self.server.client, self.server.config
         usage = client.kv_usage()
         with client.lock:
-            text = render_metrics(client.metrics, config.served_names[0], len(client.pending), usage, client.spec_k, config.utilization)
+            text = render_metrics(client.metrics, config.served_names[0], len(client.pending), usage, client.spec_k, config.utilization, client.sleep_level)
         self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
 
     # --- generation ----------------------------------------------------------------
@@ -538,7 +573,7 @@ class Handler(BaseHTTPRequestHandler):
         pieces: list[str] = []
         done = False
         for first, count, finished in self.tokens(pending):
-            pieces += [token_text(first + i) for i in range(count)]
+            pieces += ["" if pending.empty else token_text(first + i) for i in range(count)]
             done = finished
         if not done:
             self.error(500, "InternalServerError", "EngineCore encountered an issue. See stack trace (above) for the root cause.")
@@ -579,7 +614,7 @@ class Handler(BaseHTTPRequestHandler):
             event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
         finished = False
         for first, count, finished in self.tokens(pending):
-            text = "".join(token_text(first + i) for i in range(count))
+            text = "" if pending.empty else "".join(token_text(first + i) for i in range(count))
             produced += count
             end = reason if finished else None
             if chat:

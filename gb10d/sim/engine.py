@@ -35,6 +35,7 @@ from .memory import Hold
 from .model import ModelFacts
 from .output import STDERR, STDOUT, Bar, Console, ConsoleStream
 from .settings import GIB, SettingsError, SimSettings
+from .sleep import SleepMode
 from .worker import GpuWorker, RankInfo, WorkerFailure, cuda_oom_message, hang_forever, init_method
 
 # Simulated durations in seconds at GB10D_SIM_SPEED=1, shaped after a 27B
@@ -177,6 +178,8 @@ class EngineCore:
         self._buffer = b""
         # The simulated memory this process holds; with Ray the workers hold theirs, on their own machines.
         self.hold: Hold | None = None
+        self.sleep_mode: SleepMode | None = None  # --enable-sleep-mode, once serving
+        self._sleep_after: dict[str, object] | None = None  # a /sleep?mode=wait waiting for the requests in flight
 
     # --- helpers -----------------------------------------------------------------
 
@@ -237,6 +240,10 @@ class EngineCore:
         self.console.write(STDOUT, texts.triton_reproducer(error))
         self.fail("compile" if compiling else "warmup", texts.ptxas_final(error, compiling))
 
+    def _wake_oom(self, tried_gib: float) -> NoReturn:
+        """A wake whose memory is gone: the serving engine dies of CUDA's out-of-memory error (vllm#50011 on GB10)."""
+        self.fail_with(texts.ENGINE_FRAMES["kv_alloc"], f"torch.OutOfMemoryError: {cuda_oom_message(self.settings.memory(), round(tried_gib, 2))}", fatal=True)
+
     def oom(self, kind: str, tried_gib: float) -> NoReturn:
         self.fail(kind, f"torch.OutOfMemoryError: {cuda_oom_message(self.settings.memory(), tried_gib)}")
 
@@ -279,6 +286,8 @@ class EngineCore:
             self.log("v1/engine/core.py:313", f"init engine (profile, create kv cache, warmup model) took {total:.2f} s")
         self.log("config/vllm.py:999", "Asynchronous scheduling is enabled.")
         self.log("config/kernel.py:270", "Final IR op priority after setting platform defaults: IrOpPriorityConfig(rms_norm=['native'], fused_add_rms_norm=['native'])")
+        if self.args.enable_sleep_mode:
+            self.sleep_mode = SleepMode(self.hold, self.rank_model.weights_gib, self.log, self.settings.sleep, self._wake_oom, self.settings.scenario.bad_wake)
         if not self.send({"t": "ready", "kv_tokens": kv_tokens}):
             hang_forever()
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -446,9 +455,12 @@ class EngineCore:
                 for message in messages:
                     self._accept(message, requests)
             now = time.monotonic()
-            if requests and now >= next_step:
+            asleep = self.sleep_mode is not None and self.sleep_mode.asleep
+            if requests and now >= next_step and not asleep:  # a request sent while asleep waits for the wake
                 next_step = now + step_s
                 self._step(requests, now)
+            if self._sleep_after is not None and not requests:
+                self._control(self._sleep_after, requests)
 
     def _accept(self, message: dict[str, object], requests: dict[str, _Request]) -> None:
         rid = str(message.get("id"))
@@ -458,6 +470,37 @@ class EngineCore:
             requests[rid] = _Request(rid, int(message.get("max_tokens", 16)), ready_at)  # type: ignore[call-overload]
         elif message.get("t") == "abort":
             requests.pop(rid, None)
+        elif message.get("t") in ("sleep", "wake_up", "rpc", "is_sleeping"):
+            if message.get("t") == "sleep" and message.get("mode") == "wait" and requests:
+                self.log("v1/engine/core.py:890", "Waiting for in-flight requests to complete before sleeping...")
+                self._sleep_after = message
+            else:
+                self._control(message, requests)
+
+    def _control(self, message: dict[str, object], requests: dict[str, _Request]) -> None:
+        """The development endpoints' calls (REFERENCE §18); the answer names the call's id."""
+        self._sleep_after = None
+        kind, sleep = message.get("t"), self.sleep_mode
+        answer: dict[str, object] = {"t": "done", "id": message.get("id")}
+        if sleep is None and kind != "is_sleeping":
+            answer["error"] = "Sleep mode is not enabled (--enable-sleep-mode)"
+        elif kind == "sleep" and sleep is not None:
+            for rid in list(requests):  # mode=abort: what is in flight ends now
+                del requests[rid]
+                self.send({"t": "tok", "id": rid, "n": 0, "fin": True, "spec": None})
+            sleep.sleep(int(message.get("level", 1)))  # type: ignore[call-overload]
+        elif kind == "wake_up" and sleep is not None:
+            tags = message.get("tags")
+            sleep.wake_up([str(t) for t in tags] if isinstance(tags, list) else None)
+        elif kind == "rpc" and sleep is not None:
+            if message.get("method") == "reload_weights":
+                sleep.reload_weights()
+                answer["results"] = [None]
+            else:
+                answer["error"] = f"AttributeError: 'GPUWorker' object has no attribute {message.get('method')!r}"
+        answer["is_sleeping"] = bool(sleep and sleep.asleep)
+        answer["level"] = sleep.state.level if sleep else 0
+        self.send(answer)
 
     def _step(self, requests: dict[str, _Request], now: float) -> None:
         for request in list(requests.values()):
@@ -469,7 +512,8 @@ class EngineCore:
             finished = request.produced >= request.max_tokens
             if finished:
                 del requests[request.rid]
-            if not self.send({"t": "tok", "id": request.rid, "n": count, "fin": finished, "spec": accepted}):
+            empty = self.sleep_mode is not None and not self.sleep_mode.generates_text
+            if not self.send({"t": "tok", "id": request.rid, "n": count, "fin": finished, "spec": accepted, "empty": empty}):
                 hang_forever()
 
 

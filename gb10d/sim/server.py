@@ -173,6 +173,8 @@ class ApiServer:
         self.settings.sleep(CONFIG_S)
         self.log("config/model.py:611", f"Resolved architecture: {self.model.architecture}")
         self.log("config/model.py:1745", f"Using max model len {self.model.max_model_len}")
+        if self.args.enable_sleep_mode:
+            self.log("config/model.py:549", "Enabling cumem allocator because sleep mode requires it.")
         self.log("core/sched/scheduler.py:239", f"Chunked prefill is enabled with max_num_batched_tokens={args.max_num_batched_tokens or 8192}.")
         self.log("config/vllm.py:999", "Asynchronous scheduling is enabled.")
         if args.enforce_eager:
@@ -245,6 +247,7 @@ class ApiServer:
         """The serving phase: routes, uvicorn's lines, listen(), then act on queued events."""
         from .api import ROUTES, EngineClient, Handler, ServeConfig, SimHTTPServer
         from .pooling import routes
+        from .devapi import DEV_ROUTES
 
         args, settings = self.args, self.settings
         assert self.conn is not None
@@ -259,6 +262,7 @@ class ApiServer:
             served_names=served, root=args.model, max_model_len=self.model.max_model_len, version=settings.version,
             minor=settings.minor, api_keys=keys, access_log=self.uvicorn_info and not args.disable_uvicorn_access_log,
             utilization=float(args.gpu_memory_utilization), tasks=self.model.tasks,
+            dev_mode=settings.env.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"),
         )
         self.settings.sleep(SERVE_SETUP_S)
         self.log("entrypoints/openai/api_server.py:579", f"Supported tasks: {list(self.model.tasks)}")
@@ -267,8 +271,10 @@ class ApiServer:
         host = args.host or "0.0.0.0"
         shown_host = f"[{host}]" if ":" in host else host
         self.log("entrypoints/openai/api_server.py:583", f"Starting vLLM server on {scheme}://{shown_host}:{args.port}")
+        if config.dev_mode:
+            self.log("entrypoints/serve/__init__.py:36", "SECURITY WARNING: Development endpoints are enabled! This should NOT be used in production!", "WARNING")
         self.log("entrypoints/launcher.py:37", "Available routes are:")
-        for route, methods in routes(ROUTES, self.model.tasks):
+        for route, methods in routes(ROUTES, self.model.tasks) + (DEV_ROUTES if config.dev_mode else []):
             self.log("entrypoints/launcher.py:46", f"Route: {route}, Methods: {methods}")
         server = SimHTTPServer(sock, Handler, config, client, self.console)
         self.uvicorn(f"Started server process [{os.getpid()}]")

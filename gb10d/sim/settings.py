@@ -46,12 +46,13 @@ class Scenario:
     no_kernel_image: bool = False  # a build without kernels for this GPU: the first kernel after loading fails
     hidden_init_failure: bool = False  # vLLM 0.23: the EngineCore dies without a word, the API server says `{}`
     ipc_removed: bool = False  # the EngineCore's semaphore was removed before it could open it (logind's RemoveIPC)
+    bad_wake: bool = False  # a wake from level-2 sleep whose reload_weights leaves the weights garbage (vllm#49237: 200s, empty text)
 
 
 def parse_scenario(text: str) -> Scenario:
     """Parse `healthy`, `stall_at=K`, `slow_shards=S`, ... separated by commas."""
     values: dict[str, object] = {}
-    flags = {"kv_insufficient", "model_not_found", "bad_parser", "ptxas", "no_kernel_image", "hidden_init_failure", "ipc_removed"}
+    flags = {"kv_insufficient", "model_not_found", "bad_parser", "ptxas", "no_kernel_image", "hidden_init_failure", "ipc_removed", "bad_wake"}
     numbers = {"slow_shards": "slow_shards_s", "engine_dies_after": "engine_dies_after_s", "hang_after": "hang_after_s", "leak_gib": "leak_gib"}
     for item in (part.strip() for part in text.split(",")):
         if not item or item == "healthy":
@@ -67,7 +68,7 @@ def parse_scenario(text: str) -> Scenario:
             values["cuda_oom_during"] = raw
         else:
             known = ("healthy, stall_at=K, slow_shards=S, cuda_oom_during=load|profile|graphs, kv_insufficient, engine_dies_after=S, "
-                     "hang_after=S, model_not_found, bad_parser, leak_gib=G, ptxas, no_kernel_image, hidden_init_failure, ipc_removed")
+                     "hang_after=S, model_not_found, bad_parser, leak_gib=G, ptxas, no_kernel_image, hidden_init_failure, ipc_removed, bad_wake")
             raise SettingsError(f"GB10D_SIM_SCENARIO: unknown item {item!r} (known: {known})")
     return Scenario(**values)  # type: ignore[arg-type]
 
