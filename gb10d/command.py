@@ -54,7 +54,8 @@ class Tunables:
     `env` holds variables gb10d adds for a known failure (TRITON_PTXAS_PATH
     for Triton's ptxas, a PyTorch allocator setting after the driver ran out
     of memory); the config's own [vllm.env] and env_file win over them.
-    `without` names flags gb10d leaves out for one (`enable-flashinfer-autotune`).
+    `without` names flags gb10d leaves out for one (`enable-flashinfer-autotune`);
+    `flags` are words it adds for one (`--no-enable-extensible-kv-cache`).
     """
 
     gpu_memory_utilization: float
@@ -62,6 +63,7 @@ class Tunables:
     max_model_len: int | str | None = None
     env: tuple[tuple[str, str], ...] = ()
     without: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, vllm: VllmSection) -> Tunables:
@@ -81,6 +83,10 @@ class Tunables:
     def with_env(self, name: str, value: str) -> Tunables:
         """A copy that also sets the variable `name` for vLLM."""
         return replace(self, env=(*((k, v) for k, v in self.env if k != name), (name, value)))
+
+    def with_flag(self, word: str) -> Tunables:
+        """A copy that also passes `word` (a whole flag such as `--no-enable-extensible-kv-cache`) to vLLM."""
+        return self if word in self.flags else replace(self, flags=(*self.flags, word))
 
     def without_flag(self, flag: str) -> Tunables:
         """A copy that leaves the flag `flag` (either spelling) out of vLLM's command line."""
@@ -130,6 +136,7 @@ def build_argv(vllm: VllmSection, tunables: Tunables | None = None, cluster_flag
     if tunables.load_strategy is not None:
         argv += ["--safetensors-load-strategy", tunables.load_strategy]
     argv += ["--host", vllm.host, "--port", str(vllm.port)]
+    argv += tunables.flags
     argv += cluster_flags
     argv += [word for word in vllm.extra_args if _flag_name(word) not in tunables.without]
     return argv

@@ -31,7 +31,9 @@ from typing import Sequence, Union
 
 from .command import Tunables
 from .config import Config
-from .events import DriverOutOfMemory, EngineDied, Event, Failure, GpuXid, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged
+from .events import (
+    DriverOutOfMemory, EngineDied, Event, Failure, GpuXid, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged, VersionSeen,
+)
 from .facts import AttemptFact, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Pulled, Tick
 from .kernel import describe as describe_kernel
 from .kernel import xid_meaning
@@ -149,6 +151,7 @@ class AttemptState:
     exit_status: int | None = None  # set once the main process exited
     dead: Probed | None = None  # a "dead" verdict waiting for an exit to explain it
     dead_at: float = 0.0
+    version: str | None = None  # the vLLM release its banner named
 
     @property
     def ready(self) -> bool:
@@ -244,6 +247,8 @@ def _on_event(state: AttemptState, event: Event, now: float, config: Config) -> 
     state = replace(state, startup=advance(before, event, now))
     if isinstance(event, (StatsLogged, SpecDecodingLogged)):
         actions.append(Observe(event))
+    if isinstance(event, VersionSeen):
+        state = replace(state, version=event.version)
     if isinstance(event, Failure):
         state = replace(state, failures=(*state.failures, event))
         if state.ready and state.exit_status is None and isinstance(event, EngineDied):
@@ -315,6 +320,8 @@ def _became_ready(state: AttemptState, detail: str, now: float) -> tuple[Attempt
     message = f"vLLM is ready after {startup_s:.1f} s: {detail}"
     if state.startup_complete_at is not None:
         message += f"; READY=1 {(now - state.startup_complete_at) * 1000:.0f} ms after 'Application startup complete.'"
+    if state.version is not None:
+        message += f"; vLLM version {state.version}"
     return state, [BecomeReady(message, startup_s)]
 
 

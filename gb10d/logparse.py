@@ -615,6 +615,8 @@ def _f(value: str) -> float:
 # not this failure and is never held back for a continuation.
 
 _COMPLETE, _PARTIAL, _MISMATCH = 2, 1, 0
+# Both of vLLM 0.34's hints for a KV cache sized from measured memory name it (`_more_kv_cache_memory_hint`).
+_EXTENSIBLE = "extensible KV cache"
 _CUT = "_cut"  # names the value a partial text ends in, which may be missing digits
 _NUM = r"-?\d+(?:\.\d+)?"
 
@@ -699,7 +701,7 @@ def _kv_insufficient(v: dict[str, str], complete: bool, msg: str) -> Failure | N
     needed, available, estimate = (whole.get(key) for key in ("needed", "available", "estimate"))
     return KvCacheInsufficient(
         int(whole["len"]), _f(needed) if needed else None, _f(available) if available else None,
-        int(estimate) if estimate else None,
+        int(estimate) if estimate else None, _EXTENSIBLE in msg,
     )
 
 
@@ -838,7 +840,7 @@ def _failures(msg: str) -> list[Event]:
         if m is not None:
             out.append(KvCacheInsufficient(int(m.group("len")), None, None, int(m.group("fit"))))
     if "No available memory for the cache blocks" in msg:
-        out.append(NoKvCacheMemory())
+        out.append(NoKvCacheMemory(_EXTENSIBLE in msg))
     if "ddress already in use" in msg:
         port = _port_in_use(msg)
         if port is not None:

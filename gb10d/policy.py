@@ -55,6 +55,8 @@ CONFIG_CAUSES = frozenset(
 TRITON_PTXAS_PATH = "TRITON_PTXAS_PATH"
 ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
 AUTOTUNE_FLAG = "enable-flashinfer-autotune"
+# vLLM 0.34's switch back to a KV cache sized from the utilization budget, checked at the start.
+NO_EXTENSIBLE_KV = "--no-enable-extensible-kv-cache"
 # How much lower the utilization goes after the driver ran out of memory or CUDA did.
 OOM_MARGIN = 0.05
 
@@ -190,6 +192,8 @@ def next_attempt(
         retry = _driver_oom(used, config)
         if isinstance(retry, GiveUp):
             return retry
+    elif _extensible_kv_too_small(outcome, config):
+        retry = Retry(used.with_flag(NO_EXTENSIBLE_KV), 0.0, advice.extensible_kv_too_small(NO_EXTENSIBLE_KV))
     elif outcome.cause is Cause.KV_CACHE:
         failure = outcome.failure
         assert isinstance(failure, KvCacheInsufficient)
@@ -263,6 +267,21 @@ def next_attempt(
     if history.attempts >= config.restart.max_attempts:
         return GiveUp(advice.gave_up(history.attempts, describe(outcome)), EXIT_GAVE_UP)
     return retry
+
+
+def _extensible_kv_too_small(outcome: Failed, config: Config) -> bool:
+    """vLLM 0.34's extensible KV cache came out too small, and the operator did not ask for it by name.
+
+    It is sized from what is free once the model ran, and on GB10 the page
+    cache the load just filled counts as used there; the budget sizing of
+    0.33 and before is not, and vLLM checks it at the start, where gb10d
+    knows how to fit it.
+    """
+    failure = outcome.failure
+    chosen = config.vllm.arg("enable-extensible-kv-cache") is not None or any(
+        word.split("=", 1)[0].replace("_", "-") in ("--enable-extensible-kv-cache", NO_EXTENSIBLE_KV) for word in config.vllm.extra_args
+    )
+    return isinstance(failure, (KvCacheInsufficient, NoKvCacheMemory)) and failure.extensible and not chosen
 
 
 def _ptxas(used: Tunables, config: Config, host: HostFacts | None) -> Retry | GiveUp:

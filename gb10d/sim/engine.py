@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Mapping, NoReturn, Protocol, Sequence
 
 from . import memory, texts
+from .args import extensible_kv_cache, resolved_utilization
 from .memory import Hold
 from .model import ModelFacts
 from .output import STDERR, STDOUT, Bar, Console, ConsoleStream
@@ -177,6 +178,7 @@ class EngineCore:
         self._buffer = b""
         # The simulated memory this process holds; with Ray the workers hold theirs, on their own machines.
         self.hold: Hold | None = None
+        self.page_cache: Hold | None = None  # the page cache its load filled (scenario page_cache_gib)
 
     # --- helpers -----------------------------------------------------------------
 
@@ -221,10 +223,18 @@ class EngineCore:
         if self.hold.take(max(total_bytes, before)) is not None:
             self.oom(kind, (total_bytes - before) / GIB)
 
+    def fill_page_cache(self) -> None:
+        """page_cache_gib: the checkpoint's pages stay in the page cache after the load, which CUDA counts as used on GB10."""
+        gib = self.settings.scenario.page_cache_gib
+        if gib and self.hold is not None and self.settings.meminfo is not None:
+            self.page_cache = Hold(self.settings.meminfo, page_cache=True)
+            self.page_cache.take(int(gib * GIB))
+
     def exit(self, status: int) -> NoReturn:
         """End this process, its memory given back first, as the kernel does at any exit."""
-        if self.hold is not None:
-            self.hold.release()
+        for held in (self.hold, self.page_cache):
+            if held is not None:
+                held.release()
         os._exit(status)
 
     def ptxas_fails(self) -> bool:
@@ -255,6 +265,7 @@ class EngineCore:
             self.executor.collective_rpc("load_model")
         except EngineFailure as failure:
             self.fail_with(failure.frames, failure.final)
+        self.fill_page_cache()
         if self.settings.scenario.hidden_init_failure:
             # vLLM 0.23: the engine dies before it can say why; the API server's `Failed core proc(s): {}` is all there is.
             self.trap_memory()
@@ -339,23 +350,35 @@ class EngineCore:
         return total
 
     def size_kv_cache(self) -> int:
-        """Available KV memory from the utilization budget; the KV failures of REFERENCE §3.2."""
+        """Available KV memory from the utilization budget; the KV failures of REFERENCE §3.2.
+
+        0.34's extensible KV cache is sized from what is free once the model
+        ran (what CUDA reports: MemFree on GB10, page cache counted as used),
+        within the budget; so a start short of memory fails here, not at its
+        start.
+        """
         self.settings.sleep(KV_SETUP_S)
-        budget = self.settings.memory().total_bytes * float(self.args.gpu_memory_utilization)
+        minor = self.settings.minor
+        utilization = resolved_utilization(self.args, minor)
+        extensible = extensible_kv_cache(self.args, minor)
+        budget = self.settings.memory().total_bytes * utilization
+        if extensible:
+            budget = min(budget, self.settings.memory().free_bytes + (self.hold.held if self.hold else 0))
         available = budget - (self.rank_model.weights_gib + ACTIVATION_GIB + (0 if self.enforce_eager else GRAPH_GIB)) * GIB
         self.log("v1/worker/gpu_worker.py:480", f"Available KV cache memory: {texts.format_gib(available)} GiB")
+        hint = texts.kv_memory_hint(minor, extensible, utilization)
         if available <= 0:
-            self.fail("no_blocks", "ValueError: " + texts.NO_KV_BLOCKS)
+            self.fail("no_blocks", "ValueError: " + texts.no_kv_blocks(minor, hint))
         per_token = self.rank_model.kv_bytes_per_token
         needed = self.model.max_model_len * per_token
         if self.settings.scenario.kv_insufficient:
             available = min(available, needed * 0.6)
         if needed > available:
             estimated = int(available // per_token) // BLOCK_SIZE * BLOCK_SIZE
-            self.fail("kv", "ValueError: " + texts.kv_insufficient_error(self.model.max_model_len, needed / GIB, available / GIB, estimated))
+            self.fail("kv", "ValueError: " + texts.kv_insufficient_error(self.model.max_model_len, needed / GIB, available / GIB, estimated, minor, hint))
         tokens = int(available // (per_token * BLOCK_SIZE)) * BLOCK_SIZE
         concurrency = tokens / self.model.max_model_len
-        if self.settings.minor >= 28:
+        if minor >= 28:
             self.log("v1/core/kv_cache_utils.py:1744", f"GPU KV cache size: {tokens:,} tokens, Maximum concurrency for {self.model.max_model_len:,} tokens per request: {concurrency:.2f}x")
         else:
             self.log("v1/core/kv_cache_utils.py:1744", f"GPU KV cache size: {tokens:,} tokens")

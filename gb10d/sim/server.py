@@ -25,7 +25,7 @@ import time
 from typing import Iterator, NoReturn, Sequence
 
 from . import hub, texts
-from .args import DEFAULT_MODEL, non_default_args, parse_serve_args
+from .args import DEFAULT_MODEL, non_default_args, parse_serve_args, resolved_utilization
 from .engine import run_engine
 from .model import ModelFacts, describe_model
 from .output import STDERR, Console
@@ -257,7 +257,7 @@ class ApiServer:
         config = ServeConfig(
             served_names=served, root=args.model, max_model_len=self.model.max_model_len, version=settings.version,
             minor=settings.minor, api_keys=keys, access_log=self.uvicorn_info and not args.disable_uvicorn_access_log,
-            utilization=float(args.gpu_memory_utilization),
+            utilization=resolved_utilization(args, settings.minor),
         )
         self.settings.sleep(SERVE_SETUP_S)
         self.log("entrypoints/openai/api_server.py:579", "Supported tasks: ['generate']")
