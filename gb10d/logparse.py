@@ -939,7 +939,8 @@ def _spec(msg: str) -> SpecDecodingLogged | None:
 
 
 def _compile(msg: str) -> CompileProgressed | None:
-    if "torch.compile took" in msg and "in total" in msg:
+    # 0.34 without the AOT compile: `torch.compile and initial profiling/warmup run together took %.2f s in total`.
+    if "in total" in msg and ("torch.compile took" in msg or "torch.compile and initial profiling/warmup run together took" in msg):
         s = _SECONDS.search(msg)
         return CompileProgressed(True, _f(s.group("s")) if s else None)
     if ("Dynamo bytecode transform time" in msg or "Compiling a graph for" in msg or "from the cache, took" in msg

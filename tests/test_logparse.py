@@ -351,6 +351,7 @@ PROGRESS_CASES = [
     ("Starting torch.compile", [CompileProgressed(False, None)]),
     ("torch.compile took 11.28 s in total", [CompileProgressed(True, 11.28)]),
     ("[backbone] torch.compile took 9.50 s in total", [CompileProgressed(True, 9.5)]),
+    ("[backbone] torch.compile and initial profiling/warmup run together took 14.25 s in total", [CompileProgressed(True, 14.25)]),
     ("Available KV cache memory: 41.58 GiB", [KvCacheSized(available_gib=41.58)]),
     ("GPU KV cache size: 10,900,144 tokens", [KvCacheSized(tokens=10900144)]),
     ("Maximum concurrency for 2,048 tokens per request: 5322.34x", [KvCacheSized(max_concurrency=5322.34)]),

@@ -337,6 +337,8 @@ class EngineCore:
     def compile(self) -> float:
         """torch.compile's lines; returns the compile time it reports."""
         cache = os.environ.get("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm"))
+        if self.settings.minor >= 34:
+            self.log("compilation/monitor.py:40", "Starting torch.compile")
         self.log("compilation/backends.py:1089", f"Using cache directory: {cache}/torch_compile_cache/a33744ddfd/rank_0_0/backbone for vLLM's torch.compile")
         self.settings.sleep(DYNAMO_S)
         self.log("compilation/backends.py:1148", f"Dynamo bytecode transform time: {DYNAMO_S * 0.38:.2f} s")
