@@ -119,6 +119,15 @@ def _scalar(value: Any) -> str:
     return str(value)
 
 
+def env_api_key(vllm: VllmSection) -> str | None:
+    """The `[vllm.args] api_key` that reaches vLLM as VLLM_API_KEY instead of on its command line, which every
+    user of the machine can read (`ps`, /proc). vLLM reads one key there: several stay flags."""
+    value = vllm.arg("api-key")
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    return value if isinstance(value, str) and value else None
+
+
 def build_argv(vllm: VllmSection, tunables: Tunables | None = None, cluster_flags: Sequence[str] = ()) -> list[str]:
     """The exact argv gb10d executes for one attempt; `cluster_flags` come from gb10d.cluster on a Ray head."""
     tunables = tunables or Tunables.from_config(vllm)
@@ -126,6 +135,8 @@ def build_argv(vllm: VllmSection, tunables: Tunables | None = None, cluster_flag
     if vllm.served_model_name is not None:
         argv += ["--served-model-name", *vllm.served_names]
     overridden = {"safetensors-load-strategy", "max-model-len", *tunables.without}
+    if env_api_key(vllm) is not None:
+        overridden.add("api-key")
     for key, value in vllm.args.items():
         if normalize_flag(key) in overridden:
             continue
@@ -175,7 +186,8 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 
 def env_additions(vllm: VllmSection) -> dict[str, str]:
-    """What gb10d sets on top of its own environment: defaults, VIRTUAL_ENV, env_file, then [vllm.env].
+    """What gb10d sets on top of its own environment: defaults, VIRTUAL_ENV, env_file, [vllm.env], then
+    `[vllm.args] api_key` as VLLM_API_KEY.
 
     PATH is left out: it is gb10d's own PATH with the venv's bin in front
     (see `build_env`), so it has no fixed value to show. In a container this
@@ -190,6 +202,9 @@ def env_additions(vllm: VllmSection) -> dict[str, str]:
     if vllm.env_file is not None:
         env.update(read_env_file(vllm.env_file))
     env.update(vllm.env)
+    key = env_api_key(vllm)
+    if key is not None:
+        env["VLLM_API_KEY"] = key  # as on the command line, the flag's key wins over the variable
     return env
 
 

@@ -265,3 +265,17 @@ def test_ready_is_found_by_polling_when_uvicorn_lines_are_hidden(tmp_path: Path,
     daemon.wait_line(r"gb10d: vLLM is ready after .*/health 200")
     assert not any("Application startup complete." in line for line in daemon.lines)
     daemon.stop()
+
+
+def test_an_api_key_in_args_is_never_on_vllms_command_line(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    setup = Setup(tmp_path, extra={"vllm.args.api_key": "sk-test-1"})
+    daemon = run(setup, notify, daemons)
+    ready(notify)  # the checks before READY=1 pass the key, as vLLM now demands it
+    pid = int(daemon.wait_line(r"started vLLM as pid (\d+)").group(1))
+    assert b"sk-test-1" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert b"VLLM_API_KEY=sk-test-1\0" in Path(f"/proc/{pid}/environ").read_bytes()
+    assert not any("sk-test-1" in line for line in daemon.lines)
+    models = f"http://127.0.0.1:{setup.port}/v1/models"
+    assert httpx.get(models).status_code == 401
+    assert httpx.get(models, headers={"Authorization": "Bearer sk-test-1"}).status_code == 200
+    assert daemon.stop() == 0
