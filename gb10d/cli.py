@@ -141,7 +141,7 @@ def cmd_print_command(args: argparse.Namespace) -> int:
     needed = _print_ray_command(cluster, vllm) if cluster is not None else {}
     if cluster is not None and cluster.role == "worker":
         return EXIT_OK
-    argv = build_argv(vllm, cluster_flags=vllm_flags(cluster) if cluster else ())
+    argv = build_argv(vllm, cluster_flags=vllm_flags(cluster) if cluster else (), stop_timeout_s=loaded.config.daemon.stop_timeout_s)
     if vllm.image is not None:
         _print_container_command(loaded, argv, args.env)
     elif args.env:

@@ -128,8 +128,29 @@ def env_api_key(vllm: VllmSection) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def build_argv(vllm: VllmSection, tunables: Tunables | None = None, cluster_flags: Sequence[str] = ()) -> list[str]:
-    """The exact argv gb10d executes for one attempt; `cluster_flags` come from gb10d.cluster on a Ray head."""
+# What vLLM needs after its drain to stop its engine and its HTTP server, within gb10d's stop_timeout_s.
+DRAIN_MARGIN_S = 5.0
+
+
+def drain_flags(vllm: VllmSection, stop_timeout_s: float | None) -> list[str]:
+    """`--shutdown-timeout`: on SIGTERM vLLM finishes the requests it has for that long instead of aborting them
+    (its default, 0), leaving `DRAIN_MARGIN_S` of gb10d's `stop_timeout_s` to stop. None when the config sets it,
+    or when the stop is too short to drain."""
+    if stop_timeout_s is None or vllm.arg("shutdown-timeout") is not None or "shutdown-timeout" in _extra_flag_names(vllm):
+        return []
+    seconds = math.floor(stop_timeout_s - DRAIN_MARGIN_S)
+    return ["--shutdown-timeout", str(seconds)] if seconds >= 1 else []
+
+
+def _extra_flag_names(vllm: VllmSection) -> set[str]:
+    return {name for name in (_flag_name(word) for word in vllm.extra_args) if name is not None}
+
+
+def build_argv(
+    vllm: VllmSection, tunables: Tunables | None = None, cluster_flags: Sequence[str] = (), stop_timeout_s: float | None = None
+) -> list[str]:
+    """The exact argv gb10d executes for one attempt; `cluster_flags` come from gb10d.cluster on a Ray head;
+    `stop_timeout_s` (daemon.stop_timeout_s) sets how long vLLM drains its requests when stopped."""
     tunables = tunables or Tunables.from_config(vllm)
     argv = [str(vllm.program), "serve", vllm.model]
     if vllm.served_model_name is not None:
@@ -147,6 +168,7 @@ def build_argv(vllm: VllmSection, tunables: Tunables | None = None, cluster_flag
     if tunables.load_strategy is not None:
         argv += ["--safetensors-load-strategy", tunables.load_strategy]
     argv += ["--host", vllm.host, "--port", str(vllm.port)]
+    argv += drain_flags(vllm, stop_timeout_s)
     argv += tunables.flags
     argv += cluster_flags
     argv += [word for word in vllm.extra_args if _flag_name(word) not in tunables.without]

@@ -133,7 +133,7 @@ def _vllm_sees(snapshot: ConfigSnapshot) -> tuple[list[str], dict[str, str], str
     """The argv and added environment vLLM gets (the env_file contents from the snapshot); in a container, its image and [container]."""
     config = snapshot.config
     container = config.container.model_dump(mode="json") if config.vllm.image is not None else None
-    return build_argv(config.vllm), snapshot.env(base={}), config.vllm.image, container
+    return build_argv(config.vllm, stop_timeout_s=config.daemon.stop_timeout_s), snapshot.env(base={}), config.vllm.image, container
 
 
 def _fields(config: Config) -> Iterator[tuple[str, Any]]:

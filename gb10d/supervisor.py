@@ -208,7 +208,7 @@ class Supervisor:
         """Start vLLM once and follow it until it ends."""
         config = self.keeper.config
         launcher = await self.launchers(config)
-        argv = build_argv(config.vllm, tunables, vllm_flags(config.cluster) if config.cluster else ())
+        argv = build_argv(config.vllm, tunables, vllm_flags(config.cluster) if config.cluster else (), config.daemon.stop_timeout_s)
         env = {**launcher.environment(self.keeper.snapshot.vllm, tunables.env), **(self.pair.env() if self.pair else {})}
         self._serial += 1
         start = Start(self._serial, number, tunables, argv, env, reason, self.preflight.meminfo(), self.pair.view if self.pair else None)

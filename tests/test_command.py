@@ -276,3 +276,19 @@ def test_the_container_is_named_after_the_config(path: str, name: str) -> None:
 )
 def test_the_engine_is_reached_through_its_socket(kind: Any, socket: str | None, root: bool, client: tuple[str, ...]) -> None:
     assert engine_client(kind, Path(socket) if socket else None, root).client == client
+
+
+@pytest.mark.parametrize(
+    ("fields", "stop_timeout_s", "expected"),
+    [
+        ({}, 30.0, ["--shutdown-timeout", "25"]),
+        ({}, 5.5, []),  # too short to drain: vLLM aborts its requests, as by default
+        ({}, None, []),
+        ({"args": {"shutdown_timeout": 60}}, 30.0, ["--shutdown-timeout", "60"]),  # the config's own value, as written
+        ({"extra_args": ["--shutdown-timeout=0"]}, 30.0, ["--shutdown-timeout=0"]),
+    ],
+)
+def test_vllm_drains_its_requests_within_gb10ds_stop_timeout(fields: dict[str, Any], stop_timeout_s: float | None, expected: list[str]) -> None:
+    argv = build_argv(vllm(**fields), stop_timeout_s=stop_timeout_s)
+    found = [word for index, word in enumerate(argv) if word.startswith("--shutdown-timeout") or argv[index - 1] == "--shutdown-timeout"]
+    assert found == expected

@@ -279,3 +279,23 @@ def test_an_api_key_in_args_is_never_on_vllms_command_line(tmp_path: Path, notif
     assert httpx.get(models).status_code == 401
     assert httpx.get(models, headers={"Authorization": "Bearer sk-test-1"}).status_code == 200
     assert daemon.stop() == 0
+
+
+def test_a_stop_lets_vllm_finish_the_requests_in_flight(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    # daemon.stop_timeout_s 10: vLLM gets --shutdown-timeout 5 and drains instead of aborting.
+    setup = Setup(tmp_path)
+    daemon = run(setup, notify, daemons)
+    ready(notify)
+    assert "--shutdown-timeout 5" in starts(daemon)[0]
+    body = {"model": "tiny", "prompt": "Tell a long story", "max_tokens": 2000, "stream": True}
+    chunks: list[dict[str, object]] = []
+    with httpx.stream("POST", f"http://127.0.0.1:{setup.port}/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=30.0)) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line.removeprefix("data: ")))
+                if len(chunks) == 1:
+                    daemon.child.terminate()  # SIGTERM to gb10d, as systemctl stop sends it
+    assert "choices" in chunks[-1], chunks[-3:]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]  # type: ignore[index]
+    assert daemon.wait_exit() == 0
+    daemon.wait_line(r"\[shutdown\] API server: stopping engine client mode=drain timeout=5s")

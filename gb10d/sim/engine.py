@@ -179,6 +179,8 @@ class EngineCore:
         # The simulated memory this process holds; with Ray the workers hold theirs, on their own machines.
         self.hold: Hold | None = None
         self.page_cache: Hold | None = None  # the page cache its load filled (scenario page_cache_gib)
+        self.requests: dict[str, _Request] = {}  # those in flight, once serving
+        self.stop_at: float | None = None  # once SIGTERM came: when the drain ends (--shutdown-timeout)
 
     # --- helpers -----------------------------------------------------------------
 
@@ -408,15 +410,22 @@ class EngineCore:
     # --- serving -----------------------------------------------------------------
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
-        """The shutdown lines, the executor let go, exit 0; a second SIGTERM (the API server's) changes nothing."""
+        """The shutdown begins: the requests in flight are aborted, or with --shutdown-timeout finished for up to
+        that long (the busy loop ends it); a second SIGTERM (the API server's) changes nothing."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for src, text in (
-            ("v1/engine/core.py:1178", "[shutdown] EngineCore: trigger received signal=SIGTERM"),
-            ("v1/engine/core.py:1297", "[shutdown] EngineCore: start mode=abort timeout=0s"),
-            ("v1/engine/core.py:1328", "[shutdown] EngineCore: request processing complete; starting resource teardown"),
-            ("v1/engine/core.py:1191", "[shutdown] EngineCore: exiting busy loop"),
-        ):
-            self.log(src, text)
+        timeout = self.args.shutdown_timeout
+        self.log("v1/engine/core.py:1178", "[shutdown] EngineCore: trigger received signal=SIGTERM")
+        self.log("v1/engine/core.py:1297", f"[shutdown] EngineCore: start mode={'drain' if timeout else 'abort'} timeout={timeout}s")
+        if self.requests:
+            word = f"draining in-flight requests count={len(self.requests)} timeout={timeout}s" if timeout else f"aborting in-flight requests count={len(self.requests)}"
+            self.log("v1/engine/core.py:1310", f"[shutdown] EngineCore: {word}")
+        if not timeout:
+            self.requests.clear()
+        self.stop_at = time.monotonic() + timeout
+
+    def _teardown(self) -> NoReturn:
+        self.log("v1/engine/core.py:1328", "[shutdown] EngineCore: request processing complete; starting resource teardown")
+        self.log("v1/engine/core.py:1191", "[shutdown] EngineCore: exiting busy loop")
         self.executor.shutdown()
         self.exit(0)
 
@@ -441,10 +450,12 @@ class EngineCore:
         step_s = self.settings.delay(1 / TOKENS_PER_S)
         health_s = self.executor.health_interval_s
         health_at = started + health_s if health_s is not None else None
-        requests: dict[str, _Request] = {}
+        requests = self.requests
         next_step = time.monotonic()
         while True:
             now = time.monotonic()
+            if self.stop_at is not None and (not requests or now >= self.stop_at):
+                self._teardown()
             if die_at is not None and now >= die_at:
                 self.trap_memory()
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -456,7 +467,7 @@ class EngineCore:
                     self.executor.check_health()
                 except EngineFailure as failure:
                     self.fail_with(failure.frames, failure.final, fatal=True)
-            deadlines = [d for d in (hang_at, die_at, health_at) if d is not None]
+            deadlines = [d for d in (hang_at, die_at, health_at, self.stop_at) if d is not None]
             if requests:
                 deadlines.append(max(next_step, min(r.ready_at for r in requests.values())))
             timeout = max(min(deadlines) - now, 0) if deadlines else None
