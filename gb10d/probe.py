@@ -11,7 +11,10 @@ import time
 
 import httpx
 
-from .facts import REFUSED, ProbeResult
+from .facts import ADMISSION_REFUSED, REFUSED, ProbeResult
+
+# The words of vLLM 0.34's 503s for requests its admission limits refuse (QueueOverflowError, MaxQueuedTokensError).
+_ADMISSION_WORDS = ("cannot accept new requests", "prefill token backlog limit")
 
 
 def base_url(host: str, port: int) -> str:
@@ -69,10 +72,16 @@ class Prober:
         return ProbeResult(result.status, result.reason, result.seconds, names)
 
     async def complete(self, model: str, timeout_s: float) -> ProbeResult:
-        """A one-token completion: proves the engine really generates (and warms the JIT)."""
-        _, result = await self._request(
+        """A one-token completion: proves the engine really generates (and warms the JIT).
+
+        A 503 that vLLM's admission limits gave (its queue is full) is told
+        apart from a dead engine's by the words of its body.
+        """
+        response, result = await self._request(
             "POST", "/v1/completions", timeout_s, json={"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
         )
+        if response is not None and response.status_code == 503 and any(words in response.text for words in _ADMISSION_WORDS):
+            return ProbeResult(503, ADMISSION_REFUSED, result.seconds)
         return result
 
     async def metrics_text(self, timeout_s: float = 5.0) -> str | None:

@@ -155,6 +155,7 @@ _ENGINE: list[tuple[str, str, Any, dict[str, Any]]] = [
     ("mm-processor-kwargs", JSON, None, {}),
     ("mm-processor-cache-gb", FLOAT, 4, {}),
     ("max-num-batched-tokens", HINT, None, {}),
+    ("max-num-queued-reqs", INT, None, {"since": 34}),
     ("max-num-seqs", INT, None, {}),
     ("enable-chunked-prefill", BOOL, None, {}),
     ("scheduling-policy", STR, "fcfs", {}),

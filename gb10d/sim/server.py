@@ -262,7 +262,7 @@ class ApiServer:
         config = ServeConfig(
             served_names=served, root=args.model, max_model_len=self.model.max_model_len, version=settings.version,
             minor=settings.minor, api_keys=keys, access_log=self.uvicorn_info and not args.disable_uvicorn_access_log,
-            utilization=resolved_utilization(args, settings.minor),
+            utilization=resolved_utilization(args, settings.minor), max_queued=getattr(args, "max_num_queued_reqs", None),
         )
         self.settings.sleep(SERVE_SETUP_S)
         self.log("entrypoints/openai/api_server.py:579", "Supported tasks: ['generate']")

@@ -66,6 +66,9 @@ def kv_insufficient_error(max_model_len: int, needed_gib: float, available_gib: 
     )
 
 
+# vLLM 0.34's QueueOverflowError (--max-num-queued-reqs), answered with 503.
+QUEUE_FULL = "The engine is currently busy and cannot accept new requests. Please try again later or on a different instance."
+
 NO_KV_BLOCKS = (
     "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the "
     "engine (this flag also controls CPU memory reservation on the CPU backend, despite its name). "
