@@ -78,6 +78,7 @@ class Supervisor:
         tunables: Tunables | None = None  # None: a new sequence, which fetches its image and then picks its settings
         history = History()
         reason = "initial"
+        self.keeper.avoid_rejected()
         while True:
             if self.pair is not None and await self.pair.wait_whole(self._between):
                 return await self._stop()
@@ -125,6 +126,15 @@ class Supervisor:
                 self.reporter.metrics.restart(reason)
                 if await self.preflight.memory_back(baseline, self._pause):
                     return await self._stop()
+                continue
+            if not ended.was_ready and self.keeper.is_candidate():
+                # A changed program that never served is not retried: the last good one serves again (a counted start).
+                self._roll_back(ended, history)
+                await self.close()
+                if await self.preflight.memory_back(baseline, self._pause):
+                    return await self._stop()
+                tunables, reason = None, "rollback"
+                self.reporter.metrics.restart(reason)
                 continue
             around = budget.neighbours(self.preflight.others()) if ended.cause is Cause.FREE_MEMORY else ALONE
             history, decision = policy.after_failure(ended, tunables, history, self.keeper.config, self.host, around)
@@ -212,7 +222,7 @@ class Supervisor:
         env = {**launcher.environment(self.keeper.snapshot.vllm, tunables.env), **(self.pair.env() if self.pair else {})}
         self._serial += 1
         start = Start(self._serial, number, tunables, argv, env, reason, self.preflight.meminfo(), self.pair.view if self.pair else None)
-        self.attempt = attempt = await Attempt.launch(start, launcher, config, self.reporter, self.loop.post, self.keeper.remember)
+        self.attempt = attempt = await Attempt.launch(start, launcher, config, self.reporter, self.loop.post, self._served)
         while True:
             fact = await self.loop.next(attempt.deadline())
             ended: Ended | None
@@ -269,6 +279,23 @@ class Supervisor:
         notifier.status("reloading: restarting vLLM with the new settings")
         await attempt.runtime.stop(self.keeper.config.daemon.stop_timeout_s, self._on_escalate)
         return Reloaded(changes=diff.describe())
+
+    def _served(self, tunables: Tunables) -> None:
+        """The attempt reached ready: what it learned and the program it ran are kept."""
+        self.keeper.served(tunables, self.attempt.state.version if self.attempt else None)
+
+    def _roll_back(self, outcome: Failed, history: History) -> None:
+        """One journal line: the candidate's failure, both programs, and the way back."""
+        cause = policy.describe(outcome)
+        candidate, good = self.keeper.roll_back(cause, self.attempt.state.version if self.attempt else None)
+        message = (
+            f"the candidate {candidate.describe()} failed its start: {cause}; going back to the last good "
+            f"{good.describe()} with the settings that served under it (attempt {history.attempts + 1}/"
+            f"{self.keeper.config.restart.max_attempts})"
+        )
+        self.reporter.failure(outcome.cause.value, cause, f"going back to {good.path}")
+        self.reporter.say("program_rolled_back", message, PRIORITY_ERR, attempt=history.attempts, cause=outcome.cause.value)
+        self.reporter.status(message)
 
     def _tell_failure(self, outcome: Failed, decision: policy.Retry | policy.GiveUp, history: History) -> None:
         """One journal line with the cause, the numbers and the action; STATUS= and the state file follow."""
