@@ -242,11 +242,11 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Summarise the running daemon from its state file, or every instance from the memory ledger (exit 3 when not running)."""
-    from .status import memory_settings, show_all, show_status, state_file_path
+    from .status import memory_settings, programs_of, show_all, show_status, state_file_path
 
     if args.all:
         return show_all(memory_settings(_config_path(args)), json_output=args.json)
-    return show_status(state_file_path(args.state_file, _config_path(args)), json_output=args.json)
+    return show_status(state_file_path(args.state_file, _config_path(args)), json_output=args.json, record=programs_of(_config_path(args)))
 
 
 def cmd_forget(args: argparse.Namespace) -> int:

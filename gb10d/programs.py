@@ -61,6 +61,10 @@ class Programs:
     rejected: Rejected | None = None
 
 
+# Nothing served yet, nothing rejected.
+NONE = Programs()
+
+
 def program_path(vllm: VllmSection) -> str:
     """What identifies the program a config runs: its venv, image or executable."""
     return str(vllm.venv or vllm.image or vllm.executable)
@@ -158,13 +162,19 @@ def _table(program: Program, **more: str | None) -> dict[str, str]:
     return {key: value for key, value in values.items() if value is not None}
 
 
-def save(path: Path, programs: Programs) -> None:
-    """Replace the record atomically (a temporary file in the same directory, then a rename); raises OSError."""
+def as_json(programs: Programs) -> dict[str, Any]:
+    """The record as `gb10d status --json` shows it (the file's own tables)."""
     data: dict[str, Any] = {}
     if programs.good is not None:
         data["good"] = _table(programs.good, at=programs.good_at)
     if programs.rejected is not None:
         data["rejected"] = _table(programs.rejected.program, failure=programs.rejected.failure, at=programs.rejected.at)
+    return data
+
+
+def save(path: Path, programs: Programs) -> None:
+    """Replace the record atomically (a temporary file in the same directory, then a rename); raises OSError."""
+    data = as_json(programs)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:

@@ -56,6 +56,13 @@ def started(daemon: Daemon, since: int = 0) -> list[str]:
     return [line for line in daemon.lines[since:] if re.match(r"<\d>gb10d: started vLLM as pid", line)]
 
 
+def gb10d(*words: str) -> str:
+    """A gb10d command as the operator runs it; its stdout (status exits 0 while running, 3 once stopped)."""
+    out = subprocess.run([sys.executable, "-m", "gb10d", *words], capture_output=True, text=True, timeout=60)
+    assert out.returncode in (0, 3), out.stderr
+    return out.stdout
+
+
 def reload_with(daemon: Daemon, setup: Setup, venv: Path, version: str) -> int:
     """Point the config at `venv` (a stand-in playing `version`) and SIGHUP gb10d; returns where its journal stood."""
     since = len(daemon.lines)
@@ -94,6 +101,10 @@ def test_a_failed_candidate_goes_back_to_the_good_venv_and_a_working_one_becomes
     assert rejected["path"] == str(broken) and "ModuleNotFoundError" in rejected["failure"]
     assert record(setup)["good"]["path"] == str(good)
 
+    status = gb10d("status", "--config", str(setup.config))
+    assert re.search(rf"Good program: {re.escape(str(good))} \(vLLM 0\.33\.0\), served ", status), status
+    assert re.search(rf"Rejected: {re.escape(str(broken))} \(vLLM of unknown version\) failed its start .*ModuleNotFoundError", status), status
+
     # The same candidate again is refused until the operator says it is fixed.
     since = reload_with(daemon, setup, broken, "0.34.0")
     daemon.wait_line(rf"gb10d: config not applied: it runs the candidate {re.escape(str(broken))} .*gb10d forget --candidate", since=since)
@@ -109,8 +120,5 @@ def test_a_failed_candidate_goes_back_to_the_good_venv_and_a_working_one_becomes
     assert daemon.stop() == 0
 
     # The operator fixed the broken one: `gb10d forget --candidate` re-arms it.
-    out = subprocess.run([sys.executable, "-m", "gb10d", "forget", "--candidate", "--config", str(setup.config)],
-                         capture_output=True, text=True, timeout=60, env={**os.environ})
-    assert out.returncode == 0, out.stderr
-    assert f"forgot the rejection of {broken}" in out.stdout
+    assert f"forgot the rejection of {broken}" in gb10d("forget", "--candidate", "--config", str(setup.config))
     assert "rejected" not in record(setup)
