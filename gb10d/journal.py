@@ -53,6 +53,7 @@ MESSAGE_IDS: dict[str, str] = {
     "config_changed_on_disk": "e8ad9eee7fe74bc9a7e7fdc38468e7ca",
     "learned_applied": "012e3ad9dee44073b8c4c112c3fa5806",
     "learned_discarded": "296dbcdac4494dc196be9d4ff67544dd",
+    "memory_fragmented": "a54337f4b77f4557b8d0f9932663d517",
     "program_rolled_back": "6fb28d11458241cc9feb2bfcb3920513",
     "program_accepted": "cf5f547683b54f8b90d51a6cb0b3e6fc",
     "watchdog": "7bd32869937d497aa80a773e54774e5a",

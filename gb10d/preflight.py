@@ -30,7 +30,9 @@ from .errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, GiveUp
 from .ledger import Booking
 from .levels import PRIORITY_INFO, PRIORITY_WARNING
 from .lifecycle import EXTEND_MARGIN_S
-from .memory import MemInfo, PreflightRefused, evict_page_cache, memory_returned, preflight, read_meminfo, safetensors_files
+from .memory import (
+    MemInfo, PreflightRefused, evict_page_cache, memory_returned, parse_buddyinfo, preflight, read_meminfo, safetensors_files,
+)
 from .notify import unit_name
 from .phases import Phase
 from .reporter import Reporter
@@ -155,6 +157,7 @@ class Preflight:
         if not m.preflight:
             return tunables, ""
         self.reporter.metrics.set_phase(Phase.PREFLIGHT.value)
+        self._tell_fragmentation(m.buddyinfo_path)
         around = budget.neighbours(others)
         evicted = False
         while True:
@@ -193,6 +196,15 @@ class Preflight:
                 # A smaller share leaves more room to the others at once.
                 self.booking.update(utilization=decision.utilization, bytes=budget.share_bytes(decision.utilization, mem.total, m.headroom_gib))
             return tunables.with_(gpu_memory_utilization=decision.utilization), f"preflight: {decision.reason}"
+
+    def _tell_fragmentation(self, path: Path) -> None:
+        """Say when free memory lies only in small blocks: a reboot is the fix, which gb10d leaves to the operator."""
+        try:
+            found = parse_buddyinfo(path.read_text(encoding="ascii", errors="replace"), os.sysconf("SC_PAGE_SIZE"))
+        except OSError:
+            return
+        if found.fragmented:
+            self.reporter.say("memory_fragmented", f"preflight: {found.describe()}", PRIORITY_WARNING)
 
     def others(self) -> tuple[Reservation, ...]:
         """The other instances of the machine's memory ledger now (none without a ledger)."""

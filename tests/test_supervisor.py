@@ -299,3 +299,16 @@ def test_a_stop_lets_vllm_finish_the_requests_in_flight(tmp_path: Path, notify: 
     assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]  # type: ignore[index]
     assert daemon.wait_exit() == 0
     daemon.wait_line(r"\[shutdown\] API server: stopping engine client mode=drain timeout=5s")
+
+
+def test_fragmented_memory_is_told_with_its_numbers_and_the_start_goes_on(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    # A week of uptime: 85 GiB free, nearly all in 4 KiB pages (order 0 of 11, 4 KiB pages).
+    buddyinfo = tmp_path / "buddyinfo"
+    buddyinfo.write_text("Node 0, zone   Normal 20000000 1000000 50000  20000   3000    100     10      2      0      0      0\n")
+    setup = Setup(tmp_path, extra={"memory.buddyinfo_path": str(buddyinfo)})
+    daemon = run(setup, notify, daemons)
+    ready(notify)
+    line = daemon.wait_line(r"gb10d: preflight: unified memory is fragmented: ([\d.]+) GiB free, but only ([\d.]+) GiB of it in blocks of 2 MiB or more")
+    assert "reboot recommended" in line.string and line.string.startswith("<4>")
+    assert len(starts(daemon)) == 1
+    assert daemon.stop() == 0
