@@ -32,7 +32,7 @@ from .keeper import ConfigKeeper
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from .lifecycle import EXTEND_MARGIN_S
 from .loop import FactLoop
-from .memory import ALONE
+from .memory import ALONE, MemInfo
 from .outcome import Cause, Ended, Failed, NodeLost, Reloaded, Stopped
 from .pair import Pair
 from .policy import History
@@ -129,12 +129,9 @@ class Supervisor:
                 continue
             if not ended.was_ready and self.keeper.is_candidate():
                 # A changed program that never served is not retried: the last good one serves again (a counted start).
-                self._roll_back(ended, history)
-                await self.close()
-                if await self.preflight.memory_back(baseline, self._pause):
+                if await self._roll_back(ended, history, baseline):
                     return await self._stop()
                 tunables, reason = None, "rollback"
-                self.reporter.metrics.restart(reason)
                 continue
             around = budget.neighbours(self.preflight.others()) if ended.cause is Cause.FREE_MEMORY else ALONE
             history, decision = policy.after_failure(ended, tunables, history, self.keeper.config, self.host, around)
@@ -284,8 +281,9 @@ class Supervisor:
         """The attempt reached ready: what it learned and the program it ran are kept."""
         self.keeper.served(tunables, self.attempt.state.version if self.attempt else None)
 
-    def _roll_back(self, outcome: Failed, history: History) -> None:
-        """One journal line: the candidate's failure, both programs, and the way back."""
+    async def _roll_back(self, outcome: Failed, history: History, baseline: MemInfo | None) -> bool:
+        """One journal line (the candidate's failure, both programs, the way back), then the candidate is gone and its
+        memory back; True when a stop came meanwhile."""
         cause = policy.describe(outcome)
         candidate, good = self.keeper.roll_back(cause, self.attempt.state.version if self.attempt else None)
         message = (
@@ -296,6 +294,9 @@ class Supervisor:
         self.reporter.failure(outcome.cause.value, cause, f"going back to {good.path}")
         self.reporter.say("program_rolled_back", message, PRIORITY_ERR, attempt=history.attempts, cause=outcome.cause.value)
         self.reporter.status(message)
+        self.reporter.metrics.restart("rollback")
+        await self.close()
+        return await self.preflight.memory_back(baseline, self._pause)
 
     def _tell_failure(self, outcome: Failed, decision: policy.Retry | policy.GiveUp, history: History) -> None:
         """One journal line with the cause, the numbers and the action; STATUS= and the state file follow."""
