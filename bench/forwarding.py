@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gb10d.journal import Journal
 from gb10d.logparse import BarCollapser, Classifier, EventScanner, LineFramer
@@ -48,14 +48,26 @@ def _wrapper(directory: Path) -> Path:
     return path
 
 
-def _drain_until_marker(fd: int) -> tuple[float | None, int]:
-    """Read `fd` in big chunks until the flood's marker arrives; (arrival time, newlines read)."""
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process has used so far, from /proc/PID/stat (a zombie's too)."""
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _drain_until_marker(fd: int, on_first: Callable[[], None] | None = None) -> tuple[float | None, int]:
+    """Read `fd` in big chunks until the flood's marker arrives; (arrival time, newlines read).
+
+    `on_first` runs when the first chunk arrives.
+    """
     newlines = 0
     tail = b""
     while True:
         chunk = os.read(fd, 1 << 16)
         if not chunk:
             return None, newlines
+        if on_first is not None and newlines == 0:
+            on_first()
         newlines += chunk.count(b"\n")
         if END_MARKER in tail + chunk:  # the marker may straddle two reads
             return time.monotonic(), newlines
@@ -90,13 +102,16 @@ def through_gb10d(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
     dep = Deployment(d, None, executable=_wrapper(d), sim_env=_flood_env(lines, mode, report),
                      overrides={"restart.max_attempts": 1, "memory.preflight": False})
     read_fd, write_fd = os.pipe()
-    with Gb10d(dep, notify=False, stdout=write_fd):
+    with Gb10d(dep, notify=False, stdout=write_fd) as gb:
         os.close(write_fd)
+        # gb10d's own lines come first, before the flood's: its CPU from then on is the forwarding's, not its start's.
+        started: list[float] = []
         try:
-            arrived, newlines = _drain_until_marker(read_fd)
+            arrived, newlines = _drain_until_marker(read_fd, lambda: started.append(cpu_s(gb.pid)))
+            used = cpu_s(gb.pid) - started[0] if started else None
         finally:
             os.close(read_fd)
-    return _delivered(report, arrived, newlines, "gb10d")
+    return {**_delivered(report, arrived, newlines, "gb10d"), "cpu_s": used}
 
 
 def through_cat(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
@@ -116,6 +131,40 @@ def through_cat(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
         cat.stdout.close()
         cat.wait(30)
     return _delivered(report, arrived, newlines, "cat")
+
+
+# The least a forwarder in Python does that gives each line its journal priority: decode it, read its level
+# with one regex, write it with its `<N>` prefix. It runs on the same interpreter as gb10d, so the ratio of
+# the two is the machine-independent measure of gb10d's own cost per line (cat's speed is the writer's).
+PLAIN_FORWARDER = r"""
+import re, sys
+level = re.compile(r"(?:\([^)]*\) )*(DEBUG|INFO|WARNING|ERROR|CRITICAL)[ :]")
+priority = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
+write = sys.stdout.write
+for text in sys.stdin:
+    m = level.match(text)
+    write(f"<{priority[m.group(1)] if m else 6}>{text}")
+"""
+
+
+def through_python(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
+    """The same flood through `PLAIN_FORWARDER`, read the same way."""
+    d = ws.scratch("fwd-python")
+    report = d / "flood.json"
+    env = {**os.environ, **_flood_env(lines, mode, report)}
+    flood = subprocess.Popen([sys.executable, str(FLOOD)], stdout=subprocess.PIPE, env=env)
+    assert flood.stdout is not None
+    forwarder = subprocess.Popen([sys.executable, "-c", PLAIN_FORWARDER], stdin=flood.stdout, stdout=subprocess.PIPE)
+    flood.stdout.close()
+    assert forwarder.stdout is not None
+    try:
+        arrived, newlines = _drain_until_marker(forwarder.stdout.fileno())
+        used = cpu_s(forwarder.pid)  # with its start, a few hundredths of a second
+    finally:
+        flood.wait(30)
+        forwarder.stdout.close()
+        forwarder.wait(30)
+    return {**_delivered(report, arrived, newlines, "the plain Python forwarder"), "cpu_s": used}
 
 
 def components(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
@@ -186,14 +235,15 @@ def run(ws: Workspace, quick: bool) -> dict[str, Any]:
     modes = ["lines"] if quick else ["lines", "chunks"]
     result: dict[str, Any] = {"lines": lines, "repeats": repeats, "modes": {}}
     for mode in modes:
-        samples: dict[str, list[dict[str, Any]]] = {"gb10d": [], "cat": [], "devnull": []}
+        samples: dict[str, list[dict[str, Any]]] = {"gb10d": [], "cat": [], "python": [], "devnull": []}
         for _ in range(repeats):
             samples["devnull"].append(to_devnull(ws, lines, mode))
             samples["cat"].append(through_cat(ws, lines, mode))
+            samples["python"].append(through_python(ws, lines, mode))
             samples["gb10d"].append(through_gb10d(ws, lines, mode))
         null_write = summary([s["child_write_s"] for s in samples["devnull"]])["median"]
         entry: dict[str, Any] = {"child_write_s": {k: summary([s["child_write_s"] for s in v]) for k, v in samples.items()}}
-        for name in ("gb10d", "cat"):
+        for name in ("gb10d", "cat", "python"):
             entry[name] = {
                 "lines_per_s": summary([s["lines_per_s"] for s in samples[name]]),
                 "forwarded_lines": samples[name][-1]["forwarded_lines"],
@@ -202,6 +252,11 @@ def run(ws: Workspace, quick: bool) -> dict[str, Any]:
         entry["bytes"] = samples["cat"][-1]["bytes"]
         g, c = entry["gb10d"]["lines_per_s"]["median"], entry["cat"]["lines_per_s"]["median"]
         entry["gb10d_vs_cat"] = g / c if c else None
+        # CPU seconds for the same lines, per repeat, then the median: CPU time hardly moves with what else the
+        # machine runs, where lines/s on a shared machine moves by 2x and more.
+        entry["gb10d_cpu_s"] = summary([s["cpu_s"] for s in samples["gb10d"]])
+        entry["python_cpu_s"] = summary([s["cpu_s"] for s in samples["python"]])
+        entry["gb10d_vs_python"] = summary([b["cpu_s"] / a["cpu_s"] for a, b in zip(samples["gb10d"], samples["python"])])
         if not quick:
             entry["components_in_process"] = {"lines_per_s": summary([components(ws, lines, mode)["lines_per_s"] for _ in range(3)])}
         result["modes"][mode] = entry

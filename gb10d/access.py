@@ -190,12 +190,20 @@ def ways_out(denial: Denial, unit: str) -> list[WayOut]:
     """
     node, who = denial.node, denial.who
     ways: list[WayOut] = []
+    manager = unit.removesuffix(".service")
+    on_unit = "" if manager == "gb10d" else f" --unit {manager}"
     if node.uid >= FIRST_REGULAR_UID and node.owner and node.owner != who.name:
-        manager = unit.removesuffix(".service")
         ways.append(WayOut(
             f"run the service as {node.owner}, who owns it, with the caches {node.owner}'s start script used",
-            f"sudo gb10d service-user {node.owner}" + ("" if manager == "gb10d" else f" --unit {manager}"),
+            f"sudo gb10d service-user {node.owner}{on_unit}",
         ))
+    if node.path == "/root" and who.uid != 0:
+        # root's home is private on purpose: first a place of its own, or the login user whose venv it would be.
+        ways.append(WayOut(
+            "make the venv outside /root, where the service user may read it, and set vllm.venv to it",
+            "sudo python3 -m venv /opt/vllm-venv && sudo /opt/vllm-venv/bin/pip install vllm",
+        ))
+        ways.append(WayOut("run the service as a login user, with the venv in that user's home", f"sudo gb10d service-user NAME{on_unit}"))
     letter = "".join(c for flag, c in ((Want.READ, "r"), (Want.WRITE, "w"), (Want.EXEC, "x")) if denial.want & flag)
     if node.gid >= FIRST_REGULAR_UID and node.group:
         grant = "" if (node.mode >> 3) & int(denial.want) == int(denial.want) else f"sudo chmod g+{letter} {node.path} && "

@@ -111,19 +111,51 @@ def utilization_below_minimum(why: str, new: float, minimum: float, machine: str
 
 
 def utilization_that_fits(utilization: float) -> str:
-    """The utilization gb10d restarts with after a memory failure, for an operator who sets it in advance."""
+    """The utilization gb10d restarts with after a memory failure, for an operator who would rather start with it."""
     return (
-        f"set vllm.gpu_memory_utilization = {utilization:g} in gb10d.toml; gb10d restarts with it by itself, "
-        "and freeing memory (page cache, other processes) lets a higher value fit"
+        f"after this failure gb10d restarts by itself with gpu_memory_utilization {utilization:g}, the value that fits now; to start "
+        f"with it from the first attempt, set vllm.gpu_memory_utilization = {utilization:g} in gb10d.toml"
     )
 
 
-def image_without_vllm(image: str, program: str | None, reason: str) -> str:
-    """The container started, but its init could not run vLLM's program: the image is not a vLLM image."""
+def what_holds_memory(held_gib: float, total_gib: float) -> str:
+    """Much of the memory is held before vLLM starts: finding the holder comes before settling for a lower share."""
+    return (
+        f"{held_gib:.1f} of {total_gib:g} GiB are held before vLLM starts; find what holds them first: a vLLM or "
+        "EngineCore left from a nohup or shell run (`pgrep -af 'vllm|EngineCore'`), another model "
+        "(`nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv`), or the page cache "
+        "(`grep -E 'MemAvailable|^Cached' /proc/meminfo`; `sync; echo 3 | sudo tee /proc/sys/vm/drop_caches` frees it). "
+        "Once it is stopped, the utilization as set fits again"
+    )
+
+
+def share_too_small(utilization: float, share_gib: float, weights_gib: float, weights_from: str,
+                    max_model_len: int | None) -> str | None:
+    """A warning when the share that fits leaves little or nothing beside the weights; None when it leaves plenty."""
+    left = share_gib - weights_gib
+    at = f"at {utilization:g} vLLM gets {share_gib:.1f} GiB"
+    if left <= 0:
+        return (f"warning: {at}, less than the model's {weights_gib:.1f} GiB of weights ({weights_from}): "
+                "it cannot load at that value; free the memory instead")
+    if left >= weights_gib:
+        return None
+    kv = f"the KV cache of max_model_len {max_model_len}" if max_model_len else "the KV cache"
+    return (f"warning: {at}; the weights take {weights_gib:.1f} GiB ({weights_from}), leaving {left:.1f} GiB for "
+            f"activations and {kv}, which may not hold it (vLLM then stops with no memory for the KV cache); "
+            "free the memory, or lower vllm.args.max_model_len")
+
+
+def image_without_vllm(image: str, program: str | None, reason: str, engine: str) -> str:
+    """The container started, but its init could not run vLLM's program: the image is not a vLLM image.
+
+    `engine` is container.engine; for "auto" the init's words tell: docker's
+    (tini) names the program, podman's (catatonit) does not.
+    """
     what = f"run {program}" if program else "run vllm"
+    client = engine if engine != "auto" else "docker" if program else "podman"
     return (
         f"the image {image} cannot {what} ({reason}): it has no vllm program on its PATH; set vllm.image to a vLLM "
-        'image (NVIDIA\'s is nvcr.io/nvidia/vllm:TAG); docker run --rm IMAGE vllm --version checks one'
+        f"image (NVIDIA's is nvcr.io/nvidia/vllm:TAG); {client} run --rm IMAGE vllm --version checks one"
     )
 
 
@@ -134,6 +166,23 @@ def ptxas_in_image(image: str) -> str:
         "nvcr.io/nvidia/vllm has one), or set vllm.env.TRITON_PTXAS_PATH to the ptxas of a CUDA 12.9 or later "
         "toolkit inside the image; not retrying"
     )
+
+
+def status_of_give_up(reason: str, limit: int) -> str:
+    """STATUS= when gb10d gives up: the cause, short enough for `systemctl status`, and where the fix is.
+
+    The cause is the reason up to its advice (the first "; "); cut at a word
+    when still too long, never mid-word, and marked with "..." (STATUS= is
+    plain ASCII, so an ellipsis character would show as "?"). The whole
+    reason is in the journal.
+    """
+    tail = "; the journal says how to fix it"
+    cause = reason.split("; ", 1)[0]
+    room = limit - len("failed: ") - len(tail)
+    if len(cause) > room:
+        cut = cause[: room - 3]
+        cause = (cut.rsplit(" ", 1)[0] if " " in cut else cut) + "..."
+    return f"failed: {cause}{tail}"
 
 
 def gave_up(attempts: int, last: str) -> str:

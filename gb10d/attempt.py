@@ -19,18 +19,20 @@ from .cluster import View
 from .command import Tunables, shell_line
 from .config import Config
 from .errors import GiveUp, SpawnError
-from .events import Event, Failure
+from .events import Event, Failure, GraphsProgressed, ShardsProgressed
 from .facts import AttemptFact, Exited, ExitSeen, Fact, Parsed, ProbeKind, Probed, Tick
 from .journal import Journal
-from .levels import PRIORITY_ERR, PRIORITY_INFO
+from .levels import PRIORITY_DEBUG, PRIORITY_ERR, PRIORITY_INFO
 from .lifecycle import Action, AttemptState
 from .logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
 from .memory import MemInfo
 from .outcome import Failed
-from .probe import Prober, base_url
+from .probe import OWN_QUERY, Prober, base_url, own_access_line
 from .probing import check_ready, poll_until_healthy, watch_liveness
 from .reporter import Reporter
 from .runtime import Launcher, Runtime
+from .tasks import Probe
+from .tasks import choose as choose_probe
 
 # How long the pipes may stay open after the API server exited before gb10d acts on the exit anyway.
 PIPE_DRAIN_S = 2.0
@@ -61,16 +63,52 @@ class OutputStream:
             self._post(event)
 
     def _lines(self, lines: list[Line]) -> None:
+        found: list[Event] = []
+        classify, forward, scan, vllm_line = self._classifier.classify, self._collapser.forward, self._scanner.feed_message, self._journal.vllm_line
         for line in lines:
             text = line.text
             # One classification serves both the journal's priority and the event scan.
-            record = self._classifier.classify(text)
-            if self._collapser.forward(text):
-                self._journal.vllm_line(text, record.priority)
-            for event in self._scanner.feed_message(record.message):
+            record = classify(text)
+            if forward(text):
+                # gb10d's own probes fill uvicorn's access log (some 19,000 lines a day idle): debug priority.
+                vllm_line(text, PRIORITY_DEBUG if own_access_line(record.message) else record.priority)
+            events = scan(record.message)
+            if events:
                 # A remote Ray worker's failure says which machine it happened on.
-                self._post(replace(event, node=record.node) if record.node and isinstance(event, Failure) else event)
+                found += [replace(e, node=record.node) if record.node and isinstance(e, Failure) else e for e in events]
+        # The lines reach the journal before what they mean reaches the loop.
         self._journal.flush()
+        for event in skip_between_steps(found):
+            self._post(event)
+
+
+def _same_bar(a: Event, b: Event) -> bool:
+    """Whether `b` is a later step of the same bar as `a` (shards or CUDA graphs, counting up to the same total)."""
+    if isinstance(a, ShardsProgressed) and isinstance(b, ShardsProgressed):
+        return a.total == b.total and a.eager == b.eager and a.done <= b.done
+    if isinstance(a, GraphsProgressed) and isinstance(b, GraphsProgressed):
+        return not a.finished and not b.finished and a.total == b.total and a.done <= b.done
+    return False
+
+
+def skip_between_steps(events: list[Event]) -> list[Event]:
+    """The events of one read of vLLM's pipe, without the steps a bar took between its first and last in that read.
+
+    tqdm redraws a CUDA-graph bar dozens of times on one physical line, so one
+    read holds many steps of it; the loop would fold each into the start's
+    state and say each on STATUS=, though it arrives in the same instant as
+    the last. The first step of a run stays (it shows a new shard pass, 8/8
+    then 0/8), and so does the last (where the bar got to); every other event
+    is kept as it is, in order.
+    """
+    if len(events) < 3:
+        return events
+    kept = [events[0]]
+    for before, event, after in zip(events, events[1:], events[2:]):
+        if not (_same_bar(before, event) and _same_bar(event, after)):
+            kept.append(event)
+    kept.append(events[-1])
+    return kept
 
 
 @dataclass(frozen=True)
@@ -138,7 +176,7 @@ class Attempt:
         )
         reporter.attempt_started(number, tunables, runtime.pid, baseline, start.reason)
         if config.metrics.proxy_vllm:
-            reporter.metrics.set_vllm_target(base_url(config.vllm.host, config.vllm.port) + "/metrics")
+            reporter.metrics.set_vllm_target(base_url(config.vllm.host, config.vllm.port) + "/metrics?" + OWN_QUERY)
         state, actions = lifecycle.begin(number, tunables, time.monotonic(), config)
         attempt = cls(start, state, runtime, config, reporter, post, on_ready)
         attempt._tasks.append(asyncio.create_task(attempt._follow_output()))
@@ -196,15 +234,19 @@ class Attempt:
         if self.config.liveness.enabled:
             self._tasks.append(
                 asyncio.create_task(
-                    watch_liveness(self.prober, self.config.liveness, self._post_probe, model=self.config.vllm.served_names[0])
+                    watch_liveness(self.prober, self.config.liveness, self._post_probe, model=self.config.vllm.served_names[0], probe=self._probe())
                 )
             )
 
     def _start_readiness(self) -> None:
         """Run the readiness checks, unless they are running; a check that gave up may run again."""
         if self._readiness is None or self._readiness.done():
-            self._readiness = asyncio.create_task(check_ready(self.prober, self.config, self._post_probe))
+            self._readiness = asyncio.create_task(check_ready(self.prober, self.config, self._post_probe, self._probe()))
             self._tasks.append(self._readiness)
+
+    def _probe(self) -> Probe:
+        """The warm-up and idle probe request for what this vLLM said its model serves."""
+        return choose_probe(self.config.liveness.probe_route, self.state.tasks)
 
     def _awaiting_health(self) -> bool:
         """The health poller's question: not ready, and no readiness check running."""

@@ -23,12 +23,13 @@ from .config import (
     DEFAULT_CONFIG_PATH,
     ClusterSection,
     LoadedConfig,
+    MemorySection,
     VllmSection,
     default_config_path,
     dropin_dir_for,
     load_config_explained,
 )
-from .errors import EXIT_OK, ConfigError, Gb10dError
+from .errors import EXIT_OK, ConfigError, Gb10dError, UsageError
 from .journal import connected_to_journal
 
 Handler = Callable[[argparse.Namespace], int]
@@ -77,6 +78,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from .service import query, unit_for_config
 
     loaded = _load(args)
+    _refuse_what_others_hold(loaded, _config_path(args))
     unit = args.unit or unit_for_config(_config_path(args))
     context = query(unit, args.user)
     report = check_paths(loaded, context)
@@ -105,24 +107,41 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _refuse_what_others_hold(loaded: LoadedConfig, path: Path) -> None:
+    """A port or file that another living instance holds, told as a config error naming both (the ledger knows them)."""
+    from .instance import holds, instance_of
+    from .ledger import held_elsewhere
+
+    ledger = loaded.config.memory.ledger_path
+    taken = held_elsewhere(ledger, str(path), holds(loaded.config, path)) if ledger is not None else []
+    if taken:
+        own = instance_of(path) is not None
+        raise ConfigError([loaded.problem(clash.key, clash.describe(str(path), own)) for clash in taken])
+
+
 def cmd_service_user(args: argparse.Namespace) -> int:
     """Run the unit as a login user (or, given gb10d, as the system user again): the drop-in, lingering, daemon-reload."""
     import pwd
 
     from .access import group_name
-    from .service import SYSTEM_USER, dropin_dir, install_user_dropin, unit_for_config, user_dropin
+    from .service import SYSTEM_USER, dropin_dir, install_user_dropin, systemd_running, unit_for_config, user_dropin
 
     unit = args.unit or unit_for_config(_config_path(args))
     try:
         entry = pwd.getpwnam(args.user)
     except KeyError:
-        raise Gb10dError(f"no user {args.user} on this machine") from None
+        raise UsageError(f"no user {args.user} on this machine: check the name with getent passwd") from None
     if entry.pw_uid == 0:
-        raise Gb10dError("gb10d does not run vLLM as root; name the user whose start script ran it, or gb10d for the system user")
+        raise UsageError("gb10d does not run vLLM as root; name the user whose start script ran it, or gb10d for the system user")
     if args.print:
         if args.user != SYSTEM_USER:
             sys.stdout.write(user_dropin(entry.pw_name, group_name(entry.pw_gid), entry.pw_dir))
         return EXIT_OK
+    if not systemd_running():
+        raise Gb10dError(
+            f"systemd is not running on this machine, so a drop-in for {unit} would never be read; nothing was written. "
+            f"Run gb10d in the foreground as {args.user} instead (gb10d run), or see the drop-in with: gb10d service-user {args.user} --print"
+        )
     if os.geteuid() != 0:
         raise Gb10dError(f"writing {dropin_dir(unit)} needs root: sudo gb10d service-user {args.user}")
     for line in install_user_dropin(unit, entry.pw_name).lines:
@@ -191,12 +210,12 @@ def _print_ray_command(cluster: ClusterSection, vllm: VllmSection) -> dict[str, 
 def cmd_import_script(args: argparse.Namespace) -> int:
     """Translate a hand-written start script into gb10d.toml on stdout."""
     from .importscript import import_script, read_script, render
-    from .migrate import for_the_service, merge, survey
+    from .migrate import for_the_service, merge, script_owner, survey
 
     text, shown = read_script(args.script)
-    imported = import_script(text, shown)
+    imported = import_script(text, shown, script_owner())
     vllm = imported.data["vllm"]
-    sys.stdout.write(render(merge(imported, for_the_service(vllm, survey(vllm))), shown))
+    sys.stdout.write(render(merge(imported, for_the_service(vllm, survey(vllm), imported.data.get("container"))), shown))
     return EXIT_OK
 
 
@@ -242,11 +261,17 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Summarise the running daemon from its state file, or every instance from the memory ledger (exit 3 when not running)."""
-    from .status import memory_settings, programs_of, show_all, show_status, state_file_path
+    from .status import front_state_file, programs_of, show_all, show_status, state_file_path, status_config
 
+    if args.state_file and not args.all:
+        config = None  # the state file is named: no config is read for it
+    else:
+        config = status_config(_config_path(args), named=bool(getattr(args, "config", None) or os.environ.get(CONFIG_ENV)))
+    state_file = state_file_path(args.state_file, config)
     if args.all:
-        return show_all(memory_settings(_config_path(args)), json_output=args.json)
-    return show_status(state_file_path(args.state_file, _config_path(args)), json_output=args.json, record=programs_of(_config_path(args)))
+        return show_all(config.memory if config is not None else MemorySection(), state_file, json_output=args.json,
+                        front=front_state_file(_config_path(args)))
+    return show_status(state_file, json_output=args.json, record=programs_of(config))
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
@@ -283,11 +308,29 @@ def _forget_candidate(learned_file: Path) -> int:
     return EXIT_OK
 
 
+def cmd_front(args: argparse.Namespace) -> int:
+    """Serve the one public endpoint before every instance (what gb10d-front.service starts)."""
+    import asyncio
+
+    from .config import load_front
+    from .front.instances import api_keys, discover
+    from .front.server import serve
+
+    settings = load_front(_config_path(args))
+    known = discover(settings, _config_path(args))
+    keys = api_keys(settings)
+    try:
+        asyncio.run(serve(settings, known, keys))
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the real supervisor against gb10d.sim in a temporary directory."""
     from .demo import run_demo
 
-    return run_demo(args.scenario, args.speed, args.verbose)
+    return run_demo(args.scenario, args.speed, args.verbose, keep=Path(args.keep) if args.keep else None)
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
@@ -410,6 +453,16 @@ def build_parser() -> argparse.ArgumentParser:
         "ExecStopPost, so a container never outlives its gb10d. Refuses while a gb10d runs with this config; "
         "does nothing for vLLM from a venv. Exit 0 when nothing of the config's container is left.",
     )
+    add(
+        "front",
+        cmd_front,
+        "serve one OpenAI-compatible endpoint before every instance",
+        "Listen on [front] listen (default 0.0.0.0:8000) and pass each request to the gb10d instance serving its "
+        "\"model\": the main config when it runs a model, and every instance config in [front] instances_dir "
+        "(default /etc/gb10d/*.toml), each on its own internal [vllm] port. A request for an instance that is starting "
+        "or recovering is held until it serves (front.hold_timeout_s, front.queue_limit), then gets 503 with "
+        "Retry-After. /v1/models lists every configured model with its state. gb10d-front.service runs this.",
+    )
     p = add(
         "status",
         cmd_status,
@@ -417,10 +470,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Show the daemon's state, startup phase and progress, model and URL, attempt, effective "
         "gpu_memory_utilization, memory, uptime and last failure, from the state file it keeps "
         "([daemon] state_file, default /run/gb10d/state.json). Exit 0 when running, 3 when not "
-        "(like systemctl status), 4 when the state file cannot be read. With --all: every gb10d instance of this "
+        "(like systemctl status), 4 when the state file cannot be read, 78 when the config --config or "
+        f"${CONFIG_ENV} names does not load. With --all: every gb10d instance of this "
         "machine from the memory ledger they share ([memory] ledger_dir, default /run/gb10d-ledger): state, phase, "
-        "reservation, real use, whom a waiting one waits for, and the memory left; exit 0 when any runs, 3 when none "
-        "does, 4 when the ledger cannot be read.",
+        "reservation, real use, whom a waiting one waits for, and the memory left; without a ledger, the running "
+        "instances the state files beside the config's name; exit 0 when any runs, 3 when none "
+        "does, 4 when neither can be read.",
     )
     p.add_argument("--all", action="store_true", help="every gb10d instance of this machine, from the memory ledger")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
@@ -454,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("scenario", nargs="?", default="free-memory", choices=sorted(SCENARIOS), help="what to show (default: free-memory)")
     p.add_argument("--speed", type=float, default=0.02, help="time factor of the simulated vLLM (1 = real GB10 minutes; default 0.02)")
     p.add_argument("--verbose", action="store_true", help="also show every line vLLM printed, as the journal gets them")
+    p.add_argument("--keep", metavar="DIR", help="leave the simulated machine (the stand-in vLLM, its memory, the config, "
+                   "what gb10d learned) in DIR, a new or empty directory, to run gb10d run --config DIR/gb10d.toml on")
     p = add(
         "diagnose",
         cmd_diagnose,

@@ -14,6 +14,7 @@ import re
 import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Any, Literal, Mapping, Sequence
 
 from .config import DEFAULT_CONFIG_PATH, Config, ContainerSection, VllmSection, normalize_flag
@@ -407,7 +408,19 @@ def redact_setting(dotted: str, value: Any) -> Any:
         return REDACTED
     if dotted == "vllm.extra_args":
         return redact_argv(value)
+    if dotted == "alerts.webhooks":
+        # Tokens live in webhook paths, queries and headers: only where each one goes, and how, is shown.
+        return [{"url": url_shown(hook.url), "format": hook.format, **({"headers": dict.fromkeys(hook.headers, REDACTED)} if hook.headers else {})}
+                for hook in value]
+    if dotted == "front.api_keys":
+        return [REDACTED for _ in value]
     return value
+
+
+def url_shown(url: str) -> str:
+    """A URL as the journal or --explain may show it: scheme and host only (tokens live in paths, queries and users)."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}/…"
 
 
 def shell_line(argv: list[str], env: Mapping[str, str] | None = None, path_prefix: Path | None = None) -> str:

@@ -24,11 +24,12 @@ from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from .errors import ConfigError, ConfigProblem
 from .image import parse_reference
+from .tasks import ProbeRoute
 
 DEFAULT_CONFIG_PATH = Path("/etc/gb10d.toml")
 CONFIG_ENV = "GB10D_CONFIG"
@@ -255,6 +256,10 @@ class MemorySection(_Table):
     ledger_dir: str = "/run/gb10d-ledger"
     # A start whose share does not fit beside the starts of other instances waits for them, or fails at once.
     when_full: Literal["wait", "fail"] = "wait"
+    # The NVIDIA driver's out-of-memory line stops vLLM only with evidence (driveroom.py): this many lines within
+    # driver_oom_window_s are a burst that counts as evidence, and a line counts for that long.
+    driver_oom_burst: int = Field(default=50, ge=1)
+    driver_oom_window_s: float = Field(default=60.0, gt=0)
 
     @field_validator("ledger_dir")
     @classmethod
@@ -303,6 +308,34 @@ class LivenessSection(_Table):
     # Generous: the probe normally takes well under a second, but it shares the
     # engine with whatever arrives after it (and tokens flowing excuse it anyway).
     probe_timeout_s: float = Field(default=60.0, gt=0)
+    # The route of the warm-up and of the idle probe: "auto" follows vLLM's `Supported tasks` line (a completion
+    # for a model that generates, an embedding for an embedding model); "none" sends no request at all.
+    probe_route: ProbeRoute = "auto"
+
+
+class Webhook(_Table):
+    """One `[[alerts.webhooks]]`: where gb10d posts its alerts, and in which body."""
+
+    url: str
+    format: Literal["json", "ntfy", "slack"] = "json"
+    # Values may say ${NAME}: taken from gb10d's environment or vllm.env_file when sent, so no token sits in gb10d.toml.
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError('must be an http:// or https:// URL such as "https://ntfy.sh/my-gb10"')
+        return value
+
+
+class AlertsSection(_Table):
+    """`[alerts]`: webhooks gb10d posts to on a give-up, a stall, a driver event, memory not returned and a recovery."""
+
+    webhooks: list[Webhook] = Field(default_factory=list)
+    timeout_s: float = Field(default=10.0, gt=0)
+    retries: int = Field(default=3, ge=0, le=10)
+    retry_initial_s: float = Field(default=2.0, ge=0)
 
 
 class MetricsSection(_Table):
@@ -327,6 +360,78 @@ class MetricsSection(_Table):
         if not self.listen:
             return None
         host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+API_KEY_FORM = (
+    "each key must be at least 16 characters without spaces (e.g. from `openssl rand -hex 24`), optionally followed by "
+    'the models it may use: "KEY qwen llama"'
+)
+
+
+def api_key_problem(entry: str) -> bool:
+    """Whether an api_keys entry is malformed (its key too short); the message, API_KEY_FORM, never repeats the key."""
+    words = entry.split()
+    return not words or len(words[0]) < 16
+
+
+class FrontSection(_Table):
+    """`[front]`: the one public endpoint (`gb10d front`) before every gb10d instance of the machine.
+
+    Read from the front's own config (/etc/gb10d.toml); in an instance's config it is accepted and ignored, so one
+    file may carry both."""
+
+    listen: str = "0.0.0.0:8000"
+    # The instance configs, one *.toml per `gb10d@NAME`; their [vllm] host and port are the internal addresses.
+    instances_dir: Path = Field(default=Path("/etc/gb10d"), strict=False)
+    # How long a request waits for its model's instance to start or recover before it gets 503 with Retry-After.
+    hold_timeout_s: float = Field(default=900.0, gt=0)
+    # Requests held per model at once; one more gets 503 at once.
+    queue_limit: int = Field(default=256, ge=1)
+    # A request body over this gets 413: vLLM's image and audio inputs fit far below it.
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    # Prometheus metrics per model (requests, held, hold time, rejected); "" disables them.
+    metrics_listen: str = "127.0.0.1:9500"
+    # Each model's state and held requests, rewritten as they change, for `gb10d status --all`.
+    state_file: Path = Field(default=Path("/run/gb10d-front/state.json"), strict=False)
+    # Keys a client must send (`Authorization: Bearer KEY` or `x-api-key: KEY`); none: every client is let in.
+    # "KEY qwen llama": a key that may use only those models.
+    api_keys: list[str] = Field(default_factory=list)
+    # More keys, one entry a line in the same form (# comments), kept out of the config: root:gb10d, mode 0640.
+    api_keys_file: Path | None = Field(default=None, strict=False)
+
+    absolute_dir = field_validator("instances_dir", "api_keys_file", "state_file")(_absolute)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_long_enough(cls, value: list[str]) -> list[str]:
+        if any(api_key_problem(entry) for entry in value):
+            raise ValueError(API_KEY_FORM)
+        return value
+
+    @field_validator("listen", "metrics_listen")
+    @classmethod
+    def _listen_form(cls, value: str, info: ValidationInfo) -> str:
+        if value == "" and info.field_name == "metrics_listen":
+            return value
+        host, sep, port = value.rpartition(":")
+        if not sep or not port.isdigit() or not (0 < int(port) < 65536) or not host:
+            example = '"0.0.0.0:8000" or "127.0.0.1:8000"' if info.field_name == "listen" else '"127.0.0.1:9500", or "" to disable'
+            raise ValueError(f"must be \"HOST:PORT\" such as {example} (got {value!r})")
+        return value
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) to bind."""
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of the metrics listener, or None when disabled."""
+        if not self.metrics_listen:
+            return None
+        host, _, port = self.metrics_listen.rpartition(":")
         return host.strip("[]"), int(port)
 
 
@@ -500,9 +605,11 @@ class Config(_Table):
     restart: RestartSection = Field(default_factory=RestartSection)
     liveness: LivenessSection = Field(default_factory=LivenessSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
+    alerts: AlertsSection = Field(default_factory=AlertsSection)
     daemon: DaemonSection = Field(default_factory=DaemonSection)
     container: ContainerSection = Field(default_factory=ContainerSection)
     cluster: ClusterSection | None = None
+    front: FrontSection | None = None
 
     def tables(self) -> Iterator[tuple[str, _Table]]:
         """(name, table) in schema order, skipping a table that does not apply ([cluster] left out, [container] without an image)."""
@@ -756,6 +863,7 @@ class LoadedConfig:
     config: Config
     files: tuple[Path, ...]
     locations: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    derived: dict[str, str] = field(default_factory=dict)  # defaults of its own an instance got, and why
 
     def location_of(self, dotted: str) -> tuple[str, int | None] | None:
         """(file, line) that set this key or a table holding it; None for a default."""
@@ -770,7 +878,7 @@ class LoadedConfig:
         """`FILE:LINE` of the file that set this key, else "default"."""
         where = self.location_of(dotted)
         if where is None:
-            return DEFAULT_SOURCE
+            return self.derived.get(dotted, DEFAULT_SOURCE)
         file, line = where
         return f"{file}:{line}" if line else file
 
@@ -946,11 +1054,36 @@ def load_config_explained(path: Path | None = None, dropin_dir: Path | None = No
         layers.add(file, data, text)
     if problems:
         raise ConfigError(problems)
+    derived: dict[str, str] = {}
+    if layers.data:
+        from .instance import fill_defaults  # the instance's own state files and metrics port; imports this module
+
+        derived = fill_defaults(layers.data, path)
     config = _validate(layers)
     locations = {".".join(key): layers.location(key) for key in layers.origin}
-    return LoadedConfig(config=config, files=tuple(layers.files), locations=locations)
+    return LoadedConfig(config=config, files=tuple(layers.files), locations=locations, derived=derived)
 
 
 def load_config(path: Path | None = None, dropin_dir: Path | None = None) -> Config:
     """Read, merge and validate the config file and its drop-ins; the only error raised is ConfigError."""
     return load_config_explained(path, dropin_dir).config
+
+
+class _FrontFile(_Table):
+    """The front's view of its config: `[front]` alone; the rest belongs to the gb10d instance the file may also run."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, validate_default=True, strict=True)
+    front: FrontSection = Field(default_factory=FrontSection)
+
+
+def load_front(path: Path) -> FrontSection:
+    """`[front]` of `path` (defaults when the file or the table is absent), problems located like load_config's."""
+    if not path.exists():
+        return FrontSection()
+    data, text = read_toml(path)
+    layers = _Layers()
+    layers.add(path, data, text)
+    try:
+        return _FrontFile.model_validate(data).front
+    except ValidationError as exc:
+        raise ConfigError(_problems_from(exc, layers)) from None

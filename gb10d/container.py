@@ -23,6 +23,7 @@ import os
 import pty
 import pwd
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -346,6 +347,24 @@ def probe(engine: Engine, env: Mapping[str, str] | None = None) -> EngineUnavail
     return _unreachable(engine, EngineResult(done.returncode, done.stdout, done.stderr), "info" if engine.kind == "podman" else "version")
 
 
+def _missing_socket(container: ContainerSection) -> EngineUnavailable | None:
+    """A configured socket that is not there: the config's mistake (78), not an engine that may yet come up."""
+    socket = container.socket
+    if socket is None:
+        return None
+    try:
+        os.stat(socket)
+        return None
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError:
+        return None  # not ours to look at (a 0700 /run/podman): the engine's client says what it finds
+    return EngineUnavailable(
+        f"there is no socket {socket}: no engine can answer there; set container.socket to the engine's API socket "
+        f"(docker: /var/run/docker.sock, podman: {PODMAN_SOCKET}), or remove it to use the engine's default"
+    )
+
+
 def choose_engine(container: ContainerSection, env: Mapping[str, str] | None = None) -> tuple[Engine, EngineUnavailable | None]:
     """The engine to use and, when it cannot be reached, what to do about it.
 
@@ -353,6 +372,9 @@ def choose_engine(container: ContainerSection, env: Mapping[str, str] | None = N
     answers; when neither does, docker with both engines' problems.
     """
     as_root = os.geteuid() == 0
+    missing = _missing_socket(container)
+    if missing is not None:
+        return engine_client("docker" if container.engine == "auto" else container.engine, container.socket, as_root), missing
     if container.engine != "auto":
         engine = engine_client(container.engine, container.socket, as_root)
         return engine, probe(engine, env)
@@ -375,7 +397,10 @@ def engine_problems(loaded: LoadedConfig) -> tuple[Engine, list[ConfigProblem]]:
     config = loaded.config
     assert config.vllm.image is not None
     engine, problem = choose_engine(config.container)
-    where = "container.engine" if loaded.location_of("container.engine") else "vllm.image"
+    # The line to fix: the socket when one is set and the client is installed, else the engine, else the image.
+    on_socket = config.container.socket is not None and shutil.which(engine.client[0]) is not None
+    keys = [key for key in ("container.socket" if on_socket else "", "container.engine") if key and loaded.location_of(key)]
+    where = keys[0] if keys else "vllm.image"
     if problem is not None:
         return engine, [loaded.problem(where, str(problem))]
     problems: list[ConfigProblem] = []

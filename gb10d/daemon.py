@@ -26,7 +26,8 @@ from .facts import Edited
 from .journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal
 from .keeper import ConfigKeeper
 from .kernellog import KernelLog
-from .ledger import Booking, instance_name, open_booking
+from .instance import holds
+from .ledger import instance_name, open_booking
 from .levels import PRIORITY_ERR, PRIORITY_WARNING
 from .loop import FactLoop
 from .metrics import Metrics
@@ -35,7 +36,7 @@ from .pair import Pair
 from .preflight import Preflight
 from .process import become_subreaper
 from .reload import ConfigSnapshot
-from .reporter import Reporter
+from .reporter import STATUS_MAX, Reporter
 from .runtime import Launcher, LocalLauncher
 from .supervisor import Supervisor
 from .worker import WorkerDaemon
@@ -72,13 +73,23 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
     """Run the daemon the config asks for until it stops (0) or gives up (its exit status)."""
     config = snapshot.config
     reporter = Reporter(config, journal, notifier, metrics)
+    try:
+        # First, before the state file or the metrics port is touched: they may be another living instance's.
+        booking = open_booking(
+            config.memory.ledger_path, instance_name(path), str(path),
+            lambda text: reporter.say("memory_ledger", text, PRIORITY_WARNING), holds(config, path),
+        )
+    except GiveUp as exc:
+        reporter.say("gave_up", exc.reason, PRIORITY_ERR, exit_status=exc.exit_status)
+        notifier.status(f"failed: {exc.reason}"[:STATUS_MAX])
+        reporter.close()
+        return exc.exit_status
     keeper = ConfigKeeper(path, snapshot, reporter)
     loop = FactLoop(notifier)
-    pair = Pair(config, reporter, loop) if config.cluster is not None else None
-    preflight = Preflight(lambda: keeper.config, keeper.env, reporter)
+    pair = Pair(keeper, reporter, loop) if config.cluster is not None else None
+    preflight = Preflight(keeper, reporter)
     supervisor: Supervisor | None = None
-    booking: Booking | None = None
-    kernel = KernelLog(config.daemon.kernel_log, loop.post, reporter)
+    kernel = KernelLog(config.daemon.kernel_log, loop.post, lambda text: reporter.say("kernel_log", text, PRIORITY_WARNING))
     loop.install()
     reporter.serve_metrics()
     keeper.watch(asyncio.get_running_loop(), lambda: loop.post(Edited()))
@@ -89,14 +100,11 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
         if pair is not None and pair.cluster.role == "worker":
             return await WorkerDaemon(keeper, reporter, loop, pair).serve()
         # vLLM runs here: its share of the machine's memory is booked in the ledger the instances share.
-        booking = open_booking(
-            config.memory.ledger_path, instance_name(path), str(path), lambda text: reporter.say("memory_ledger", text, PRIORITY_WARNING)
-        )
         reporter.booking = preflight.booking = booking
         supervisor = Supervisor(keeper, reporter, loop, preflight, EngineChoice(path), pair, host)
         return await supervisor.supervise()
     except GiveUp as exc:
-        reporter.gave_up(exc.reason, exc.exit_status)
+        reporter.gave_up(exc.reason, exc.exit_status, exc.told)
         return exc.exit_status
     finally:
         keeper.close()

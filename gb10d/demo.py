@@ -10,6 +10,7 @@ and benchmarks watch gb10d with.
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 import threading
@@ -21,7 +22,11 @@ from typing import Any, TextIO
 import httpx
 import tomli_w
 
+from .errors import Gb10dError
 from .lab import GB10_TOTAL_GIB, Gb10d, NotifyReceiver, carries, free_port, write_meminfo
+from .learnedfile import load as load_learned
+
+_PRIORITY = re.compile(r"^<[0-7]>")
 
 
 @dataclass(frozen=True)
@@ -116,17 +121,21 @@ class _Screen:
         self._stamped("systemd <- " + " ".join(f"{key}={value}" for key, value in fields.items()))
 
     def line(self, line: str) -> None:
-        """gb10d's own lines are shown; vLLM's forwarded ones only counted, unless verbose."""
-        line = line.rstrip()
-        if self._verbose or line[3:].startswith("gb10d: "):
+        """gb10d's own lines are shown; vLLM's forwarded ones only counted, unless verbose.
+
+        The `<6>` in front of each line is the priority journald reads from a
+        service's stdout; a reader of the demo is not journald, so it is left out.
+        """
+        line = _PRIORITY.sub("", line.rstrip(), count=1)
+        if self._verbose or line.startswith("gb10d: "):
             self._stamped(f"journal | {line}")
         else:
             self.hidden += 1
 
 
-def _show(name: str, scenario: Scenario, speed: float, verbose: bool, out: TextIO) -> int:
+def _show(name: str, scenario: Scenario, speed: float, verbose: bool, out: TextIO, keep: Path | None) -> int:
     with tempfile.TemporaryDirectory(prefix="gb10d-demo-") as tmp:
-        root = Path(tmp)
+        root = keep or Path(tmp)
         config, port = _write_files(root, scenario, speed)
         screen = _Screen(out, verbose)
         ready = threading.Event()
@@ -163,10 +172,37 @@ def _show(name: str, scenario: Scenario, speed: float, verbose: bool, out: TextI
         out.write(f"\ngb10d exited with status {status}.")
         if screen.hidden:
             out.write(f" {screen.hidden} lines vLLM printed were forwarded too (shown with --verbose).")
-        out.write("\n")
+        out.write("\n" + _kept(root / "learned.toml", config if keep is not None else None))
+        if keep is not None:
+            out.write(
+                f"\nThe simulated machine stays in {keep}: run gb10d on it yourself with\n"
+                f"    gb10d run --config {config}\n"
+                f"and watch it with gb10d status --config {config} (Ctrl-C stops it, as systemctl stop would).\n"
+            )
         return 0 if ready.is_set() and status == 0 else 1
 
 
-def run_demo(name: str, speed: float, verbose: bool = False, out: TextIO = sys.stdout) -> int:
-    """Run one named demo scenario; returns 0 when it reached READY and stopped cleanly."""
-    return _show(name, SCENARIOS[name], speed, verbose, out)
+def _kept(learned: Path, config: Path | None) -> str:
+    """What gb10d learned and kept for its next start, in a sentence; "" when the first start needed no correction.
+
+    With `config` (the files stay) the sentence names the file and how to undo it.
+    """
+    entry = load_learned(learned).entry
+    if entry is None or entry.gpu_memory_utilization is None:
+        return ""
+    where = f"in {learned}" if config else "in its learned file (daemon.learned_file)"
+    undo = f" (gb10d forget --config {config} undoes that)" if config else ""
+    return f"gb10d kept the value that worked, gpu_memory_utilization {entry.gpu_memory_utilization:g}, {where}: its next start begins with it{undo}.\n"
+
+
+def prepare_keep(directory: Path) -> Path:
+    """The directory `--keep` leaves the demo's files in: new or empty, never one with the operator's files in it."""
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise Gb10dError(f"{directory} is not an empty directory; name a new one for gb10d demo --keep")
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory.resolve()
+
+
+def run_demo(name: str, speed: float, verbose: bool = False, out: TextIO = sys.stdout, keep: Path | None = None) -> int:
+    """Run one named demo scenario, its files in `keep` if given; returns 0 when it reached READY and stopped cleanly."""
+    return _show(name, SCENARIOS[name], speed, verbose, out, prepare_keep(keep) if keep is not None else None)

@@ -56,6 +56,7 @@ from .events import (
     StatsLogged,
     UnsupportedBuild,
     VersionSeen,
+    WeightsLoaded,
 )
 from .kernel import describe as kernel_describe
 from .kernel import xid_meaning
@@ -285,6 +286,12 @@ _START_WORDS = re.compile(r"^(?:vLLM (?:API )?server version|non-default args:|u
 _ARGS_UTIL = re.compile(r"'gpu_memory_utilization': ([\d.]+)")
 _ARGS_PORT = re.compile(r"'port': (\d+)")
 _ARGS_MODEL = re.compile(r"'model(?:_tag)?': '([^']+)'")
+_ARGS_MAX_LEN = re.compile(r"'max_model_len': (\d+)")
+# A model's parameter count and quantization as its name gives them (`Qwen3.6-27B-FP8`, `Llama-3.1-8B-Instruct-AWQ`).
+_NAME_PARAMS = re.compile(r"(?:^|[-_])(\d+(?:\.\d+)?)[Bb](?=$|[-_.])")
+_NAME_BYTES = ((re.compile(r"(?i)fp4|mxfp4|awq|gptq|int4|w4a"), 0.5), (re.compile(r"(?i)fp8|int8|w8a"), 1.0))
+# Free memory below this share of the total means something holds it, not the desktop and the OS.
+_MUCH_HELD = 0.25
 _GB10D_STALL = re.compile(r"no loading progress for (\d+) s")
 # SIGKILL from outside, told by a shell, systemd or the kernel (on GB10 almost always the OOM killer).
 _KILLED = re.compile(
@@ -402,9 +409,9 @@ def _serious_xid(e: Failure) -> bool:
 # What decides the verdict when a start shows several failures, most telling first: the
 # platform's own failures explain the vLLM errors they cause, a specific failure explains
 # the wrappers printed after it, and vLLM 0.23's bare `Failed core proc(s): {}` counts only
-# when nothing else was printed.
+# when nothing else was printed. The driver's out-of-memory line is logged by healthy starts
+# on GB10 too (driveroom.py): it explains an engine's death, never an error vLLM named itself.
 _RANKS: tuple[Callable[[Failure], bool], ...] = (
-    lambda e: isinstance(e, DriverOutOfMemory),
     _serious_xid,
     lambda e: isinstance(e, UnsupportedBuild),
     lambda e: isinstance(e, PtxasArchUnsupported),
@@ -416,6 +423,7 @@ _RANKS: tuple[Callable[[Failure], bool], ...] = (
     lambda e: isinstance(e, (PortInUse, InternalPortInUse)),
     lambda e: isinstance(e, (ModelNotFound, ModelGated)),
     lambda e: isinstance(e, BadArgument),
+    lambda e: isinstance(e, DriverOutOfMemory),
     lambda e: isinstance(e, EngineDied),
     lambda e: isinstance(e, (IpcRemoved, GpuXid)),
     lambda e: isinstance(e, ExceptionRaised) or (isinstance(e, EngineStartFailed) and not isinstance(e, HiddenInitFailure)),
@@ -427,13 +435,13 @@ _STOP_EXCEPTIONS = ("KeyboardInterrupt", "SystemExit", "CancelledError")
 
 def _generic(event: Failure) -> bool:
     """A failure that wraps or hints at another rather than naming a cause of its own."""
-    return (isinstance(event, (ExceptionRaised, EngineStartFailed, EngineDied))
+    return (isinstance(event, (ExceptionRaised, EngineStartFailed, EngineDied, DriverOutOfMemory))
             or (isinstance(event, IpcRemoved) and not event.confirmed) or (isinstance(event, GpuXid) and not _serious_xid(event)))
 
 
 def _passing(event: Failure) -> bool:
     """A failure line a start can go on after (a caught exception's traceback, a warning): it ends nothing by itself."""
-    return (isinstance(event, ExceptionRaised) or (isinstance(event, IpcRemoved) and not event.confirmed)
+    return (isinstance(event, (ExceptionRaised, DriverOutOfMemory)) or (isinstance(event, IpcRemoved) and not event.confirmed)
             or (isinstance(event, GpuXid) and not _serious_xid(event)))
 
 
@@ -483,7 +491,8 @@ def diagnose(text: str, stall_timeout_s: float = 300.0) -> Diagnosis:
             progress_index = index
     failure = _deciding_failure(attempt, progress_index)
     if failure is not None:
-        return _failure_verdict(failure, attempt, facts)
+        weights = next((e.gib for e in reversed(every) if isinstance(e, WeightsLoaded) and e.gib), None)
+        return _failure_verdict(failure, attempt, facts, weights)
 
     if attempt.killed:
         return _killed_verdict(attempt, facts)
@@ -632,7 +641,7 @@ def _killed_verdict(attempt: _Attempt, facts: dict[str, Any]) -> Diagnosis:
     )
 
 
-def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any]) -> Diagnosis:
+def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any], weights_gib: float | None = None) -> Diagnosis:
     current_util = _current_utilization(attempt)
     args_model = _ARGS_MODEL.search(attempt.args)
     args_port = _ARGS_PORT.search(attempt.args)
@@ -642,16 +651,7 @@ def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any]) -
     if issue is not None:
         return _platform_verdict(issue.name, event, facts)
     if isinstance(event, FreeMemoryShort):
-        facts.update(free_gib=event.free_gib, total_gib=event.total_gib, requested_utilization=event.requested_utilization,
-                     requested_gib=event.requested_gib)
-        decision = _what_gb10d_does(Cause.FREE_MEMORY, event, event.requested_utilization, log_model, log_port)
-        if isinstance(decision, Retry):
-            facts["suggested_utilization"] = decision.tunables.gpu_memory_utilization
-        return Diagnosis(
-            "free_memory", facts, _lowered(decision, ""),
-            f"vLLM refused to start: free memory {_gib(event.free_gib)} of {_gib(event.total_gib)} GiB is below "
-            f"gpu_memory_utilization {event.requested_utilization:g} ({_gib(event.requested_gib)} GiB).",
-        )
+        return _free_memory_verdict(event, attempt, facts, weights_gib, log_model, log_port)
     if isinstance(event, KvCacheInsufficient):
         facts["max_model_len"] = event.max_model_len
         if event.needed_gib is not None and event.available_gib is not None:
@@ -739,6 +739,44 @@ def _failure_verdict(event: Failure, attempt: _Attempt, facts: dict[str, Any]) -
         "(gb10d print-command shows the full command), then restart gb10d.",
         f"vLLM crashed: {cause}.",
     )
+
+
+def _free_memory_verdict(event: FreeMemoryShort, attempt: _Attempt, facts: dict[str, Any], weights_gib: float | None,
+                         model: str | None, port: int | None) -> Diagnosis:
+    """Too little free memory: what holds it first when much is held, then the value that fits and whether it holds the model."""
+    facts.update(free_gib=event.free_gib, total_gib=event.total_gib, requested_utilization=event.requested_utilization,
+                 requested_gib=event.requested_gib)
+    decision = _what_gb10d_does(Cause.FREE_MEMORY, event, event.requested_utilization, model, port)
+    held = event.total_gib - event.free_gib
+    parts = [advice.what_holds_memory(held, event.total_gib)] if held > _MUCH_HELD * event.total_gib else []
+    parts.append(_lowered(decision, ""))
+    if isinstance(decision, Retry):
+        fits = decision.tunables.gpu_memory_utilization
+        facts["suggested_utilization"] = fits
+        found = _ARGS_MAX_LEN.search(attempt.args)
+        max_len = int(found.group(1)) if found else None
+        weights_from = "as vLLM loaded them before"
+        if weights_gib is None and model:
+            weights_gib, weights_from = _weights_from_name(model), f"estimated from the name {model}"
+        if weights_gib is not None:
+            facts["weights_gib"] = round(weights_gib, 2)
+            warning = advice.share_too_small(fits, fits * event.total_gib, weights_gib, weights_from, max_len)
+            parts += [warning] if warning else []
+    return Diagnosis(
+        "free_memory", facts, " ".join(_sentence(p) for p in parts if p),
+        f"vLLM refused to start: free memory {_gib(event.free_gib)} of {_gib(event.total_gib)} GiB is below "
+        f"gpu_memory_utilization {event.requested_utilization:g} ({_gib(event.requested_gib)} GiB).",
+    )
+
+
+def _weights_from_name(model: str) -> float | None:
+    """The weights' GiB from the parameters and quantization a model's name states; None when it states no size."""
+    name = model.rstrip("/").rsplit("/", 1)[-1]
+    found = _NAME_PARAMS.search(name)
+    if found is None:
+        return None
+    per_param = next((size for pattern, size in _NAME_BYTES if pattern.search(name)), 2.0)
+    return float(found.group(1)) * 1e9 * per_param / 2**30
 
 
 def _platform_verdict(name: str, event: Failure, facts: dict[str, Any]) -> Diagnosis:

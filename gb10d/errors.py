@@ -52,6 +52,12 @@ class ConfigError(Gb10dError):
         super().__init__("\n".join(str(p) for p in problems))
 
 
+class UsageError(Gb10dError):
+    """The command line asks for something that cannot be (a user this machine lacks); nothing was done."""
+
+    exit_status = EXIT_CONFIG
+
+
 class SpawnError(Gb10dError):
     """vLLM could not be started at all (missing or non-executable program)."""
 
@@ -59,9 +65,12 @@ class SpawnError(Gb10dError):
 
 
 class GiveUp(Gb10dError):
-    """gb10d stopped trying; the reason says why and what to do."""
+    """gb10d stopped trying; the reason says why and what to do. `told`: the journal has the reason already, in the
+    failure's own line (its event kind, with the cause), which must not be repeated."""
 
-    def __init__(self, reason: str, exit_status: int) -> None:
+    def __init__(self, reason: str, exit_status: int, told: bool = False) -> None:
         self.reason = reason
         self.exit_status = exit_status
+        # The journal has the reason already, in the failure's own line: said once is enough.
+        self.told = told
         super().__init__(reason)

@@ -106,6 +106,14 @@ class ServerStarting(Event):
 
 
 @dataclass(frozen=True)
+class TasksSupported(Event):
+    """`Supported tasks: ['generate']` (a tuple when the engine runs in-process): what the model serves, hence
+    which routes vLLM opens (`['embed', 'token_embed']` for an embedding model, which answers 404 to completions)."""
+
+    tasks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class StartupCompleted(Event):
     """uvicorn's `Application startup complete.`: /health can answer within moments."""
 

@@ -87,6 +87,16 @@ class Parsed:
 
 
 @dataclass(frozen=True)
+class DriverLine:
+    """The NVIDIA driver's out-of-memory line while an attempt runs, with MemAvailable in bytes read when it came
+    (None: unreadable)."""
+
+    attempt: int
+    event: DriverOutOfMemory
+    mem_available: int | None = None
+
+
+@dataclass(frozen=True)
 class ExitSeen:
     """vLLM's main process exited; its last words may still be in the pipes."""
 
@@ -144,5 +154,5 @@ class Tick:
     io_bytes: int | None
 
 
-Fact = Union[Stop, Reload, Edited, KernelSaid, ClusterSeen, Parsed, ExitSeen, Exited, Probed, Pulled, PullEnded]
-AttemptFact = Union[Parsed, ExitSeen, Exited, Probed, Pulled, Tick]
+Fact = Union[Stop, Reload, Edited, KernelSaid, ClusterSeen, Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, PullEnded]
+AttemptFact = Union[Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, Tick]

@@ -20,7 +20,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import tomli_w
 
@@ -223,6 +223,18 @@ def _blocks(commands: list[_Command]) -> list[_Command | _Block]:
     return items
 
 
+@dataclass(frozen=True)
+class ScriptOwner:
+    """Whose script it is: `~` and `$HOME` in it mean this home, `~user` the home `lookup` gives."""
+
+    name: str
+    home: str
+    lookup: Callable[[str], str | None] = lambda _user: None
+
+    def home_of(self, user: str) -> str | None:
+        return self.home if user == self.name else self.lookup(user)
+
+
 @dataclass
 class _Expansion:
     """An expanded word: its fields, and what could not be known from the script."""
@@ -235,12 +247,17 @@ class _Expansion:
 class _Shell:
     """The variables the script has set so far, and the expansion of words with them."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: ScriptOwner | None = None) -> None:
         self.variables: dict[str, str] = {}
         self.exported: set[str] = set()
         self.referenced: set[str] = set()
         # Variables whose value came from something unknown, so using them is just as unknown.
         self.unknown: dict[str, list[str]] = {}
+        self.owner = owner
+        # What was replaced by a home directory: `~`, `~bob`, `$HOME`; said once, in one note.
+        self.homes_used: dict[str, str] = {}
+        if owner is not None:
+            self.variables["HOME"] = owner.home
 
     def assign(self, name: str, expanded: _Expansion) -> None:
         """Set a variable to an expanded value, remembering what in it could not be known."""
@@ -255,7 +272,7 @@ class _Shell:
         i, n = 0, len(raw)
         quoted = False
         if raw.startswith("~"):
-            missing.append("~ (the home directory of whoever ran the script)")
+            i = self._tilde(raw, out, missing)
         while i < n:
             c = raw[i]
             if c == "'" and not quoted:
@@ -290,6 +307,24 @@ class _Shell:
             fields = [raw]
         return _Expansion(fields, missing, unsupported)
 
+    def _referenced(self, name: str) -> None:
+        self.referenced.add(name)
+        if name == "HOME" and self.owner is not None and self.variables.get("HOME") == self.owner.home:
+            self.homes_used["$HOME"] = self.owner.home
+
+    def _tilde(self, raw: str, out: list[str], missing: list[str]) -> int:
+        """Replace a leading `~` or `~user` by that home, as bash does; the index after it (0 when unknown)."""
+        match = re.match(r"~([A-Za-z0-9_][A-Za-z0-9_.-]*)?(?=/|$)", raw)
+        home = None
+        if match and self.owner is not None:
+            home = self.owner.home_of(match.group(1)) if match.group(1) else self.owner.home
+        if match is None or home is None:
+            missing.append("~ (the home directory of whoever ran the script)")
+            return 0
+        self.homes_used[match.group(0)] = home
+        out.append(_escape(home, False))
+        return match.end()
+
     def _parameter(self, raw: str, i: int, quoted: bool, missing: list[str], unsupported: list[str]) -> tuple[str, int]:
         """The escaped value of the `$...` starting at `i`, and the index after it."""
         if raw[i + 1] == "{":
@@ -303,7 +338,7 @@ class _Shell:
                 unsupported.append(raw[i : end + 1])
                 return _escape(raw[i : end + 1], quoted), end + 1
             name, op, word = match.group(1), match.group(2), match.group(3)
-            self.referenced.add(name)
+            self._referenced(name)
             missing += self.unknown.get(name, [])
             value = self.variables.get(name)
             is_set = value is not None and (value != "" or not (op or "").startswith(":"))
@@ -334,7 +369,7 @@ class _Shell:
                 return "$", i + 1
             return _escape(special, quoted), i + 2
         name = match.group(0)
-        self.referenced.add(name)
+        self._referenced(name)
         missing += self.unknown.get(name, [])
         if name not in self.variables:
             missing.append(f"${name}")
@@ -417,8 +452,8 @@ class _Import:
             return posixpath.normpath(path)
         if self.cwd is not None:
             return posixpath.normpath(posixpath.join(self.cwd, path))
-        if path.startswith("$"):
-            return path  # already reported as an unset variable
+        if path.startswith(("$", "~")):
+            return path  # already reported as unset, or as a home directory not known
         self.warnings.append(
             f"line {line}: {what} {path!r} is relative to the directory the script was started from; "
             "write the absolute path (gb10d runs from /)"
@@ -1053,9 +1088,12 @@ class Imported:
     warnings: list[str]
 
 
-def import_script(text: str, shown: str = "<script>") -> Imported:
-    """Read a start script and return the equivalent gb10d.toml data; ConfigError if it runs no vLLM."""
-    shell = _Shell()
+def import_script(text: str, shown: str = "<script>", owner: ScriptOwner | None = None) -> Imported:
+    """Read a start script and return the equivalent gb10d.toml data; ConfigError if it runs no vLLM.
+
+    `owner` is whose script it is: its `~` and `$HOME` become their home, as when they ran it.
+    """
+    shell = _Shell(owner)
     result = _Import()
     if "\r\n" in text:
         # bash would pass each \r on to vLLM as part of the last word; the intent is plain newlines.
@@ -1069,6 +1107,12 @@ def import_script(text: str, shown: str = "<script>") -> Imported:
             _interpret(shell, item, result)
     if not result.found:
         raise ConfigError([ConfigProblem(shown, "", "no vllm serve (or python -m vllm.entrypoints.openai.api_server) command found; nothing to import")])
+    if shell.homes_used and owner is not None:
+        by_home: dict[str, list[str]] = {}
+        for word, home in shell.homes_used.items():
+            by_home.setdefault(home, []).append(word)
+        said = ", ".join(f"{' and '.join(words)} as {home}" for home, words in by_home.items())
+        result.notes.append(f"read {said}, as when {owner.name} runs the script: the service has another home")
     return import_script_result(result)
 
 

@@ -59,6 +59,7 @@ MESSAGE_IDS: dict[str, str] = {
     "watchdog": "7bd32869937d497aa80a773e54774e5a",
     "metrics_unavailable": "958de32b9fa441da862ec844d80f022a",
     "state_file_unwritable": "6d9cac02417f4be9bbd44881e24b34b5",
+    "alert_dropped": "39282eff2155483abea1339ed3766b9c",
     "cluster_link": "131cce89442d49289781fc992824c039",
     "cluster_waiting": "2480bc9b57b440b5b28b9b5e8865a2f3",
     "cluster_whole": "3a6f68dfdd334fb59168521dc4c64630",

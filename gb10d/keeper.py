@@ -114,7 +114,7 @@ class ConfigKeeper:
             if diff:
                 say(
                     "config_changed_on_disk",
-                    f"config changed ({len(diff.changes)} keys); run systemctl reload gb10d to apply: {diff.describe()}",
+                    f"{self.path} changed on disk, not applied ({diff.describe()}); apply it with: systemctl reload gb10d",
                     PRIORITY_INFO,
                 )
             else:

@@ -25,8 +25,6 @@ from typing import Callable
 from .events import DriverOutOfMemory, GpuXid
 from .facts import KernelSaid
 from .kernel import parse_kernel_line
-from .levels import PRIORITY_WARNING
-from .reporter import Reporter
 
 # A source that stopped (journald restarted, a file replaced) is started again after this long.
 RESTART_S = 30.0
@@ -51,10 +49,11 @@ def source_argv(source: str) -> list[str] | None:
 class KernelLog:
     """Keeps the kernel-message source running and posts the driver's messages it shows."""
 
-    def __init__(self, source: str, post: Callable[[KernelSaid], None], reporter: Reporter) -> None:
+    def __init__(self, source: str, post: Callable[[KernelSaid], None], warn: Callable[[str], None]) -> None:
+        """`post` hands each driver message to the fact loop; `warn` tells the journal of trouble with the source."""
         self.source = source
         self._post = post
-        self._reporter = reporter
+        self._tell = warn
         self._task: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
 
@@ -116,4 +115,4 @@ class KernelLog:
         """Each kind of trouble with the source is told once: it may repeat every RESTART_S."""
         if kind not in self._warned:
             self._warned.add(kind)
-            self._reporter.say("kernel_log", message, PRIORITY_WARNING)
+            self._tell(message)

@@ -73,7 +73,9 @@ ISSUES: tuple[KnownIssue, ...] = (
         "driver_oom", DriverOutOfMemory, ("NV_ERR_NO_MEMORY",), _kernel(DriverOutOfMemory),
         "the NVIDIA driver in the kernel ran out of memory; on GB10 a freeze of the whole machine can follow within "
         "seconds, with no OOM kill and nothing in the logs",
-        "stop vLLM at once; start it again with a lower vllm.gpu_memory_utilization, with "
+        "one such line alone is common in healthy starts on GB10, and gb10d stops vLLM only with evidence beside it "
+        "(a burst of memory.driver_oom_burst lines, MemAvailable below memory.headroom_gib, a stalled load, an engine "
+        "that stops answering); when it came with a failure, start vLLM again with a lower vllm.gpu_memory_utilization, with "
         'vllm.env.PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:False" and without --enable-flashinfer-autotune in '
         "vllm.args or vllm.extra_args (the workaround reported with this failure)",
         False,

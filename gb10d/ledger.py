@@ -23,14 +23,17 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import quote
 
 from . import budget
 from .budget import Admit, Refuse, Reservation, Stage, Wait
 from .errors import EXIT_CONFIG, GiveUp
+from .instance import Clash, clashes, instance_of
 from .memory import MemInfo
-from .notify import unit_name
+from .service import LEDGER_GROUP as GROUP
+from .service import unit_name
 
 LOCK_NAME = ".lock"
 SUFFIX = ".json"
@@ -38,10 +41,9 @@ SUFFIX = ".json"
 # A record is written by its own instance only; the lock by every instance, whichever user its unit runs as.
 FILE_MODE = 0o644
 LOCK_MODE = 0o664
-# The group the package gives the directory; a service running as a login user joins it (service.user_dropin).
-GROUP = "gb10d"
 
 ErrorHandler = Callable[[str], None]
+NOTHING: Mapping[str, str] = MappingProxyType({})  # an instance that says nothing of what it holds
 
 
 class LedgerUnavailable(Exception):
@@ -95,14 +97,19 @@ def _alive(fd: int) -> bool:
     return False
 
 
-def _read(fd: int) -> Reservation | None:
+def _json(fd: int) -> Any:
     data = b""
     while chunk := os.pread(fd, 65536, len(data)):
         data += chunk
     try:
-        return Reservation.from_json(json.loads(data))
+        return json.loads(data)
     except ValueError:
-        return None  # empty: its instance has not decided anything yet
+        return None  # empty: its instance has not written it yet
+
+
+def _read(fd: int) -> Reservation | None:
+    """The record, or None before its instance decided anything (it may have said only what it holds)."""
+    return Reservation.from_json(_json(fd))
 
 
 def scan(directory: Path, skip: Path | None = None, remove_dead: bool = False) -> list[Reservation]:
@@ -126,6 +133,36 @@ def scan(directory: Path, skip: Path | None = None, remove_dead: bool = False) -
         if record is not None:
             found.append(record)
     return found
+
+
+def _holders(directory: Path, skip: Path | None) -> list[tuple[str, str, int, dict[str, str]]]:
+    """(name, config, pid, what it holds) of each living instance that said what it holds; the caller holds `.lock`."""
+    found = []
+    for path in sorted(directory.glob("*" + SUFFIX)):
+        if path == skip:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            data = _json(fd) if _alive(fd) else None
+        finally:
+            os.close(fd)
+        held = data.get("holds") if isinstance(data, dict) else None
+        if isinstance(data, dict) and isinstance(held, dict) and isinstance(data.get("pid"), int):
+            found.append((str(data.get("name")), str(data.get("config")), int(data["pid"]), {str(k): str(v) for k, v in held.items()}))
+    return found
+
+
+def held_elsewhere(directory: Path, config: str, mine: Mapping[str, str]) -> list[Clash]:
+    """What of `mine` living instances of other configs hold, for `gb10d check-config`; [] without a readable ledger."""
+    try:
+        with locked(directory, exclusive=False) as exists:
+            others = _holders(directory, None) if exists else []
+    except OSError:
+        return []
+    return clashes(mine, [other for other in others if os.path.realpath(other[1]) != os.path.realpath(config)])
 
 
 def read_ledger(directory: Path) -> list[Reservation]:
@@ -162,10 +199,11 @@ def _take_over(path: Path, name: str, directory: Path) -> None:
 class Booking:
     """This instance's record in the ledger, held (locked) from `open` to `close`."""
 
-    def __init__(self, directory: Path, name: str, config: str, fd: int, on_error: ErrorHandler) -> None:
+    def __init__(self, directory: Path, name: str, config: str, fd: int, on_error: ErrorHandler, holds: Mapping[str, str] = NOTHING) -> None:
         self.directory = directory
         self.name = name
         self.config = config
+        self.holds = dict(holds)
         self.path = record_path(directory, name)
         self._fd = fd
         self._on_error = on_error
@@ -174,21 +212,28 @@ class Booking:
         self.admitted_beside: tuple[Reservation, ...] = ()  # the others when this start was admitted
 
     @classmethod
-    def open(cls, directory: Path, name: str, config: str, on_error: ErrorHandler) -> Booking:
-        """Take this instance's record; LedgerUnavailable when the directory cannot be used, GiveUp when
-        another living gb10d holds the name."""
+    def open(cls, directory: Path, name: str, config: str, on_error: ErrorHandler, holds: Mapping[str, str] = NOTHING) -> Booking:
+        """Take this instance's record and say in it what the instance `holds`; LedgerUnavailable when the directory
+        cannot be used, GiveUp when another living gb10d holds the name or any of `holds`."""
         if not directory.is_dir():
             raise LedgerUnavailable(f"{directory} does not exist")
         path = record_path(directory, name)
         try:
             with locked(directory, exclusive=True):
                 _take_over(path, name, directory)
+                taken = clashes(holds, _holders(directory, path))
+                if taken:
+                    me = name if name == config else f"{name} ({config})"
+                    own = instance_of(Path(config)) is not None
+                    raise GiveUp("; ".join(f"{clash.key} {clash.describe(me, own)}" for clash in taken), EXIT_CONFIG)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
                 fcntl.flock(fd, fcntl.LOCK_EX)  # nobody else can hold it: the file is new, under `.lock`
                 _share(fd, FILE_MODE)
+                booking = cls(directory, name, config, fd, on_error, holds)
+                booking._put({"name": name, "config": config, "pid": os.getpid()})
         except OSError as exc:
             raise LedgerUnavailable(f"{directory}: {exc.strerror or exc}") from None
-        return cls(directory, name, config, fd, on_error)
+        return booking
 
     # --- what the supervisor asks -------------------------------------------------
 
@@ -275,10 +320,14 @@ class Booking:
 
     def _write(self, record: Reservation) -> None:
         """Rewrite the record in place (its lock is on this file); the caller holds `.lock`."""
-        data = json.dumps(record.to_json(), sort_keys=True).encode() + b"\n"
+        self._put(record.to_json())
+        self.record = record
+
+    def _put(self, fields: dict[str, Any]) -> None:
+        """Rewrite the file in place with `fields` and what this instance holds; the caller holds `.lock`."""
+        data = json.dumps({**fields, "holds": self.holds}, sort_keys=True).encode() + b"\n"
         os.pwrite(self._fd, data, 0)
         os.ftruncate(self._fd, len(data))
-        self.record = record
 
     def _report(self, exc: OSError) -> None:
         if not self._failed:
@@ -286,12 +335,14 @@ class Booking:
             self._on_error(f"memory ledger {self.directory}: {exc.strerror or exc}; other gb10d instances may not see this one's share")
 
 
-def open_booking(directory: Path | None, name: str, config: str, on_error: ErrorHandler) -> Booking | None:
+def open_booking(
+    directory: Path | None, name: str, config: str, on_error: ErrorHandler, holds: Mapping[str, str] = NOTHING
+) -> Booking | None:
     """This instance's booking, or None (after one warning through `on_error`) when the ledger cannot be used."""
     if directory is None:
         return None
     try:
-        return Booking.open(directory, name, config, on_error)
+        return Booking.open(directory, name, config, on_error, holds)
     except LedgerUnavailable as exc:
         on_error(
             f"memory ledger {exc}: this instance starts without counting the starts of other gb10d instances on this "

@@ -19,6 +19,9 @@ The rules that matter, each a table test:
 - a liveness verdict of "dead" waits `EXIT_GRACE_S` for an exit to explain
   it, since a killed server closes its port a moment before it can be
   reaped;
+- the NVIDIA driver's out-of-memory line is told and counted, and stops
+  vLLM only with evidence beside it (`driveroom`): a burst, MemAvailable
+  below the headroom, a stalled load, an engine that stops answering;
 - the pull of a container image before a start (`begin_pull`) is watched
   the same way: each step of it is progress, none for the stall timeout is
   a stalled pull.
@@ -26,15 +29,17 @@ The rules that matter, each a table test:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence, Union
 
 from .command import Tunables
 from .config import Config
+from .driveroom import DriverRoom, Found, calm, judge, not_answering, note, stall_deadline, stalled
 from .events import (
-    DriverOutOfMemory, EngineDied, Event, Failure, GpuXid, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged, VersionSeen,
+    DriverOutOfMemory, EngineDied, Event, Failure, GpuXid, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged, TasksSupported,
+    VersionSeen,
 )
-from .facts import AttemptFact, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Pulled, Tick
+from .facts import AttemptFact, DriverLine, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Pulled, Tick
 from .kernel import describe as describe_kernel
 from .kernel import xid_meaning
 from .levels import PRIORITY_ERR, PRIORITY_WARNING
@@ -53,6 +58,16 @@ IO_PROGRESS_MIN_BYTES = 1 << 20
 IO_SAMPLE_S = 2.0
 # How long a "dead" liveness verdict waits for vLLM's exit to explain it.
 EXIT_GRACE_S = 1.0
+
+
+def start_time_asked(config: Config, wait_s: float = 0.0) -> float:
+    """The start time gb10d asks systemd for on a sign of progress (EXTEND_TIMEOUT_USEC), in seconds.
+
+    Enough for `wait_s` (a back-off before the next start) and then a whole
+    stall timeout, plus a margin: gb10d's own stall detection must fire
+    before systemd's timeout does. Every extension of a start is this one.
+    """
+    return wait_s + config.startup.stall_timeout_s + EXTEND_MARGIN_S
 
 
 # --- actions ------------------------------------------------------------------
@@ -122,13 +137,22 @@ class XidSeen:
 
 
 @dataclass(frozen=True)
+class DriverOomSeen:
+    """The NVIDIA driver's out-of-memory line: counted by the evidence that came with it ("none": only told)."""
+
+    evidence: str = "none"
+
+
+@dataclass(frozen=True)
 class Finish:
     """The attempt is over: kill whatever of vLLM is left, and hand `outcome` to the supervisor."""
 
     outcome: Failed
 
 
-Action = Union[Extend, ShowPhase, Say, Observe, StartReadiness, BecomeReady, ProcessExited, LivenessFailed, XidSeen, Finish]
+Action = Union[
+    Extend, ShowPhase, Say, Observe, StartReadiness, BecomeReady, ProcessExited, LivenessFailed, XidSeen, DriverOomSeen, Finish
+]
 
 
 # --- state ----------------------------------------------------------------------
@@ -151,6 +175,9 @@ class AttemptState:
     exit_status: int | None = None  # set once the main process exited
     dead: Probed | None = None  # a "dead" verdict waiting for an exit to explain it
     dead_at: float = 0.0
+    tasks: tuple[str, ...] | None = None  # what vLLM said the model serves (`Supported tasks`), once it did
+    driver: DriverRoom = field(default_factory=DriverRoom)  # the driver's recent out-of-memory lines
+    driver_said: DriverOutOfMemory | None = None  # the last of them
     version: str | None = None  # the vLLM release its banner named
 
     @property
@@ -174,15 +201,18 @@ def begin_pull(number: int, tunables: Tunables, now: float) -> AttemptState:
 def deadline(state: AttemptState, config: Config) -> float | None:
     """When the attempt must be looked at again without news (a `Tick`): I/O sample, stall, start timeout, grace."""
     if state.startup.phase is Phase.PULLING:
-        last = state.startup.last_progress_at if state.startup.last_progress_at is not None else state.spawned_at
+        last = _last_progress(state)
         return last + config.startup.stall_timeout_s
     times: list[float] = []
     if state.dead is not None:
         times.append(state.dead_at + EXIT_GRACE_S)
     if not state.ready and state.exit_status is None:
         s = config.startup
-        last = state.startup.last_progress_at if state.startup.last_progress_at is not None else state.spawned_at
+        last = _last_progress(state)
         times += [last + s.stall_timeout_s, state.spawned_at + s.ready_timeout_s, state.next_io_at]
+        driver_stall = stall_deadline(state.driver, last, config.memory.driver_oom_window_s)
+        if driver_stall is not None:
+            times.append(driver_stall)
     return min(times) if times else None
 
 
@@ -190,6 +220,8 @@ def step(state: AttemptState, fact: AttemptFact, now: float, config: Config) -> 
     """Fold one fact into the attempt; the actions say what to do about it, in order."""
     if isinstance(fact, Parsed):
         return _on_event(state, fact.event, now, config)
+    if isinstance(fact, DriverLine):
+        return _on_driver_line(state, fact, now, config)
     if isinstance(fact, ExitSeen):
         return replace(state, exit_status=fact.status), [ProcessExited()]
     if isinstance(fact, Exited):
@@ -207,7 +239,7 @@ def step(state: AttemptState, fact: AttemptFact, now: float, config: Config) -> 
 
 def _pull_stalled(state: AttemptState, now: float, config: Config) -> list[Action]:
     """A tick while pulling: nothing moved for the stall timeout means the pull stalled (a registry or network that hangs)."""
-    last = state.startup.last_progress_at if state.startup.last_progress_at is not None else state.spawned_at
+    last = _last_progress(state)
     stall_s = config.startup.stall_timeout_s
     if now < last + stall_s:
         return []
@@ -230,18 +262,20 @@ def _exit_outcome(state: AttemptState, status: int) -> Failed:
 
 
 def kernel_said(event: DriverOutOfMemory | GpuXid, number: int | None = None) -> list[Action]:
-    """What a driver message of the kernel log means by itself: an Xid is told and counted; a driver out of
-    memory is told as the warning it is (a whole-host freeze can follow)."""
+    """What a driver message of the kernel log means while no vLLM runs that it could be about: an Xid is told and
+    counted; a driver out of memory is told as the warning it is and counted, with nothing to stop."""
     fields: tuple[tuple[str, object], ...] = (("attempt", number),) if number is not None else ()
     if isinstance(event, GpuXid):
         serious = xid_meaning(event.xid).serious
         return [Say("gpu_xid", describe_kernel(event), PRIORITY_ERR if serious else PRIORITY_WARNING, (*fields, ("xid", event.xid))), XidSeen(event.xid)]
-    return [Say("driver_oom", f"{describe_kernel(event)}; a freeze of the whole machine can follow", PRIORITY_ERR, fields)]
+    return [Say("driver_oom", f"{describe_kernel(event)}; no vLLM of this instance runs", PRIORITY_WARNING, fields), DriverOomSeen()]
 
 
 def _on_event(state: AttemptState, event: Event, now: float, config: Config) -> tuple[AttemptState, list[Action]]:
-    if isinstance(event, (DriverOutOfMemory, GpuXid)):
-        return _on_kernel(state, event)
+    if isinstance(event, DriverOutOfMemory):
+        return _on_driver_line(state, DriverLine(0, event), now, config)
+    if isinstance(event, GpuXid):
+        return state, kernel_said(event, state.number)
     actions: list[Action] = []
     before = state.startup
     state = replace(state, startup=advance(before, event, now))
@@ -259,24 +293,42 @@ def _on_event(state: AttemptState, event: Event, now: float, config: Config) -> 
         actions += extend
     if state.startup.phase is not before.phase or state.startup.shards_done != before.shards_done:
         actions.append(ShowPhase(_status(state, config)))
+    if isinstance(event, TasksSupported):
+        state = replace(state, tasks=event.tasks)
     if isinstance(event, StartupCompleted) and not state.ready:
         state = replace(state, startup_complete_at=now)
         actions.append(StartReadiness())
     return state, actions
 
 
-def _on_kernel(state: AttemptState, event: DriverOutOfMemory | GpuXid) -> tuple[AttemptState, list[Action]]:
-    """The kernel's word on the GPU while vLLM runs: a driver out of memory stops vLLM at once, before the host freezes."""
-    if not isinstance(event, DriverOutOfMemory) or state.exit_status is not None:
-        return state, kernel_said(event, state.number)
+def _on_driver_line(state: AttemptState, line: DriverLine, now: float, config: Config) -> tuple[AttemptState, list[Action]]:
+    """The driver's out-of-memory line while vLLM runs: told and counted; vLLM is stopped only with evidence beside it."""
+    if state.exit_status is not None:
+        return state, kernel_said(line.event, state.number)
+    memory = config.memory
+    state = replace(state, driver=note(state.driver, now, memory.driver_oom_window_s), driver_said=line.event)
+    loading = not state.ready
+    stalled_s = now - _last_progress(state) if loading else None
+    found = judge(state.driver, now, line.mem_available, stalled_s, memory)
+    if found is None:
+        message = f"{describe_kernel(line.event)}; {calm(state.driver, now, line.mem_available, loading, memory)}"
+        return state, [Say("driver_oom", message, PRIORITY_WARNING, (("attempt", state.number),)), DriverOomSeen()]
+    state, actions = _driver_stop(state, line.event, found)
+    return state, [DriverOomSeen(found.evidence.value), *actions]
+
+
+def _driver_stop(state: AttemptState, event: DriverOutOfMemory, found: Found) -> tuple[AttemptState, list[Action]]:
+    """Evidence came with the driver's out-of-memory line, or after it within the window: stop vLLM before the whole
+    machine freezes."""
     state = replace(state, failures=(*state.failures, event))
     stop = Say(
         "driver_oom",
-        f"{describe_kernel(event)}; a freeze of the whole machine can follow: stopping vLLM at once",
+        f"{describe_kernel(event)}, with evidence: {found.text}; a freeze of the whole machine can follow: stopping vLLM",
         PRIORITY_ERR,
-        (("attempt", state.number),),
+        (("attempt", state.number), ("evidence", found.evidence.value)),
     )
-    return state, [stop, Finish(Failed(cause=Cause.DRIVER_OOM, failure=event, was_ready=state.ready, detail=event.detail))]
+    outcome = Failed(cause=Cause.DRIVER_OOM, failure=event, was_ready=state.ready, detail=f"{event.detail}; {found.text}")
+    return state, [stop, Finish(outcome)]
 
 
 def _on_probe(state: AttemptState, probed: Probed, now: float, config: Config) -> tuple[AttemptState, list[Action]]:
@@ -296,13 +348,18 @@ def _on_probe(state: AttemptState, probed: Probed, now: float, config: Config) -
         say = Say("served_name_mismatch" if wrong_name else "crashed", probed.detail, PRIORITY_ERR, (("attempt", state.number),))
         return state, [say, Finish(Failed(cause=cause, detail=probed.detail))]
     if kind is ProbeKind.HUNG and state.ready and state.exit_status is None:
-        return state, _liveness_failure(state, probed, hung=True)
+        return _liveness_failure(state, probed, hung=True, now=now, config=config)
     if kind is ProbeKind.DEAD and state.ready and state.exit_status is None and state.dead is None:
         return replace(state, dead=probed, dead_at=now), []
     return state, []
 
 
-def _liveness_failure(state: AttemptState, probed: Probed, hung: bool) -> list[Action]:
+def _liveness_failure(state: AttemptState, probed: Probed, hung: bool, now: float, config: Config) -> tuple[AttemptState, list[Action]]:
+    """A serving engine found hung or dead: stopped; within the window of a driver out-of-memory line, as its evidence."""
+    found = not_answering(state.driver, now, probed.detail, config.memory.driver_oom_window_s)
+    if found is not None and state.driver_said is not None:
+        state, actions = _driver_stop(state, state.driver_said, found)
+        return state, [LivenessFailed(probed.label), *actions]
     word = "hung" if hung else "dead"
     say = Say(
         f"engine_{word}",
@@ -311,7 +368,7 @@ def _liveness_failure(state: AttemptState, probed: Probed, hung: bool) -> list[A
         (("attempt", state.number),),
     )
     cause = Cause.ENGINE_HUNG if hung else Cause.ENGINE_DEAD
-    return [say, LivenessFailed(probed.label), Finish(Failed(cause=cause, was_ready=True, detail=probed.detail))]
+    return state, [say, LivenessFailed(probed.label), Finish(Failed(cause=cause, was_ready=True, detail=probed.detail))]
 
 
 def _became_ready(state: AttemptState, detail: str, now: float) -> tuple[AttemptState, list[Action]]:
@@ -329,7 +386,7 @@ def _on_tick(state: AttemptState, tick: Tick, now: float, config: Config) -> tup
     if state.dead is not None and now >= state.dead_at + EXIT_GRACE_S:
         if state.exit_status is not None:
             return replace(state, dead=None), []
-        return replace(state, dead=None), _liveness_failure(state, state.dead, hung=False)
+        return _liveness_failure(replace(state, dead=None), state.dead, hung=False, now=now, config=config)
     if state.ready or state.exit_status is not None:
         return state, []
     s = config.startup
@@ -345,7 +402,14 @@ def _on_tick(state: AttemptState, tick: Tick, now: float, config: Config) -> tup
     actions: list[Action] = []
     if now >= state.next_io_at:
         state, actions = _sample_io(state, tick.io_bytes, now, config)
-    last = state.startup.last_progress_at if state.startup.last_progress_at is not None else state.spawned_at
+    last = _last_progress(state)
+    window_s = config.memory.driver_oom_window_s
+    if state.driver.times and not state.driver.recent(now, window_s):
+        state = replace(state, driver=DriverRoom())  # its stall deadline has passed: it must not come round again
+    found = stalled(state.driver, now, now - last, window_s)
+    if found is not None and state.driver_said is not None:
+        state, stop = _driver_stop(state, state.driver_said, found)
+        return state, [*actions, *stop]
     if now < last + s.stall_timeout_s:
         return state, actions
     where = _where(state.startup)
@@ -386,7 +450,12 @@ def _extend(state: AttemptState, now: float, config: Config, force: bool = False
     """EXTEND_TIMEOUT_USEC on real progress only, throttled, so a stuck start still times out."""
     if state.ready or (not force and state.extended_at is not None and now - state.extended_at < EXTEND_EVERY_S):
         return state, ()
-    return replace(state, extended_at=now), (Extend(config.startup.stall_timeout_s + EXTEND_MARGIN_S),)
+    return replace(state, extended_at=now), (Extend(start_time_asked(config)),)
+
+
+def _last_progress(state: AttemptState) -> float:
+    """When the start last made progress (a phase, a shard, I/O), or was spawned."""
+    return state.startup.last_progress_at if state.startup.last_progress_at is not None else state.spawned_at
 
 
 def _where(startup: StartupState) -> str:

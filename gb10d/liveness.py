@@ -5,8 +5,10 @@ while every request hangs. The verdict therefore rests on evidence gathered
 over time, judged by the pure core below:
 
 - while requests are in the engine (`vllm:num_requests_running` or
-  `vllm:num_requests_waiting` > 0), `vllm:generation_tokens_total` must move
-  within `liveness.progress_timeout_s`;
+  `vllm:num_requests_waiting` > 0), `vllm:generation_tokens_total` or
+  `vllm:prompt_tokens_total` must move within `liveness.progress_timeout_s`
+  (a pooling model, an embedding model say, generates no token: only its
+  prompt counter moves);
 - while idle, a one-token completion every `liveness.idle_probe_interval_s`
   must finish within `liveness.probe_timeout_s`, unless tokens flowed
   meanwhile (a probe that is slow because the engine is saturated proves
@@ -30,7 +32,8 @@ from .facts import ADMISSION_REFUSED, ProbeResult
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
-_FAMILIES = (RUNNING, WAITING, GENERATION_TOKENS)
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+_FAMILIES = (RUNNING, WAITING, GENERATION_TOKENS, PROMPT_TOKENS)
 
 
 # --- /metrics ------------------------------------------------------------------
@@ -38,11 +41,12 @@ _FAMILIES = (RUNNING, WAITING, GENERATION_TOKENS)
 
 @dataclass(frozen=True)
 class MetricsSample:
-    """The three figures liveness needs from one /metrics scrape; None where vLLM did not report it."""
+    """The figures liveness needs from one /metrics scrape; None where vLLM did not report it."""
 
     running: float | None = None
     waiting: float | None = None
     generation_tokens: float | None = None
+    prompt_tokens: float | None = None
 
     @property
     def busy(self) -> bool:
@@ -51,7 +55,7 @@ class MetricsSample:
 
 
 def parse_metrics(text: str) -> MetricsSample:
-    """Sum each of the three families over its label sets (engines, models).
+    """Sum each of the families over its label sets (engines, models).
 
     Only the Prometheus text format's sample lines matter here: comments,
     other families, timestamps and unparsable values are skipped, and a
@@ -66,7 +70,7 @@ def parse_metrics(text: str) -> MetricsSample:
         name, value = _sample(line)
         if name in _FAMILIES and value is not None:
             sums[name] = sums.get(name, 0.0) + value
-    return MetricsSample(sums.get(RUNNING), sums.get(WAITING), sums.get(GENERATION_TOKENS))
+    return MetricsSample(sums.get(RUNNING), sums.get(WAITING), sums.get(GENERATION_TOKENS), sums.get(PROMPT_TOKENS))
 
 
 def _sample(line: str) -> tuple[str, float | None]:
@@ -135,6 +139,7 @@ class LivenessState:
     last_probe_sent_at: float | None = None
     last_probe_done_at: float | None = None
     dead: str | None = None
+    probe_words: str = "a 1-token completion"  # what the idle probe is, for the evidence
 
     @property
     def generated_at(self) -> float:
@@ -142,9 +147,9 @@ class LivenessState:
         return self.started_at if self.tokens_moved_at is None else self.tokens_moved_at
 
 
-def start(now: float) -> LivenessState:
-    """The state right after READY: the warm-up completion has just proved the engine generates."""
-    return LivenessState(started_at=now)
+def start(now: float, probe_words: str = "a 1-token completion") -> LivenessState:
+    """The state right after READY: the warm-up request has just proved the engine works."""
+    return LivenessState(started_at=now, probe_words=probe_words)
 
 
 def observe_metrics(state: LivenessState, sample: MetricsSample | None, now: float) -> LivenessState:
@@ -157,6 +162,9 @@ def observe_metrics(state: LivenessState, sample: MetricsSample | None, now: flo
         if tokens is not None and sample.generation_tokens != tokens:
             moved_at = now
         tokens = sample.generation_tokens
+    before = state.sample.prompt_tokens if state.sample is not None else None
+    if before is not None and sample.prompt_tokens is not None and sample.prompt_tokens != before:
+        moved_at = now  # prompts processed: all a pooling model ever shows
     busy_since = (state.busy_since if state.busy_since is not None else now) if sample.busy else None
     return replace(state, tokens=tokens, tokens_moved_at=moved_at, sample=sample, sampled_at=now, busy_since=busy_since)
 
@@ -303,7 +311,7 @@ def _stuck_evidence(state: LivenessState, stuck_since: float, now: float, limits
 
 def _probe_evidence(state: LivenessState, sent_at: float, now: float, limits: LivenessSection) -> str:
     return (
-        f"the idle probe (a 1-token completion) sent {now - sent_at:.0f} s ago did not finish within "
+        f"the idle probe ({state.probe_words}) sent {now - sent_at:.0f} s ago did not finish within "
         f"liveness.probe_timeout_s {limits.probe_timeout_s:g} and no token was generated since: "
         f"{_tokens_fact(state, now)}; {_requests_fact(state)}; {_health_fact(state)}"
     )

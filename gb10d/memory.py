@@ -238,13 +238,20 @@ def memory_returned(baseline: MemInfo, now: MemInfo, tolerance_gib: float) -> bo
 
 
 def safetensors_files(model: str, env: Mapping[str, str]) -> list[Path]:
-    """The model's *.safetensors files: a local directory, or its Hugging Face cache snapshot."""
-    local = Path(model).expanduser()
-    if local.is_dir():
-        return sorted(local.glob("*.safetensors"))
-    hub = hub_cache(env, env.get("HOME") or os.path.expanduser("~"))
-    repo = Path(hub) / repo_folder(model) / "snapshots"
-    return sorted(repo.glob("*/*.safetensors")) if repo.is_dir() else []
+    """The model's *.safetensors files: a local directory, or its Hugging Face cache snapshot.
+
+    Empty where this process may not look (a home of mode 0750 seen by the
+    service user): the path checks say what is in the way, with the fix.
+    """
+    try:
+        local = Path(model).expanduser()
+        if local.is_dir():
+            return sorted(local.glob("*.safetensors"))
+        hub = hub_cache(env, env.get("HOME") or os.path.expanduser("~"))
+        repo = Path(hub) / repo_folder(model) / "snapshots"
+        return sorted(repo.glob("*/*.safetensors")) if repo.is_dir() else []
+    except OSError:
+        return []
 
 
 def evict_page_cache(files: Iterable[Path]) -> int:

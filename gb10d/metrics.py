@@ -65,7 +65,7 @@ def vllm_families(exposition: str) -> str:
 
 
 class Metrics:
-    """The gauges and counters the supervisor updates, and the listener Prometheus scrapes."""
+    """The gauges and counters gb10d updates (through the Reporter, mostly), and the listener Prometheus scrapes."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -85,11 +85,17 @@ class Metrics:
         self._restarts = counter("gb10d_restarts", "vLLM restarts, by the failure that caused them.", "cause")
         self._liveness = counter("gb10d_liveness_failures", "Failed liveness checks of a serving vLLM.", "cause")
         self._xid = counter("gb10d_gpu_xid", "NVIDIA Xid errors the kernel logged, by Xid number.", "xid")
+        self._driver_oom = counter(
+            "gb10d_driver_oom_lines",
+            "The NVIDIA driver's out-of-memory lines the kernel logged, by the evidence that came with them (none: only told).",
+            "evidence",
+        )
         self._startup = gauge("gb10d_last_startup_seconds", "Seconds the last successful start took until ready.")
         self._progress = gauge("gb10d_load_progress_ratio", "Checkpoint shards loaded, as a fraction of all.")
         self._utilization = gauge(
             "gb10d_gpu_memory_utilization", "The gpu_memory_utilization vLLM was started with (after any lowering)."
         )
+        self._requested = gauge("gb10d_gpu_memory_utilization_requested", "The gpu_memory_utilization the config asks for.")
         self._mem_total = gauge("gb10d_mem_total_bytes", "MemTotal of the unified memory.")
         self._mem_available = gauge("gb10d_mem_available_bytes", "MemAvailable of the unified memory.")
         self._mem_free = gauge("gb10d_mem_free_bytes", "MemFree: what CUDA reports as free on GB10.")
@@ -155,7 +161,7 @@ class Metrics:
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
-    # --- what the supervisor reports ---------------------------------------
+    # --- what gb10d reports ------------------------------------------------
 
     @contextmanager
     def batch(self) -> Iterator[None]:
@@ -189,14 +195,19 @@ class Metrics:
     def xid(self, number: int) -> None:
         self._xid.labels(xid=str(number)).inc()
 
+    def driver_oom_line(self, evidence: str) -> None:
+        self._driver_oom.labels(evidence=evidence).inc()
+
     def set_startup_seconds(self, seconds: float) -> None:
         self._startup.set(seconds)
 
     def set_load_progress(self, ratio: float) -> None:
         self._progress.set(ratio)
 
-    def set_utilization(self, utilization: float) -> None:
+    def set_utilization(self, utilization: float, requested: float) -> None:
+        """What vLLM starts with, beside what the config asks for: a dashboard shows the lowering as the gap."""
         self._utilization.set(utilization)
+        self._requested.set(requested)
 
     def set_memory(self, total: int, available: int, free: int, cached: int) -> None:
         """Record /proc/meminfo's figures, in bytes."""

@@ -11,29 +11,11 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Callable
 
 import sdnotify
 
 ErrorHandler = Callable[[str], None]
-
-
-def unit_name(cgroup: Path = Path("/proc/self/cgroup"), default: str = "gb10d") -> str:
-    """The systemd unit this process runs in (`gb10d@chat.service` -> `gb10d@chat`), for commands in messages.
-
-    Read from the process's own cgroup path, which systemd names after the
-    unit; outside a service (a terminal, a test) `default`.
-    """
-    try:
-        text = cgroup.read_text()
-    except OSError:
-        return default
-    for line in text.splitlines():
-        for part in reversed(line.rpartition(":")[2].split("/")):
-            if part.endswith(".service"):
-                return part[: -len(".service")]
-    return default
 
 
 def _ascii(text: str) -> str:
@@ -95,6 +77,12 @@ class Notifier:
             self._notifier = None
             return False
         return True
+
+    def close(self) -> None:
+        """Close the socket once nothing more will be said (a daemon run in-process leaves none open)."""
+        if self._notifier is not None and self._notifier.socket is not None:
+            self._notifier.socket.close()
+        self._notifier = None
 
     def ready(self, status: str) -> bool:
         """READY=1 with the serving STATUS= line."""

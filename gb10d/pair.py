@@ -29,11 +29,11 @@ from .cluster import (
     waiting_text,
     watcher_argv,
 )
-from .command import build_env
-from .config import ClusterSection, Config
+from .config import ClusterSection
 from .errors import EXIT_GAVE_UP, GiveUp
 from .facts import ClusterSeen, Fact
 from .interfaces import Choice, InterfaceError, find
+from .keeper import ConfigKeeper
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from .loop import Handler, FactLoop
 from .outcome import Failed, NodeLost, describe_exit
@@ -52,12 +52,16 @@ LINK_POLL_S = 2.0
 class Pair:
     """The cluster as this machine sees it; `start` before anything else, `close` at the end."""
 
-    def __init__(self, config: Config, reporter: Reporter, loop: FactLoop) -> None:
-        assert config.cluster is not None
-        self.cluster: ClusterSection = config.cluster
-        self.config = config
+    def __init__(self, keeper: ConfigKeeper, reporter: Reporter, loop: FactLoop, ray_node: type[RayNode] = RayNode) -> None:
+        """`ray_node` runs Ray and reads its node table: processes here, a scripted table in the in-process tests."""
+        assert keeper.config.cluster is not None
+        # [cluster] itself changes only at a start (the keeper refuses a reload that changes it); the rest
+        # (vLLM's environment, the restart back-off) is read from the keeper each time Ray starts.
+        self.cluster: ClusterSection = keeper.config.cluster
+        self.keeper = keeper
         self.reporter = reporter
         self.loop = loop
+        self._ray_node = ray_node
         self.link: Choice | None = None
         self.ray: RayNode | None = None
         self.view: View | None = None
@@ -94,21 +98,21 @@ class Pair:
             f"cluster {cluster.role}: using {self.link.interface.name} ({self.link.address}) because {self.link.reason}",
             PRIORITY_INFO,
         )
-        ray = ray_program(cluster, self.config.vllm)
+        config = self.keeper.config
+        ray = ray_program(cluster, config.vllm)
         try:
             python = interpreter(ray.read_text(errors="replace")[:512], ray)
         except OSError as exc:
             raise GiveUp(f"cannot start Ray: {ray} cannot be read ({exc.strerror or exc}); check cluster.ray or vllm.venv", EXIT_GAVE_UP) from None
-        env = {**build_env(self.config.vllm), **self.env()}
-        self.death_notice_s = death_notice_s(env)
+        self.death_notice_s = death_notice_s(self.ray_env())
         post: Callable[[Fact], None] = self.loop.post
-        self.ray = RayNode(
-            ray_argv(cluster, self.config.vllm, self.address),
+        self.ray = self._ray_node(
+            ray_argv(cluster, config.vllm, self.address),
             watcher_argv(python, cluster),
-            env,
+            self.ray_env,
             self.reporter.journal,
             lambda view: post(ClusterSeen(view)),
-            lambda exits: policy.backoff_delay(self.config, exits),
+            lambda exits: policy.backoff_delay(self.keeper.config, exits),
         )
         self.ray.start()
         return False
@@ -118,6 +122,10 @@ class Pair:
         if self.link is None:
             return {}
         return cluster_env(self.cluster, self.link.interface.name, self.address)
+
+    def ray_env(self) -> dict[str, str]:
+        """Ray's environment: vLLM's as of the config in force (its env_file as last read, never again), and the link's."""
+        return {**self.keeper.env(), **self.env()}
 
     async def close(self) -> None:
         if self.ray is not None:

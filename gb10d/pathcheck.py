@@ -9,7 +9,9 @@ HF_HUB_OFFLINE is set, be readable when it holds it, and writable when vLLM
 will download into it) and VLLM_CACHE_ROOT and TRITON_CACHE_DIR (written
 while vLLM compiles). Each is checked for the user the unit runs as,
 from stat data (gb10d.access), so a venv in a 0750 home is reported as
-exactly that, with the ways out, and not as a missing file.
+exactly that, with the ways out, and not as a missing file. For an image
+the paths are inside the container, and gb10d.mountcheck looks them up
+through its mounts instead.
 
 The findings are ConfigProblems located at the key that names the path, so
 the operator sees `FILE:LINE: KEY: ...` as for any other config error.
@@ -28,6 +30,9 @@ from .cluster import ray_program
 from .command import env_additions, read_env_file
 from .config import LoadedConfig
 from .errors import ConfigError, ConfigProblem
+from .memory import read_meminfo
+from .modelfit import share_warning_for
+from .mountcheck import unseen_in_container
 from .hfcache import cached_snapshot, hub_cache, hub_cache_source, is_repo_id, offline, repo_folder, weight_files
 from .service import ServiceContext, ipc_warning, lingering, logind_texts, remove_ipc
 
@@ -149,6 +154,32 @@ class _Checker:
             if file.exists() and not self.check("vllm.model", file, Want.READ, "the model file", hint):
                 return
 
+    def container(self) -> None:
+        """What vLLM in the container will not find through its mounts: a problem when the start cannot succeed, else a warning."""
+        try:
+            env = env_additions(self.loaded.config.vllm)
+        except ConfigError:
+            return  # env_file unreadable: already reported by env_file()
+        for unseen in unseen_in_container(self.loaded.config, env):
+            if unseen.fatal:
+                self.report.problems.append(self.problem(unseen.key, unseen.message))
+            else:
+                self.report.warnings.append(f"{unseen.key}: {unseen.message}")
+
+    def share(self) -> None:
+        """A warning when the share cannot hold the weights on disk plus one max_model_len sequence's KV cache."""
+        config = self.loaded.config
+        try:
+            mem = read_meminfo(config.memory.meminfo_path)
+            env = {"HOME": self.context.home, **self.context.environment, **env_additions(config.vllm)}
+        except (OSError, ValueError, ConfigError):
+            return  # no meminfo to compare with, or an env_file already reported
+        if config.vllm.image is not None:
+            env = env_additions(config.vllm)
+        warning = share_warning_for(config, env, config.vllm.gpu_memory_utilization, mem.total)
+        if warning is not None:
+            self.report.warnings.append(f"vllm.gpu_memory_utilization: {warning}")
+
     def caches(self) -> None:
         """Where vLLM keeps the model and its compile caches in the service's environment."""
         vllm = self.loaded.config.vllm
@@ -239,9 +270,14 @@ def check_paths(loaded: LoadedConfig, context: ServiceContext, caches: bool = Tr
     if cluster is not None:
         checker.program("cluster.ray" if cluster.ray else key, ray_program(cluster, vllm), "Ray")
     checker.env_file()
-    if not is_repo_id(vllm.model) and (caches or os.path.lexists(vllm.model)):
+    if vllm.image is not None:
+        if caches:
+            checker.container()
+    elif not is_repo_id(vllm.model) and (caches or os.path.lexists(vllm.model)):
         checker.local_model(vllm.model)
     if caches and vllm.image is None:  # in a container, vLLM's caches are container.cache_dir, mounted for it
         checker.caches()
         checker.remove_ipc()
+    if caches:
+        checker.share()
     return checker.report

@@ -2,8 +2,8 @@
 
 Pure: `advance(state, event, now)` folds one parsed event into a new
 `StartupState`, with `now` (monotonic seconds) passed in, and says whether the
-event counted as *progress*. The supervisor extends systemd's start timeout
-only on progress and calls a load stalled when progress stops, so what counts
+event counted as *progress*. The lifecycle core extends systemd's start
+timeout only on progress and calls a load stalled when progress stops, so what counts
 is decided here, once: a shard or download advancing, a new phase, compile,
 KV-cache and weight lines, and growth in the bytes vLLM's processes read or
 wrote (`note_io`), and before a container starts, each step of its image's
@@ -53,7 +53,7 @@ class Phase(str, Enum):
 
 
 _ORDER = {phase: index for index, phase in enumerate(Phase)}
-# Phases in which vLLM's own lines move the phase; before and after, the supervisor does.
+# Phases in which vLLM's own lines move the phase; before and after, the lifecycle core does (`enter`).
 _EVENT_DRIVEN = frozenset(
     {Phase.PREFLIGHT, Phase.SPAWNING, Phase.DOWNLOADING, Phase.LOADING_WEIGHTS, Phase.COMPILING,
      Phase.KV_CACHE, Phase.CAPTURING_GRAPHS, Phase.STARTING_SERVER}
@@ -101,7 +101,7 @@ def start(now: float) -> StartupState:
 
 
 def enter(state: StartupState, phase: Phase, now: float) -> StartupState:
-    """Move to a phase the supervisor decides (spawning, warming_up, ready, stopping, exited); progress if new."""
+    """Move to a phase the lifecycle core decides (spawning, warming_up, ready, stopping, exited); progress if new."""
     if phase == state.phase:
         return replace(state, progressed=False)
     return replace(state, phase=phase, phase_since=now, last_progress_at=now, progressed=True)
@@ -182,13 +182,6 @@ def advance(state: StartupState, event: Event, now: float) -> StartupState:
     if isinstance(event, ShutdownStarted) and state.phase not in (Phase.STOPPING, Phase.EXITED):
         return replace(state, phase=Phase.STOPPING, phase_since=now, progressed=False)
     return replace(state, progressed=False) if state.progressed else state
-
-
-def seconds_without_progress(state: StartupState, now: float) -> float:
-    """How long no progress has been seen; the supervisor compares it with startup.stall_timeout_s."""
-    if state.last_progress_at is None:
-        return 0.0
-    return max(now - state.last_progress_at, 0.0)
 
 
 def _percent(done: float, total: float) -> str:

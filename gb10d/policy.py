@@ -359,7 +359,7 @@ def _config_advice(outcome: Failed, config: Config) -> str:
     if issue is not None and failure is not None:
         return f"{issue.meaning}; {advice.platform(failure)}"
     if isinstance(failure, ProgramNotRun):
-        return advice.image_without_vllm(v.image or str(v.program), failure.program, failure.reason)
+        return advice.image_without_vllm(v.image or str(v.program), failure.program, failure.reason, config.container.engine)
     if outcome.cause is Cause.PORT_IN_USE:
         return advice.port_in_use(v.port)
     if outcome.cause is Cause.MODEL_GATED:

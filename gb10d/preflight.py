@@ -27,13 +27,15 @@ from .config import Config
 from .devices import check_gpu_access
 from .host import HostFacts, read_host_facts, warnings
 from .errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, GiveUp
+from .keeper import ConfigKeeper
 from .ledger import Booking
 from .levels import PRIORITY_INFO, PRIORITY_WARNING
-from .lifecycle import EXTEND_MARGIN_S
+from .lifecycle import start_time_asked
+from .modelfit import share_warning_for
 from .memory import (
     MemInfo, PreflightRefused, evict_page_cache, memory_returned, parse_buddyinfo, preflight, read_meminfo, safetensors_files,
 )
-from .notify import unit_name
+from .service import unit_name
 from .phases import Phase
 from .reporter import Reporter
 
@@ -49,11 +51,8 @@ Pause = Callable[[float], Awaitable[bool]]
 class Preflight:
     """The checks around each start of vLLM; each reads the config in force when it runs."""
 
-    def __init__(
-        self, config: Callable[[], Config], env: Callable[[], dict[str, str]], reporter: Reporter, booking: Booking | None = None
-    ) -> None:
-        self._config = config
-        self._env = env
+    def __init__(self, keeper: ConfigKeeper, reporter: Reporter, booking: Booking | None = None) -> None:
+        self.keeper = keeper  # the config in force, read at each use
         self.reporter = reporter
         self.booking = booking  # this instance's record in the machine's memory ledger, if it has one
 
@@ -63,7 +62,7 @@ class Preflight:
         vLLM in a container gets the GPU from the engine, outside this unit's
         device policy: gb10d itself opens no device then.
         """
-        if self._config().vllm.image is not None:
+        if self.keeper.config.vllm.image is not None:
             return
         problem = check_gpu_access(unit_name())
         if problem is not None:
@@ -72,7 +71,7 @@ class Preflight:
     def host(self) -> HostFacts:
         """This machine's kernel, driver, CMA figures and CUDA toolkit ptxas: told once, kept for `gb10d status`,
         and checked against the combinations known to fail."""
-        facts = read_host_facts(self._config().memory.meminfo_path, self._env())
+        facts = read_host_facts(self.keeper.config.memory.meminfo_path, self.keeper.env())
         self.reporter.host = facts.summary()
         self.reporter.say("host", f"this machine: {facts.summary()}", PRIORITY_INFO)
         for warning in warnings(facts):
@@ -87,7 +86,7 @@ class Preflight:
 
     def meminfo(self) -> MemInfo | None:
         """/proc/meminfo now (also for the metrics), or None when it cannot be read (checks skipped)."""
-        path = self._config().memory.meminfo_path
+        path = self.keeper.config.memory.meminfo_path
         try:
             mem = read_meminfo(path)
         except (OSError, ValueError) as exc:
@@ -112,7 +111,7 @@ class Preflight:
         seen: dict[str, float] = {}
         shown = ""
         while True:
-            config = self._config()  # a reload while it waits applies at once
+            config = self.keeper.config  # a reload while it waits applies at once
             m = config.memory
             mem = self.meminfo()
             if mem is None:
@@ -141,7 +140,7 @@ class Preflight:
                 self.reporter.waiting_for_memory(decision)
             moved, seen = budget.progressed(seen, decision.blockers)
             if moved:
-                self.reporter.extend(config.startup.stall_timeout_s + EXTEND_MARGIN_S)
+                self.reporter.extend(start_time_asked(config))
             if await pause(LEDGER_POLL_S):
                 return None
 
@@ -152,7 +151,7 @@ class Preflight:
         Returns the settings to start with and, when they were lowered, why
         (the correction the learned-settings file keeps).
         """
-        config = self._config()
+        config = self.keeper.config
         m = config.memory
         if not m.preflight:
             return tunables, ""
@@ -164,7 +163,7 @@ class Preflight:
             mem = self.meminfo()
             if mem is None:
                 return tunables, ""
-            located = model_on_host(config, self._env()) if m.evict_page_cache else None
+            located = model_on_host(config, self.keeper.env()) if m.evict_page_cache else None
             files = safetensors_files(*located) if located is not None else []
             decision = preflight(
                 tunables.gpu_memory_utilization, mem, m.headroom_gib, m.min_gpu_memory_utilization, evicted, bool(files), around
@@ -182,6 +181,7 @@ class Preflight:
                 )
                 evicted = True
                 continue
+            self._warn_share(config, decision.utilization, mem)
             if decision.utilization == tunables.gpu_memory_utilization:
                 return tunables, ""
             self.reporter.say(
@@ -196,6 +196,12 @@ class Preflight:
                 # A smaller share leaves more room to the others at once.
                 self.booking.update(utilization=decision.utilization, bytes=budget.share_bytes(decision.utilization, mem.total, m.headroom_gib))
             return tunables.with_(gpu_memory_utilization=decision.utilization), f"preflight: {decision.reason}"
+
+    def _warn_share(self, config: Config, utilization: float, mem: MemInfo) -> None:
+        """Warn, without refusing, when the share cannot hold the weights plus one max_model_len sequence's KV cache."""
+        warning = share_warning_for(config, self.keeper.env(), utilization, mem.total)
+        if warning is not None:
+            self.reporter.say("share_too_small", f"preflight: {warning}", PRIORITY_WARNING, gpu_memory_utilization=utilization)
 
     def _tell_fragmentation(self, path: Path) -> None:
         """Say when free memory lies only in small blocks: a reboot is the fix, which gb10d leaves to the operator."""
@@ -217,7 +223,7 @@ class Preflight:
         """
         if baseline is None:
             return False
-        m = self._config().memory
+        m = self.keeper.config.memory
         deadline = time.monotonic() + m.recovery_timeout_s
         while True:
             now_mem = self.meminfo()

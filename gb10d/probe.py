@@ -1,4 +1,4 @@
-"""HTTP probes of vLLM's OpenAI server: /health, /v1/models, a one-token completion.
+"""HTTP probes of vLLM's OpenAI server: /health, /v1/models, and the model's tiny request (`tasks.Probe`).
 
 Every httpx error is translated here into a `ProbeResult` with a short
 reason, so the supervisor never sees an httpx exception and the journal
@@ -7,11 +7,27 @@ gets words like `connection refused` rather than a traceback.
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
 
 from .facts import ADMISSION_REFUSED, REFUSED, ProbeResult
+from .tasks import Probe
+
+
+# Every request of gb10d's to vLLM carries this query, which vLLM's routes ignore and uvicorn's access
+# log prints: its lines for gb10d's own traffic are told apart by it, whatever address vLLM sees them from
+# (loopback, a container's bridge), and forwarded at debug priority.
+OWN_PARAMS = {"gb10d": "probe"}
+OWN_QUERY = "gb10d=probe"
+_OWN_ACCESS = re.compile(r':\d+ - "[A-Z]+ /[^ "?]*\?' + OWN_QUERY + r' HTTP/[\d.]+" \d{3}\b')
+
+
+def own_access_line(message: str) -> bool:
+    """Whether a line of vLLM's is uvicorn's access log entry for one of gb10d's own requests."""
+    return OWN_QUERY in message and _OWN_ACCESS.search(message) is not None
+
 
 # The words of vLLM 0.34's 503s for requests its admission limits refuse (QueueOverflowError, MaxQueuedTokensError).
 _ADMISSION_WORDS = ("cannot accept new requests", "prefill token backlog limit")
@@ -42,7 +58,7 @@ class Prober:
         start = time.monotonic()
         try:
             response = await self._client.request(
-                method, path, timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT, **kwargs  # type: ignore[arg-type]
+                method, path, params=OWN_PARAMS, timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT, **kwargs  # type: ignore[arg-type]
             )
         except httpx.ConnectError:
             # httpx reports a refused loopback connection only as "All connection attempts failed":
@@ -71,15 +87,15 @@ class Prober:
             return ProbeResult(result.status, "unexpected /v1/models body", result.seconds)
         return ProbeResult(result.status, result.reason, result.seconds, names)
 
-    async def complete(self, model: str, timeout_s: float) -> ProbeResult:
-        """A one-token completion: proves the engine really generates (and warms the JIT).
+    async def send(self, probe: Probe, model: str, timeout_s: float) -> ProbeResult:
+        """The model's tiny request (a one-token completion, a one-word embedding): proves the engine really
+        runs the model (and warms the JIT).
 
         A 503 that vLLM's admission limits gave (its queue is full) is told
         apart from a dead engine's by the words of its body.
         """
-        response, result = await self._request(
-            "POST", "/v1/completions", timeout_s, json={"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
-        )
+        assert probe.route is not None, "a probe without a route sends nothing"
+        response, result = await self._request("POST", probe.route, timeout_s, json=probe.body(model))
         if response is not None and response.status_code == 503 and any(words in response.text for words in _ADMISSION_WORDS):
             return ProbeResult(503, ADMISSION_REFUSED, result.seconds)
         return result

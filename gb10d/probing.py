@@ -18,6 +18,7 @@ from .facts import ProbeKind, ProbeResult
 from .lifecycle import served_name_problem
 from .liveness import Dead, Hung, MetricsSample, death, next_deadline, next_probe_due, observe_health, observe_metrics, observe_probe, parse_metrics, probe_sent, start, verdict
 from .probe import Prober
+from .tasks import Probe
 
 # How long /health may refuse connections after `Application startup complete.` (uvicorn listens just after).
 LISTEN_GRACE_S = 30.0
@@ -25,8 +26,8 @@ LISTEN_GRACE_S = 30.0
 Post = Callable[..., None]
 
 
-async def check_ready(prober: Prober, config: Config, post: Post) -> None:
-    """/health 200, the served names in /v1/models, and (if configured) one tiny completion.
+async def check_ready(prober: Prober, config: Config, post: Post, probe: Probe) -> None:
+    """/health 200, the served names in /v1/models, and (if configured) the model's tiny request (`probe`).
 
     Gives up silently when the port does not open within LISTEN_GRACE_S: the
     health poller and the stall timer take it from there.
@@ -45,13 +46,17 @@ async def check_ready(prober: Prober, config: Config, post: Post) -> None:
         post(ProbeKind.WRONG_NAME, problem)
         return
     detail = f"/health 200, /v1/models lists {', '.join(models.models)}"
-    if config.startup.warmup:
+    if config.startup.warmup and probe.route is not None:
         post(ProbeKind.WARMING)
-        result = await prober.complete(v.served_names[0], timeout_s=config.liveness.probe_timeout_s)
+        result = await prober.send(probe, v.served_names[0], timeout_s=config.liveness.probe_timeout_s)
         if not result.ok:
-            post(ProbeKind.NOT_READY, f"the warm-up completion failed ({result.status or result.reason})")
+            # 404: vLLM opens only the routes of the model's tasks (an embedding model has no completions).
+            hint = "; the model does not serve that route: set liveness.probe_route to one it serves" if result.status == 404 else ""
+            post(ProbeKind.NOT_READY, f"the warm-up {probe.noun} ({probe.route}) failed ({result.status or result.reason}){hint}")
             return
-        detail += f", warm-up completion took {result.seconds:.2f} s"
+        detail += f", warm-up {probe.noun} took {result.seconds:.2f} s"
+    elif config.startup.warmup:
+        detail += ", no warm-up request (liveness.probe_route: none for this model)"
     post(ProbeKind.READY, detail)
 
 
@@ -70,15 +75,16 @@ async def watch_liveness(
     post: Post,
     *,
     model: str,
+    probe: Probe,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Watch a serving vLLM until the evidence says hung or dead; post that verdict once, then return.
 
-    Samples (/health, then /metrics) and the idle probe are tasks of their
-    own, so a request that hangs (which is the very symptom looked for)
+    Samples (/health, then /metrics) and the idle probe (`probe`; none when
+    its route is None) are tasks of their own, so a request that hangs (which is the very symptom looked for)
     never stops the others or the clock. Cancelling it cancels them.
     """
-    state = start(clock())
+    state = start(clock(), probe.words)
     sampling: asyncio.Task[tuple[ProbeResult, MetricsSample | None]] | None = None
     probing: asyncio.Task[ProbeResult] | None = None
     next_sample = state.started_at + limits.health_interval_s
@@ -94,7 +100,7 @@ async def watch_liveness(
         while True:
             now = clock()
             deadline = next_deadline(state, limits)
-            due = next_probe_due(state, now, limits)
+            due = next_probe_due(state, now, limits) if probe.route else None
             # Deadlines and a due probe bring the next sample forward: verdicts are taken, and the
             # probe is sent, on fresh figures only.
             sample_at = min(t for t in (next_sample, deadline, due) if t is not None)
@@ -106,10 +112,10 @@ async def watch_liveness(
                 health, metrics = sampling.result()
                 state = observe_metrics(observe_health(state, health, now), metrics, now)
                 sampling, next_sample = None, now + limits.health_interval_s
-                due = next_probe_due(state, now, limits)
+                due = next_probe_due(state, now, limits) if probe.route else None
                 if probing is None and due is not None and now >= due:
                     state = probe_sent(state, now)
-                    probing = asyncio.create_task(prober.complete(model, timeout_s=limits.probe_timeout_s))
+                    probing = asyncio.create_task(prober.send(probe, model, timeout_s=limits.probe_timeout_s))
             elif probing is not None and probing.done():
                 state, probing = observe_probe(state, probing.result(), now), None
             else:

@@ -3,13 +3,15 @@
 On both machines of a pair gb10d runs `ray start --block` as a process group
 of its own (the same `process.ProcessGroup` vLLM runs in) and forwards its
 output to the journal. When it exits, Ray is started again after a capped
-back-off, for as long as gb10d runs: the other machine may come back at any
-time. Beside it runs gb10d/raywatch.py under Ray's own Python, which prints
-the head's node table whenever it changes. Both report to the supervisor
-through one callback taking a `cluster.View`: a table, or an error saying
-why there is none (Ray exited here, the GCS does not answer). What a view
-means is decided by the supervisor with gb10d.cluster; this module only
-keeps the two processes running.
+back-off (restart.backoff_*), for as long as gb10d runs: the other machine
+may come back at any time. Its environment and back-off are asked for at
+each start, so a reload in between reaches the next one. Beside it runs
+gb10d/raywatch.py under Ray's own Python, which prints the head's node table
+whenever it changes. Both report through one callback taking a
+`cluster.View` (posted to the fact loop): a table, or an error saying why
+there is none (Ray exited here, the GCS does not answer). What a view means
+is decided by `Pair` with gb10d.cluster; this module only keeps the two
+processes running.
 """
 
 from __future__ import annotations
@@ -42,14 +44,14 @@ class RayNode:
         self,
         ray_argv: Sequence[str],
         watcher_argv: Sequence[str],
-        env: Mapping[str, str],
+        env: Callable[[], Mapping[str, str]],
         journal: Journal,
         report: Callable[[View], None],
         backoff: Callable[[int], float],
     ) -> None:
         self._ray_argv = list(ray_argv)
         self._watcher_argv = list(watcher_argv)
-        self._env = dict(env)
+        self._env = env  # asked at each start: a reload in between reaches the next one
         self._journal = journal
         self._report = report
         self._backoff = backoff
@@ -75,7 +77,7 @@ class RayNode:
             started = time.monotonic()
             self.started_at = time.time()
             try:
-                process = await ProcessGroup.spawn(self._ray_argv, self._env, name="Ray", key="cluster.ray")
+                process = await ProcessGroup.spawn(self._ray_argv, self._env(), name="Ray", key="cluster.ray")
             except SpawnError as exc:
                 status_text = str(exc)
             else:
@@ -122,7 +124,7 @@ class RayNode:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,  # Ray's C++ client retries noisily; the lines say what matters
-            env=self._env,
+            env=dict(self._env()),
             start_new_session=True,
         )
         assert watcher.stdout is not None

@@ -13,6 +13,7 @@ differs from the previous one, so an idle cluster costs gb10d nothing.
 
 from __future__ import annotations
 
+import importlib
 import json
 import socket
 import sys
@@ -46,7 +47,9 @@ def _emit(report: dict[str, object], last: str) -> str:
 
 def main(address: str) -> int:
     try:
-        from ray._raylet import GcsClient  # type: ignore[attr-defined]  # private API, stable in Ray 2.4x-2.6x
+        # Ray's private API, stable in Ray 2.4x-2.6x. Looked up at run time so that
+        # mypy gives the same answer whichever Ray (or none) is installed beside it.
+        GcsClient = importlib.import_module("ray._raylet").GcsClient
     except ImportError as exc:
         _emit({"error": f"this Python cannot import Ray ({exc}); cluster.ray must be the ray of vLLM's venv"}, "")
         return 2

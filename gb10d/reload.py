@@ -33,7 +33,7 @@ class ConfigSnapshot:
 
     The env_file is part of what vLLM sees, but a `Config` only holds its
     path; re-reading it when comparing would compare the file with itself.
-    So the supervisor keeps the snapshot vLLM was started from.
+    So the keeper holds the snapshot vLLM was started from.
     """
 
     config: Config

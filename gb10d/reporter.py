@@ -19,14 +19,17 @@ import os
 import time
 from dataclasses import replace
 
+from . import advice
+from .alerting import AlertSender
 from .budget import Stage, Wait
-from .command import Tunables
+from .command import Tunables, read_env_file
 from .config import Config
+from .errors import ConfigError
 from .events import DriverOutOfMemory, Event, GpuXid
 from .image import PreparedImage
 from .journal import Journal
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
-from .lifecycle import Action, Extend, LivenessFailed, Observe, Say, ShowPhase, XidSeen, kernel_said
+from .lifecycle import Action, DriverOomSeen, Extend, LivenessFailed, Observe, Say, ShowPhase, XidSeen, kernel_said
 from .ledger import Booking
 from .memory import MemInfo, read_meminfo
 from .metrics import Metrics
@@ -36,6 +39,8 @@ from .statefile import ClusterRecord, DaemonState, LastFailure, Memory, Progress
 
 # sd_notify's STATUS= is one line that `systemctl status` shows; longer texts only clutter it.
 STATUS_MAX = 200
+# How long queued alerts get to go out when gb10d exits (a give-up's alert is sent then).
+ALERTS_CLOSE_S = 10.0
 
 
 class Reporter:
@@ -62,10 +67,12 @@ class Reporter:
         self._tunables: Tunables | None = None
         self._pid: int | None = None
         self._baseline: MemInfo | None = None
+        self._baseline_at: float | None = None
         self._written_phase: Phase | None = None
         self._written_at = 0.0
         self._deferred: asyncio.TimerHandle | None = None
         self._state_warned = False
+        self.alerts = AlertSender(config.alerts, config.vllm.served_names[0], self._alert_environment, self._alert_dropped)
         self._booked_phase = ""
 
     # --- the journal -----------------------------------------------------
@@ -73,6 +80,7 @@ class Reporter:
     def say(self, kind: str, message: str, priority: int = PRIORITY_INFO, **fields: object) -> None:
         """One decision line in the journal, with its event kind and `GB10D_*` fields."""
         self.journal.event(kind, message, priority, **fields)
+        self.alerts.journaled(kind, message, fields)
 
     # --- STATUS= and the state file ------------------------------------------
 
@@ -104,10 +112,11 @@ class Reporter:
     def attempt_started(self, number: int, tunables: Tunables, pid: int, baseline: MemInfo | None, reason: str) -> None:
         """A new attempt runs: the state file and the metrics describe it from now on."""
         self._number, self._tunables, self._pid, self._baseline = number, tunables, pid, baseline
+        self._baseline_at = time.time() if baseline is not None else None
         self.state = DaemonState.STARTING if number == 1 else DaemonState.RESTARTING
         with self.metrics.batch():
             self.metrics.start_attempt(reason)
-            self.metrics.set_utilization(tunables.gpu_memory_utilization)
+            self.metrics.set_utilization(tunables.gpu_memory_utilization, self.config.vllm.gpu_memory_utilization)
             self.metrics.set_vllm_up(True)
             self._ledger_metrics()  # the share as admitted, lowered if the free-memory check lowered it
 
@@ -210,10 +219,11 @@ class Reporter:
         self.state, self.status_text = DaemonState.STOPPED, "stopped"
         self.write()
 
-    def gave_up(self, reason: str, exit_status: int) -> None:
-        """gb10d stops trying: the journal says why, STATUS= and the state file say failed."""
-        self.say("gave_up", reason, PRIORITY_ERR, exit_status=exit_status)
-        self.status(f"failed: {reason}", DaemonState.FAILED)
+    def gave_up(self, reason: str, exit_status: int, told: bool = False) -> None:
+        """gb10d stops trying: the journal says why (unless the failure's line just did), STATUS= and the state file say failed."""
+        said = f"giving up with exit status {exit_status}: the line above says what to do" if told else reason
+        self.say("gave_up", said, PRIORITY_ERR, exit_status=exit_status)
+        self.status(advice.status_of_give_up(reason, STATUS_MAX), DaemonState.FAILED)
 
     def write(self) -> None:
         """Rewrite the state file now; a failure to write is reported once, never raised."""
@@ -249,6 +259,7 @@ class Reporter:
             gpu_memory_utilization=tunables.gpu_memory_utilization if tunables else v.gpu_memory_utilization,
             load_strategy=tunables.load_strategy if tunables else None,
             memory=Memory(mem.total, mem.available, mem.free, mem.cached) if mem else None,
+            memory_at=self._baseline_at if mem else None,
             vllm_pid=self._pid,
             ready_at=self.ready_at if running else None,
             last_failure=self.last_failure,
@@ -289,6 +300,8 @@ class Reporter:
             self.metrics.liveness_failure(action.label)
         elif isinstance(action, XidSeen):
             self.metrics.xid(action.xid)
+        elif isinstance(action, DriverOomSeen):
+            self.metrics.driver_oom_line(action.evidence)
         else:
             return False
         return True
@@ -335,13 +348,27 @@ class Reporter:
         """A reload applied: later reports use the new config; the metrics listener moves if it changed."""
         moved = config.metrics.listen != self.config.metrics.listen
         self.config = config
+        self.alerts.section = config.alerts
         if moved:
             self.serve_metrics()
 
     def close(self) -> None:
         self._cancel_deferred()
         self.metrics.close()
+        self.alerts.close(ALERTS_CLOSE_S)
         self.journal.flush()
+        self.notifier.close()
+
+    def _alert_environment(self) -> dict[str, str]:
+        """Where ${NAME} in a webhook comes from: gb10d's environment, then vllm.env_file."""
+        env_file = self.config.vllm.env_file
+        try:
+            return {**os.environ, **(read_env_file(env_file) if env_file else {})}
+        except ConfigError:
+            return dict(os.environ)
+
+    def _alert_dropped(self, text: str) -> None:
+        self.journal.event("alert_dropped", text, PRIORITY_WARNING)
 
     def _cancel_deferred(self) -> None:
         if self._deferred is not None:

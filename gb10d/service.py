@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .access import Principal, current_principal, group_name, principal
-from .errors import Gb10dError
-from .ledger import GROUP as LEDGER_GROUP
+from .errors import UsageError
 
 MAIN_UNIT = "gb10d.service"
 SYSTEM_USER = "gb10d"
+# The group of the memory ledger the instances of a machine share (/run/gb10d-ledger, made by the package's tmpfiles.d).
+LEDGER_GROUP = "gb10d"
 DROPIN_NAME = "50-service-user.conf"
 # The unit's cache variables; the user drop-in unsets them so vLLM uses the user's own home as the script did.
 CACHE_VARIABLES = ("HF_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH", "XDG_CACHE_HOME")
@@ -53,6 +54,23 @@ def unit_for_config(config: Path) -> str:
     if config.parent == Path("/etc/gb10d") and config.suffix == ".toml":
         return f"gb10d@{config.stem}.service"
     return MAIN_UNIT
+
+
+def unit_name(cgroup: Path = Path("/proc/self/cgroup"), default: str = "gb10d") -> str:
+    """The systemd unit this process runs in (`gb10d@chat.service` -> `gb10d@chat`), for commands in messages.
+
+    Read from the process's own cgroup path, which systemd names after the
+    unit; outside a service (a terminal, a test) `default`.
+    """
+    try:
+        text = cgroup.read_text()
+    except OSError:
+        return default
+    for line in text.splitlines():
+        for part in reversed(line.rpartition(":")[2].split("/")):
+            if part.endswith(".service"):
+                return part[: -len(".service")]
+    return default
 
 
 @dataclass(frozen=True)
@@ -160,13 +178,13 @@ def query(unit: str, as_user: str | None = None) -> ServiceContext:
 
     `as_user` replaces the user (the rest still comes from the unit): what
     `check-config --user` checks before the drop-in is written. Raises
-    Gb10dError when there is no such user.
+    UsageError (exit 78) when there is no such user.
     """
     props = _show(unit)
     groups = tuple(props.get("SupplementaryGroups", "").split()) + ((props["Group"],) if props.get("Group") else ())
     who = principal(as_user or props.get("User") or "root", groups if not as_user else ())
     if who is None:
-        raise Gb10dError(f"no user {as_user or props.get('User')} on this machine")
+        raise UsageError(f"no user {as_user or props.get('User')} on this machine: check the name with getent passwd")
     context = context_from_show(unit, props, who)
     if context is None:
         base = this_process(unit)
@@ -257,6 +275,11 @@ def lingering(name: str) -> bool:
 
 
 # --- the drop-in that runs the service as a login user ---------------------------
+
+
+def systemd_running(run: Path = Path("/run/systemd/system")) -> bool:
+    """Whether systemd is this machine's init (sd_booted()): only then does a unit drop-in mean anything."""
+    return run.is_dir()
 
 
 def dropin_dir(unit: str) -> Path:

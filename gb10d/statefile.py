@@ -1,13 +1,13 @@
 """The state file: the daemon's current state as one JSON object, for `gb10d status`.
 
-The supervisor rewrites it on every change; readers may look at any moment,
+The Reporter rewrites it on every change; readers may look at any moment,
 so a write either fully replaces the previous file or leaves it untouched,
 never a half-written one. It lives under the runtime directory
 (/run/gb10d/state.json by default), so it disappears at reboot with the
 daemon it describes.
 
-`StateRecord` is its one schema, shared by the writer (the supervisor's
-reporter) and the reader (`gb10d status`). Reading is tolerant: a field
+`StateRecord` is its one schema, shared by the writer (the Reporter) and
+the reader (`gb10d status`). Reading is tolerant: a field
 that is missing or of another type (a file from another gb10d version) is
 left out, never a reason to fail. Times are Unix seconds.
 """
@@ -27,11 +27,15 @@ from typing import Any
 STATE_FILE_MODE = 0o644
 # Progress within a phase (shard steps) is written at most this often: each write fsyncs.
 WRITE_EVERY_S = 1.0
+# A new phase is written at once, but not more often than this: output that moves back and forth between
+# phases (a second shard pass, then graphs, again and again) must not cost an fsync per line.
+PHASE_WRITE_GAP_S = 0.1
 
 
 def write_delay(phase_changed: bool, since_last_write_s: float) -> float:
-    """How long to wait before writing the state file: 0 for a new phase, else what is left of WRITE_EVERY_S."""
-    return 0.0 if phase_changed else max(0.0, WRITE_EVERY_S - since_last_write_s)
+    """How long to wait before writing the state file: what is left of PHASE_WRITE_GAP_S for a new phase
+    (nothing, normally), else what is left of WRITE_EVERY_S."""
+    return max(0.0, (PHASE_WRITE_GAP_S if phase_changed else WRITE_EVERY_S) - since_last_write_s)
 
 
 def write_atomically(path: Path, data: bytes, mode: int, sync_directory: bool = False) -> None:
@@ -150,6 +154,7 @@ class StateRecord:
     gpu_memory_utilization: float | None = None
     load_strategy: str | None = None
     memory: Memory | None = None
+    memory_at: float | None = None  # when `memory` was measured (wall clock)
     vllm_pid: int | None = None
     ready_at: float | None = None
     last_failure: LastFailure | None = None
@@ -199,6 +204,7 @@ class StateRecord:
             gpu_memory_utilization=_num(data, "gpu_memory_utilization"),
             load_strategy=_text(data, "load_strategy"),
             memory=_record(Memory, data.get("memory"), total_bytes=_int, available_bytes=_int, free_bytes=_int, cached_bytes=_int),
+            memory_at=_num(data, "memory_at"),
             vllm_pid=_int(data, "vllm_pid"),
             ready_at=_num(data, "ready_at"),
             last_failure=_record(LastFailure, data.get("last_failure"), cause=_text, message=_text, action=_text, at=_num),

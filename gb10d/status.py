@@ -3,14 +3,16 @@
 The exit status follows `systemctl status` and LSB: 0 running, 3 not
 running (no state file, its pid gone, or the state says stopped or failed),
 4 when the state file cannot be read at all. `--all` reads the memory
-ledger the instances share instead: 0 when any instance runs, 3 when none
-does, 4 when the ledger cannot be read. Rendering is pure (state, now and
-whether the pid lives go in, text comes out); only `show_status` and
-`show_all` touch the file system and the process table.
+ledger the instances share instead (without one, the state files beside
+the config's): 0 when any instance runs, 3 when none does, 4 when neither
+can be read. Rendering is pure (state, now and whether the pid lives go
+in, text comes out); only the `show_*` functions touch the file system and
+the process table.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -20,7 +22,7 @@ from typing import Any, TextIO
 
 from . import budget, programs
 from .budget import Reservation, Stage
-from .config import MemorySection, load_config
+from .config import Config, FrontSection, MemorySection, load_config, load_front
 from .errors import Gb10dError
 from .ledger import read_ledger
 from .memory import MemInfo, read_meminfo
@@ -36,26 +38,36 @@ DEFAULT_STATE_FILE = Path("/run/gb10d/state.json")
 _GIB = 1 << 30
 
 
-def state_file_path(explicit: str | None, config_path: Path | None) -> Path:
-    """The state file to read: `--state-file`, else the config's `[daemon] state_file`, else the default.
+def status_config(config_path: Path, named: bool) -> Config | None:
+    """The config whose state file and ledger status reads; None for a default config that does not load.
 
-    A config that does not load is no reason to refuse a status: the daemon
-    may be running from an earlier, valid version of it.
+    A file the user named (`--config`, $GB10D_CONFIG) must load: its error,
+    exit 78, is the answer, since falling back would show another
+    instance's status as this one's. The default config that does not load
+    is no reason to refuse a status: the daemon may be running from an
+    earlier, valid version of it.
     """
+    try:
+        return load_config(config_path)
+    except Gb10dError:
+        if named:
+            raise
+        return None
+
+
+def state_file_path(explicit: str | None, config: Config | None) -> Path:
+    """The state file to read: `--state-file`, else the config's `[daemon] state_file`, else the default."""
     if explicit:
         return Path(explicit)
-    try:
-        return load_config(config_path).daemon.state_file
-    except Gb10dError:
-        return DEFAULT_STATE_FILE
+    return config.daemon.state_file if config is not None else DEFAULT_STATE_FILE
 
 
-def memory_settings(config_path: Path | None) -> MemorySection:
-    """The config's [memory] table, or its defaults when the config does not load (as for the state file)."""
+def front_state_file(config_path: Path) -> Path:
+    """Where the config's front writes its queues ([front] state_file), or the default when the config does not load."""
     try:
-        return load_config(config_path).memory
+        return load_front(config_path).state_file
     except Gb10dError:
-        return MemorySection()
+        return FrontSection().state_file
 
 
 def pid_alive(pid: int) -> bool:
@@ -118,13 +130,15 @@ def _phase_line(state: StateRecord) -> str | None:
     return state.phase
 
 
-def _memory_line(state: StateRecord) -> str | None:
+def _memory_line(state: StateRecord, now: float) -> str | None:
+    """/proc/meminfo as gb10d measured it before the attempt started: a snapshot, said to be one, never current."""
     m = state.memory
     if m is None:
         return None
+    when = f"{duration(now - state.memory_at)} ago" if state.memory_at is not None else "at an unknown time"
     return (
         f"{_gib(m.total_bytes)} total, {_gib(m.available_bytes)} available, {_gib(m.free_bytes)} free, "
-        f"{_gib(m.cached_bytes)} page cache"
+        f"{_gib(m.cached_bytes)} page cache (measured {when}, before the attempt started; free -g shows it now)"
     )
 
 
@@ -155,12 +169,9 @@ def _header(state: StateRecord | None, alive: bool, now: float) -> str:
     return f"gb10d is not running ({reason}; last state: {name}{when})"
 
 
-def programs_of(config_path: Path | None) -> Programs:
-    """The record of vLLM programs beside the config's learned settings; empty when the config does not load."""
-    try:
-        return programs.load(programs.programs_file(load_config(config_path).daemon.learned_file))
-    except Gb10dError:
-        return programs.NONE
+def programs_of(config: Config | None) -> Programs:
+    """The record of vLLM programs beside the config's learned settings; empty without a config."""
+    return programs.load(programs.programs_file(config.daemon.learned_file)) if config is not None else programs.NONE
 
 
 def _program_rows(record: Programs) -> list[tuple[str, str | None]]:
@@ -186,7 +197,8 @@ def render(state: StateRecord | None, now: float, alive: bool, record: Programs 
     rows: list[tuple[str, str | None]] = []
     if state.started_at is not None:
         rows.append(("Started", _when(state.started_at, now)))
-    if state.ready_at is not None:
+    running = not_running_reason(state, alive) is None
+    if state.ready_at is not None and running:
         rows.append(("Ready", f"since {_when(state.ready_at, now)}"))
     rows.append(("Phase", _phase_line(state)))
     names = state.served_names
@@ -203,7 +215,7 @@ def render(state: StateRecord | None, now: float, alive: bool, record: Programs 
         rows.append(("Image", f"{state.image} ({state.image_digest})" if state.image_digest else state.image))
     if state.container is not None:
         rows.append(("Container", f"{state.container} ({state.engine})" if state.engine else state.container))
-    rows.append(("Memory", _memory_line(state)))
+    rows.append(("Memory", _memory_line(state, now)))
     if state.instance is not None:
         reserved = f": {_gib(state.reservation_bytes)} reserved" if state.reservation_bytes is not None else ""
         rows.append(("Ledger", f"{state.instance}{reserved} in the machine's memory ledger (gb10d status --all shows every instance)"))
@@ -320,19 +332,57 @@ def all_as_json(records: list[Reservation], mem: MemInfo | None, now: float, dir
     }
 
 
-def show_all(memory: MemorySection, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Print every gb10d instance of the machine from the memory ledger; return the exit status."""
-    directory = memory.ledger_path
+def show_all(
+    memory: MemorySection, state_file: Path, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
+    front: Path | None = None,
+) -> int:
+    """Print every gb10d instance of the machine, then the front's queue per model when a front wrote its
+    state file (`front`); return the exit status (that of the instances).
+
+    The instances come from the memory ledger. Without a ledger (off in the
+    config, or its directory missing), or with an empty one while an
+    instance runs alone outside it (it could not use the ledger: one warning
+    in its journal), the state files beside this config's tell instead, and
+    the answer says so: an instance that runs must never be reported as absent.
+    """
+    from .front import snapshot  # the front's module renders with this one's duration()
+
+    queues = snapshot.read(front) if front is not None else None
+    if queues is None or front is None:
+        return _show_instances(memory, state_file, json_output, out, err)
+    alive = pid_alive(queues.pid)
+    shown = io.StringIO()
+    status = _show_instances(memory, state_file, json_output, shown, err)
+    if json_output:
+        answer = json.loads(shown.getvalue() or "{}")
+        answer["front"] = {**snapshot.as_json(queues), "running": alive}
+        out.write(json.dumps(answer, indent=2, sort_keys=True) + "\n")
+    else:
+        out.write(shown.getvalue() + snapshot.render(queues, alive, time.time(), front))
+    return status
+
+
+def _show_instances(memory: MemorySection, state_file: Path, json_output: bool, out: TextIO, err: TextIO) -> int:
+    """The instances part of show_all."""
+    directory, state_dir = memory.ledger_path, state_file.parent
     if directory is None:
-        message = 'the memory ledger is off in this config (memory.ledger_dir = ""): instances do not see each other'
-        return _cannot(message, {"ledger_dir": None}, json_output, out, err, EXIT_NOT_RUNNING)
+        why = 'the memory ledger is off in this config (memory.ledger_dir = "")'
+        return show_state_files(why, state_dir, json_output, out, err)
     try:
         records = read_ledger(directory)
     except FileNotFoundError:
-        records = []
+        why = f"the memory ledger {directory} does not exist (the package creates it at boot: systemd-tmpfiles --create)"
+        return show_state_files(why, state_dir, json_output, out, err)
     except OSError as exc:
         message = f"cannot read the memory ledger {directory}: {exc.strerror or exc} (members of the group gb10d and root may)"
         return _cannot(message, {"ledger_dir": str(directory)}, json_output, out, err)
+    if not records:
+        try:
+            alone = _running_states(state_dir)
+        except OSError:
+            alone = []  # the ledger's answer stands
+        if alone:
+            return _print_state_files(f"no instance is in the memory ledger {directory}", state_dir, alone, json_output, out)
     try:
         mem: MemInfo | None = read_meminfo(memory.meminfo_path)
     except (OSError, ValueError):
@@ -343,3 +393,53 @@ def show_all(memory: MemorySection, json_output: bool = False, out: TextIO = sys
     else:
         out.write(render_all(records, mem, now, directory))
     return EXIT_RUNNING if records else EXIT_NOT_RUNNING
+
+
+def _running_states(directory: Path) -> list[tuple[Path, StateRecord]]:
+    """The state files in `directory` whose daemon runs, by path; OSError when the directory cannot be listed."""
+    try:
+        paths = sorted(path for path in directory.iterdir() if path.suffix == ".json")
+    except FileNotFoundError:
+        return []  # no gb10d ever ran here since boot
+    found = []
+    for path in paths:
+        try:
+            state = read_state(path)
+        except OSError:
+            continue  # another user's, or gone meanwhile: the instances gb10d can see are still told
+        alive = state is not None and state.pid is not None and pid_alive(state.pid)
+        if state is not None and not_running_reason(state, alive) is None:
+            found.append((path, state))
+    return found
+
+
+def render_state_files(why: str, directory: Path, found: list[tuple[Path, StateRecord]]) -> str:
+    """`--all` without the ledger's answer: the honest reason, then each running instance its state file shows."""
+    if not found:
+        return f"{why}; no state file in {directory} names a running gb10d\n"
+    lines = [f"{why}; the state files in {directory} name {len(found)} running:"]
+    for path, state in found:
+        name = state.state.value if state.state is not None else "unknown"
+        model = f" {state.model}" if state.model else ""
+        lines.append(f"  {path}: {name}{model}, pid {state.pid}")
+    return "\n".join(lines) + "\n"
+
+
+def _print_state_files(why: str, directory: Path, found: list[tuple[Path, StateRecord]], json_output: bool, out: TextIO) -> int:
+    if json_output:
+        instances = [{**state.to_json(), "state_file": str(path)} for path, state in found]
+        answer = {"ledger": why, "state_dir": str(directory), "running": bool(found), "instances": instances}
+        out.write(json.dumps(answer, indent=2, sort_keys=True) + "\n")
+    else:
+        out.write(render_state_files(why, directory, found))
+    return EXIT_RUNNING if found else EXIT_NOT_RUNNING
+
+
+def show_state_files(why: str, directory: Path, json_output: bool, out: TextIO, err: TextIO) -> int:
+    """Print the running instances the state files in `directory` show; return the exit status."""
+    try:
+        found = _running_states(directory)
+    except OSError as exc:
+        message = f"{why}, and the state files in {directory} cannot be listed: {exc.strerror or exc}"
+        return _cannot(message, {"state_dir": str(directory)}, json_output, out, err)
+    return _print_state_files(why, directory, found, json_output, out)

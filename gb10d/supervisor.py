@@ -25,12 +25,13 @@ from .cluster import vllm_flags
 from .command import Tunables, build_argv
 from .config import Config
 from .errors import EXIT_OK, GiveUp, SpawnError
-from .facts import ClusterSeen, Edited, Exited, Fact, KernelSaid, Parsed, PullEnded, Pulled, Reload, Stop, Tick
+from .events import DriverOutOfMemory, GpuXid
+from .facts import ClusterSeen, DriverLine, Edited, Exited, Fact, KernelSaid, Parsed, PullEnded, Pulled, Reload, Stop, Tick
 from .host import HostFacts
 from .image import PreparedImage
 from .keeper import ConfigKeeper
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
-from .lifecycle import EXTEND_MARGIN_S
+from .lifecycle import start_time_asked
 from .loop import FactLoop
 from .memory import ALONE, MemInfo
 from .outcome import Cause, Ended, Failed, NodeLost, Reloaded, Stopped
@@ -138,11 +139,11 @@ class Supervisor:
             self._tell_failure(ended, decision, history)
             await self.close()
             if isinstance(decision, policy.GiveUp):
-                raise GiveUp(decision.message, decision.exit_status)
+                raise GiveUp(decision.message, decision.exit_status, told=True)
             if await self.preflight.memory_back(baseline, self._pause):
                 return await self._stop()
             if decision.delay_s > 0:
-                self.reporter.extend(decision.delay_s + self.keeper.config.startup.stall_timeout_s + EXTEND_MARGIN_S)
+                self.reporter.extend(start_time_asked(self.keeper.config, decision.delay_s))
                 if await self._pause(decision.delay_s):
                     return await self._stop()
             tunables, reason = decision.tunables, ended.cause.value
@@ -164,9 +165,9 @@ class Supervisor:
             history, decision = policy.after_failure(ended, Tunables.from_config(config.vllm), history, config, self.host)
             self._tell_failure(ended, decision, history)
             if isinstance(decision, policy.GiveUp):
-                raise GiveUp(decision.message, decision.exit_status)
+                raise GiveUp(decision.message, decision.exit_status, told=True)
             self.reporter.metrics.restart(ended.cause.value)
-            self.reporter.notifier.extend_timeout(decision.delay_s + config.startup.stall_timeout_s + EXTEND_MARGIN_S)
+            self.reporter.extend(start_time_asked(config, decision.delay_s))
             if await self._pause(decision.delay_s):
                 return Stopped("")
 
@@ -230,7 +231,7 @@ class Supervisor:
             elif isinstance(fact, (Reload, Edited)):
                 ended = await self._config_change(attempt, requested=isinstance(fact, Reload))
             elif isinstance(fact, KernelSaid):
-                ended = await attempt.handle(Parsed(attempt.serial, fact.event))
+                ended = await attempt.handle(self._kernel_fact(attempt.serial, fact.event))
             elif isinstance(fact, ClusterSeen):
                 ended = self.pair.on_view(fact.view, attempt.start.start_view, attempt.runtime.pid, attempt.ready) if self.pair else None
                 if ended is not None:
@@ -243,6 +244,13 @@ class Supervisor:
                     ended = self.pair.explain_exit(ended, attempt.start.start_view, attempt.runtime.pid)
             if ended is not None:
                 return ended
+
+    def _kernel_fact(self, serial: int, event: DriverOutOfMemory | GpuXid) -> Parsed | DriverLine:
+        """A driver message during an attempt; the out-of-memory line comes with MemAvailable read now, its evidence."""
+        if isinstance(event, GpuXid):
+            return Parsed(serial, event)
+        mem = self.preflight.meminfo()
+        return DriverLine(serial, event, mem.available if mem is not None else None)
 
     async def _confirm_node_loss(self, outcome: Failed) -> Failed | NodeLost | None:
         assert self.pair is not None and self.attempt is not None
@@ -312,6 +320,7 @@ class Supervisor:
             attempt=history.attempts,
             cause=outcome.cause.value,
             gpu_memory_utilization=decision.tunables.gpu_memory_utilization if isinstance(decision, policy.Retry) else None,
+            exit_status=decision.exit_status if isinstance(decision, policy.GiveUp) else None,
         )
         self.reporter.status(message)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -16,10 +17,44 @@ from harness import Daemon, NotifySocket, wait_until
 SLOW_FIXTURES = frozenset({"daemons", "notify", "link", "engine", "any_engine", "podman_service", "registry"})
 
 
+# Fixtures of the container engines: the tests that use one share dockerd and podman's store.
+ENGINE_FIXTURES = frozenset({"engine", "any_engine", "podman_service", "registry"})
+# Booted systemd containers that run images under the host's docker.
+ENGINE_MODULES = frozenset({"test_systemd_container.py", "test_systemd_playbook.py"})
+SYSTEMD_DIR = Path(__file__).parent / "systemd"
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the slow tests and group them for pytest-xdist, whose own hook reads the groups after this one."""
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        group = xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def xdist_group(item: pytest.Item) -> str | None:
+    """Which tests pytest-xdist (`-n`, `--dist loadgroup`) keeps on one worker, one after another.
+
+    - The container-engine tests share dockerd and podman: one group.
+    - A module of booted systemd tests shares its container (a module fixture):
+      one group per module and Debian release, so each boots once, and the
+      releases and modules boot side by side (each in cgroups of its own).
+    - The other tests go wherever a worker is free: each gb10d they start
+      has its own ports, files and config (no memory ledger unless the test
+      gives it one of its own), and the one test that needs /dev/shm to
+      itself gives gb10d a private one.
+    """
+    path = Path(str(item.fspath))
+    if path.name in ENGINE_MODULES or ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return "engines"
+    if path.parent == SYSTEMD_DIR:
+        callspec = getattr(item, "callspec", None)
+        debian = callspec.params.get("debian") if callspec is not None else None
+        return f"systemd-{path.stem}-{getattr(debian, 'name', 'debian12')}"
+    return None
 
 
 @pytest.fixture

@@ -61,6 +61,13 @@ def require_engines() -> bool:
     return os.environ.get("GB10D_REQUIRE_CONTAINER_ENGINES") == "1"
 
 
+def dead_socket(path: Path) -> Path:
+    """A socket file nobody listens on: an engine's socket while its daemon is not running."""
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+    return path
+
+
 def engine_or_skip(kind: EngineKind, socket: Path | None = None) -> Engine:
     """The engine's client, or a skip (a failure under GB10D_REQUIRE_CONTAINER_ENGINES=1) saying why it is unusable."""
     engine = engine_client(kind, socket, as_root=os.geteuid() == 0)
@@ -340,6 +347,8 @@ class SlowLink:
         self._listener.listen(16)
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._sent = 0
+        # Set once the link has sent its `stall_after` bytes and holds everything after them.
+        self.stalled = threading.Event()
         self._lock = threading.Lock()
         self._open: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
@@ -361,6 +370,7 @@ class SlowLink:
                 if throttled:
                     with self._lock:
                         if self._stall_after is not None and self._sent >= self._stall_after:
+                            self.stalled.set()
                             threading.Event().wait()  # the link stalls: hold the connection open, send nothing
                         self._sent += len(data)
                     time.sleep(len(data) / self._rate)

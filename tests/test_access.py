@@ -234,3 +234,13 @@ def test_walk_follows_symbolic_links_as_the_kernel_does(tmp_path: Path) -> None:
     assert walked.missing is None
     assert walked.chain[-1].path == str(tmp_path / "real" / "bin" / "python3.12")
     assert walk(str(tmp_path / "nothing" / "here")).missing == str(tmp_path / "nothing")
+
+
+def test_roots_home_in_the_way_offers_a_venv_outside_it_or_a_login_user_before_opening_it() -> None:
+    denial = reach([node("/", 0o755, 0, 0), node("/root", 0o700, 0, 0), node("/root/venv", 0o755, 0, 0)], GB10D, Want.EXEC)
+    assert denial is not None and denial.node.path == "/root"
+    assert [w.command for w in ways_out(denial, "gb10d.service")] == [
+        "sudo python3 -m venv /opt/vllm-venv && sudo /opt/vllm-venv/bin/pip install vllm",
+        "sudo gb10d service-user NAME",
+        "sudo chmod o+x /root",
+    ]

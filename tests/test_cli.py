@@ -13,7 +13,7 @@ from typing import Any, get_args
 
 import pytest
 
-from containers import engine_or_skip, ensure_sim_image, sim_image_tag
+from containers import dead_socket, engine_or_skip, ensure_sim_image, sim_image_tag
 from gb10d.cli import main
 from gb10d.command import Engine, build_argv, container_argv, env_additions
 from gb10d.config import Config, load_config, load_config_explained
@@ -148,6 +148,18 @@ def test_check_config_explain_lists_defaults_and_hides_secrets(tmp_path: Path, f
     assert any(x.startswith("restart.max_attempts = 5") and x.endswith("# default") for x in out.splitlines())
 
 
+def test_explain_shows_where_webhooks_go_but_not_their_tokens(tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(
+        f'[vllm]\nvenv = "{fake_venv}"\nmodel = "m"\n[alerts]\n'
+        'webhooks = [{ url = "https://hooks.slack.com/services/T0/B0/s3cret", format = "slack", headers = { Authorization = "Bearer t0k" } }]\n'
+    )
+    status, out, _ = run(capsys, "check-config", "--explain", "--config", str(config))
+    assert status == 0
+    assert "s3cret" not in out and "t0k" not in out
+    assert 'alerts.webhooks = [{ url = "https://hooks.slack.com/…", format = "slack", headers = { Authorization = *** } }]' in out
+
+
 def test_shipped_config_mentions_every_key_of_every_table() -> None:
     text = SHIPPED.read_text()
     for table, section in Config.model_fields.items():
@@ -198,8 +210,18 @@ def test_service_user_print_shows_the_drop_in_and_writes_nothing(capsys: pytest.
 
 @pytest.mark.parametrize(("user", "message"), [("root", "gb10d does not run vLLM as root"), ("no-such-user-x", "no user no-such-user-x on this machine")])
 def test_service_user_refuses_root_and_unknown_users(user: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["service-user", user]) == 1
+    assert main(["service-user", user]) == EXIT_CONFIG
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(Path("/run/systemd/system").is_dir(), reason="systemd runs here: the drop-in would be read")
+def test_service_user_without_systemd_writes_nothing_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    dropin = Path("/etc/systemd/system/gb10d.service.d/50-service-user.conf")
+    before = dropin.exists()
+    assert main(["service-user", "nobody"]) == 1
+    assert dropin.exists() == before
+    err = capsys.readouterr().err
+    assert "systemd is not running on this machine" in err and "nothing was written" in err
 
 
 def test_check_config_says_whom_it_checked_the_paths_as(tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -212,8 +234,8 @@ def test_check_config_says_whom_it_checked_the_paths_as(tmp_path: Path, fake_ven
 def test_check_config_user_that_does_not_exist_is_a_clear_error(tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text(f'[vllm]\nvenv = "{fake_venv}"\nmodel = "m"\n')
-    assert main(["check-config", "--config", str(config), "--user", "no-such-user-x"]) == 1
-    assert "gb10d: no user no-such-user-x on this machine" in capsys.readouterr().err
+    assert main(["check-config", "--config", str(config), "--user", "no-such-user-x"]) == EXIT_CONFIG
+    assert "gb10d: no user no-such-user-x on this machine: check the name with getent passwd" in capsys.readouterr().err
 
 
 # --- vLLM from a container image ------------------------------------------------------------------------
@@ -264,13 +286,27 @@ def test_check_config_with_pull_never_and_no_image_says_how_to_load_it(kind: Any
 def test_check_config_says_how_to_start_an_engine_that_does_not_answer(kind: str, advice: str, tmp_path: Path) -> None:
     if shutil.which(kind) is None:
         pytest.skip(f"the {kind} client is not installed")
-    sock = tmp_path / f"{kind}.sock"
+    sock = dead_socket(tmp_path / f"{kind}.sock")
     config = tmp_path / "gb10d.toml"
     config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine=kind, socket=str(sock)))
     result = cli("check-config", "--config", str(config))
     assert result.returncode == EXIT_CONFIG
     problem = result.stderr.splitlines()[0]
-    assert problem.startswith(f"gb10d: {config}:6: container.engine: {kind} ") and problem.endswith("; " + advice.format(sock=sock)), problem
+    assert problem.startswith(f"gb10d: {config}:7: container.socket: {kind} ") and problem.endswith("; " + advice.format(sock=sock)), problem
+
+
+@pytest.mark.parametrize("kind", ["docker", "podman"])
+def test_a_container_socket_that_is_not_there_is_reported_on_its_line(kind: str, tmp_path: Path) -> None:
+    if shutil.which(kind) is None:
+        pytest.skip(f"the {kind} client is not installed")
+    sock = tmp_path / "absent.sock"
+    config = tmp_path / "gb10d.toml"
+    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine=kind, socket=str(sock)))
+    result = cli("check-config", "--config", str(config))
+    assert result.returncode == EXIT_CONFIG
+    assert result.stderr.splitlines()[0] == (
+        f"gb10d: {config}:7: container.socket: there is no socket {sock}: no engine can answer there; set container.socket to the "
+        "engine's API socket (docker: /var/run/docker.sock, podman: /run/podman/podman.sock), or remove it to use the engine's default")
 
 
 @pytest.mark.slow
@@ -330,7 +366,7 @@ def test_cleanup_of_vllm_from_a_venv_has_nothing_to_do(tmp_path: Path) -> None:
 
 def test_cleanup_through_an_engine_that_is_not_running_says_how_to_start_it(tmp_path: Path) -> None:
     config = tmp_path / "gb10d.toml"
-    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine="docker", socket=str(tmp_path / "absent.sock")))
+    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine="docker", socket=str(dead_socket(tmp_path / "docker.sock"))))
     result = cli("cleanup", "--config", str(config))
     assert result.returncode == EXIT_GAVE_UP and result.stdout == ""
     assert result.stderr.startswith("gb10d: docker version failed: ") and "start it: sudo systemctl enable --now docker" in result.stderr

@@ -114,6 +114,10 @@ BROKEN = [
     Broken("container_name", IMAGE_HEAD + '[container]\nname = "my model"\n', "container.name", "must be a container name", 5),
     Broken("container_cache_relative", IMAGE_HEAD + '[container]\ncache_dir = "cache"\n', "container.cache_dir", "must be an absolute path", 5),
     Broken("container_pull_unknown", IMAGE_HEAD + '[container]\npull = "if-newer"\n', "container.pull", "must be one of 'never', 'missing' or 'always'", 5),
+    Broken("alerts_webhook_format", GOOD_HEAD + '[alerts]\nwebhooks = [{{ url = "https://ntfy.sh/gb10", format = "teams" }}]\n', "alerts.webhooks.0.format",
+           "must be one of 'json', 'ntfy' or 'slack' (got 'teams')", 5),
+    Broken("alerts_webhook_url", GOOD_HEAD + '[alerts]\nwebhooks = [{{ url = "ntfy.sh/gb10" }}]\n', "alerts.webhooks.0.url",
+           'must be an http:// or https:// URL such as "https://ntfy.sh/my-gb10"', 5),
     Broken("image_on_a_pair", IMAGE_HEAD + '[cluster]\nrole = "head"\nhead_address = "10.0.0.1"\n', "vllm.image",
            "vLLM from a container image is not supported on a two-machine pair ([cluster]); use vllm.venv or vllm.executable on both machines", 2),
 ]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from gb10d.advice import status_of_give_up
 from gb10d.command import Tunables, container_mounts, host_path, model_on_host
 from gb10d.config import Config
 from gb10d.container import unreachable_status
@@ -22,6 +23,7 @@ from gb10d.events import PtxasArchUnsupported, ProgramNotRun
 from gb10d.learned import LearnedState, applicable, remember
 from gb10d.logparse import parse_line
 from gb10d.outcome import Cause, Failed
+from gb10d.reporter import STATUS_MAX
 from gb10d.policy import GiveUp, History, Retry, after_failure, classify, event_kind, failure_line, next_attempt
 from gb10d.reload import ConfigSnapshot, diff_configs
 from gb10d.statefile import StateRecord
@@ -67,6 +69,25 @@ def test_an_image_without_vllm_is_a_config_error_that_names_the_image(status: in
         "to a vLLM image (NVIDIA's is nvcr.io/nvidia/vllm:TAG); docker run --rm IMAGE vllm --version checks one"
     )
     assert event_kind(outcome.cause) == "config_error"
+
+
+@pytest.mark.parametrize(("engine", "program"), [("podman", "vllm"), ("podman", None), ("auto", None)])
+def test_under_podman_the_advice_for_an_image_without_vllm_names_podman(engine: str, program: str | None) -> None:
+    outcome = classify([ProgramNotRun(program, "No such file or directory")], 1, False)
+    _, decision = after_failure(outcome, Tunables(0.8), History(1), config({"engine": engine}))
+    assert isinstance(decision, GiveUp)
+    assert decision.message.endswith("; podman run --rm IMAGE vllm --version checks one")
+
+
+def test_status_of_a_give_up_is_the_cause_and_a_pointer_to_the_journal_never_cut_mid_word() -> None:
+    outcome = classify([ProgramNotRun(None, "No such file or directory")], 1, False)
+    _, decision = after_failure(outcome, Tunables(0.8), History(1), config({"engine": "podman"}))
+    assert isinstance(decision, GiveUp) and len(decision.message) > STATUS_MAX
+    shown = status_of_give_up(decision.message, STATUS_MAX)
+    assert shown == f"failed: the image {IMAGE} cannot run vllm (No such file or directory): it has no vllm program on its PATH; the journal says how to fix it"
+    long = "word " * 80
+    shown = status_of_give_up(long + "; advice", STATUS_MAX)
+    assert len(shown) <= STATUS_MAX and shown.isascii() and shown.endswith("word...; the journal says how to fix it")
 
 
 # --- a stalled pull ---------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import pytest
 from containers import (
     Registry,
     SlowLink,
+    dead_socket,
     engine_or_skip,
     engine_run,
     ensure_sim_image,
@@ -290,11 +291,15 @@ def test_a_candidate_image_that_cannot_start_gives_way_to_the_good_one_and_a_wor
 
 
 def failed(daemon: Daemon, notify: NotifySocket, status_code: int, message: str) -> None:
-    """gb10d gave up with `status_code`, saying `message` (a regex) in the journal and in STATUS=."""
+    """gb10d gave up with `status_code`, saying `message` (a regex) in the journal, and its cause in STATUS=."""
     assert daemon.wait_exit(120) == status_code, daemon.tail()
     line = daemon.wait_line(rf"<3>gb10d: {message}")
-    assert notify.statuses()[-1].startswith("failed: "), notify.statuses()
-    assert line
+    # systemctl status shows the cause the journal gives (cut at a word to fit), and where the fix is.
+    status = notify.statuses()[-1]
+    assert status.startswith("failed: ") and status.endswith("; the journal says how to fix it"), status
+    # A cause too long for STATUS= is cut at a word and ends in "...".
+    cause = status.removeprefix("failed: ").removesuffix("; the journal says how to fix it").removesuffix("...")
+    assert cause in line.string, (status, line.string)
 
 
 def test_a_missing_image_with_pull_never_is_a_config_error(deployment: ContainerSetup, notify: NotifySocket, daemons: list[Daemon]) -> None:
@@ -320,12 +325,23 @@ def test_a_malformed_image_reference_is_a_config_error(deployment: ContainerSetu
 
 
 def test_an_unreachable_engine_says_how_to_start_it(deployment: ContainerSetup, notify: NotifySocket, daemons: list[Daemon]) -> None:
-    absent = deployment.root / "engine.sock"
-    deployment.extra["container.socket"] = str(absent)
+    dead = dead_socket(deployment.root / "engine.sock")
+    deployment.extra["container.socket"] = str(dead)
     deployment.write_config()
     daemon = run(deployment, notify, daemons)
     start_it = "sudo systemctl enable --now docker" if deployment.engine.kind == "docker" else "sudo systemctl enable --now podman.socket"
-    failed(daemon, notify, EXIT_GAVE_UP, rf".*nothing answers on {re.escape(str(absent))}\); start it: {re.escape(start_it)}")
+    failed(daemon, notify, EXIT_GAVE_UP, rf".*nothing answers on {re.escape(str(dead))}\); start it: {re.escape(start_it)}")
+    assert starts(daemon) == []
+
+
+def test_a_container_socket_that_is_not_there_is_a_config_error_not_a_restart_loop(
+    deployment: ContainerSetup, notify: NotifySocket, daemons: list[Daemon]
+) -> None:
+    absent = deployment.root / "absent.sock"
+    deployment.extra["container.socket"] = str(absent)
+    deployment.write_config()
+    daemon = run(deployment, notify, daemons)
+    failed(daemon, notify, EXIT_CONFIG, rf"there is no socket {re.escape(str(absent))}: no engine can answer there; set container.socket")
     assert starts(daemon) == []
 
 
@@ -349,6 +365,8 @@ def test_an_image_without_vllm_is_not_retried(deployment: ContainerSetup, notify
         deployment.write_config()
         daemon = run(deployment, notify, daemons)
         failed(daemon, notify, EXIT_CONFIG, re.escape(f"the image {empty} cannot run vllm") + r".*: it has no vllm program on its PATH; set vllm.image to a vLLM image")
+        daemon.wait_line(rf"; {deployment.engine.kind} run --rm IMAGE vllm --version checks one$")
+        assert sum("cannot run vllm" in line for line in daemon.own_lines()) == 1, "said once"
         assert len(starts(daemon)) == 1, "not retried"
         assert containers(deployment) == [], "the failed start's container is removed"
     finally:
@@ -430,7 +448,7 @@ def test_a_stalled_pull_is_cancelled_pulled_again_and_given_up(
         stalled = rf"the image's pull made no progress for \d+ s \(startup.stall_timeout_s 3\): pulling {re.escape(image)}.*; cancelling it"
         daemon.wait_line(rf"<3>gb10d: {stalled}")
         daemon.wait_line(r"<4>gb10d: pull_stalled: stalled while pulling .*; pulling again in 0.2 s \(attempt 2/2\)")
-        failed(daemon, notify, EXIT_GAVE_UP, r"giving up after 2 failed starts \(last: pull_stalled: stalled while pulling ")
+        failed(daemon, notify, EXIT_GAVE_UP, r"pull_stalled: stalled while pulling .*: giving up after 2 failed starts \(last: pull_stalled: stalled while pulling ")
         assert len([line for line in daemon.own_lines() if re.search(stalled, line)]) == 2
         assert starts(daemon) == [] and containers(deployment) == []
         assert live_pull_clients(image) == [], "cancelling the pull ends the engine's client"

@@ -21,7 +21,7 @@ from gb10d.devices import (
     matches,
     parse_proc_devices,
 )
-from gb10d.notify import unit_name
+from gb10d.service import unit_name
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -55,6 +55,16 @@ FREE = ("(EngineCore pid=4300) ERROR 12-02 14:00:22 [core.py:1019] ValueError: F
         "Decrease GPU memory utilization or reduce GPU memory used by other processes.")
 
 
+def test_the_drivers_out_of_memory_line_does_not_outrank_the_error_vllm_named() -> None:
+    # Healthy starts on GB10 log one such line too: beside vLLM's own error it is not the cause.
+    driver = "Dec 04 12:00:00 spark kernel: NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051)"
+    assert diagnose(FREE + "\n" + driver).verdict == "free_memory"
+    assert diagnose(driver).verdict == "driver_oom"
+    # A start that went on loading after the line and became ready is ready.
+    first, rest = real("healthy").split("\n", 1)
+    assert diagnose(first + "\n" + driver + "\n" + rest).verdict == "ready"
+
+
 def test_free_memory_advice_names_the_key_and_the_value() -> None:
     result = diagnose(FREE)
     assert result.verdict == "free_memory"
@@ -146,7 +156,7 @@ def test_empty_input_is_unknown() -> None:
 def test_rendering_shows_verdict_facts_and_advice() -> None:
     text = diagnose(FREE).render()
     assert text.startswith("verdict: free_memory\n")
-    assert "  suggested_utilization: 0.82\n" in text and "advice: Set vllm.gpu_memory_utilization = 0.82" in text
+    assert "  suggested_utilization: 0.82\n" in text and "advice: After this failure gb10d restarts by itself with gpu_memory_utilization 0.82" in text
 
 
 # --- the command ----------------------------------------------------------------------
@@ -382,3 +392,45 @@ def test_diagnose_help_documents_every_verdict(verdict: str) -> None:
 def test_the_man_page_documents_every_verdict() -> None:
     page = (Path(__file__).parent.parent / "docs" / "gb10d.8").read_text(encoding="utf-8")
     assert all(f".B {verdict}\n" in page for verdict in VERDICTS)
+
+
+HELD = ("(APIServer pid=1) INFO 12-02 14:00:00 [api_utils.py:273] non-default args: {'model_tag': 'Qwen/Qwen3.6-27B-FP8', "
+        "'model': 'Qwen/Qwen3.6-27B-FP8', 'max_model_len': 262144, 'gpu_memory_utilization': 0.92}\n"
+        + free_memory_line(38.7, 119.7, 0.92))
+
+
+def test_much_memory_held_leads_with_what_holds_it_and_the_commands_that_show_it() -> None:
+    result = diagnose(HELD)
+    assert result.advice.startswith("81.0 of 119.7 GiB are held before vLLM starts; find what holds them first"), result.advice
+    for command in ("pgrep -af 'vllm|EngineCore'", "nvidia-smi --query-compute-apps", "/proc/meminfo"):
+        assert command in result.advice
+    assert result.advice.index("pgrep") < result.advice.index("vllm.gpu_memory_utilization = 0.31")
+
+
+def test_little_memory_held_leads_with_the_value_that_fits() -> None:
+    assert diagnose(FREE).advice.startswith("After this failure gb10d restarts by itself with gpu_memory_utilization 0.82")
+
+
+def test_the_value_that_fits_is_not_told_as_something_to_set_that_gb10d_sets_anyway() -> None:
+    assert "restarts with it by itself" not in diagnose(FREE).advice
+
+
+def test_a_share_that_leaves_little_beside_the_weights_warns_with_max_model_len() -> None:
+    result = diagnose(HELD)
+    assert result.facts["weights_gib"] == 25.15
+    assert ("Warning: at 0.31 vLLM gets 37.1 GiB; the weights take 25.1 GiB (estimated from the name Qwen/Qwen3.6-27B-FP8), "
+            "leaving 12.0 GiB for activations and the KV cache of max_model_len 262144") in result.advice
+
+
+def test_weights_vllm_loaded_before_count_over_the_name_and_a_share_below_them_cannot_load() -> None:
+    loaded = ("(APIServer pid=1) INFO 12-02 13:00:00 [api_utils.py:273] non-default args: {'model': 'Qwen/Qwen3.6-27B-FP8'}\n"
+              "(EngineCore pid=2) INFO 12-02 13:01:00 [gpu_model_runner.py:2653] Model loading took 40.5 GiB and 60.1 seconds\n")
+    result = diagnose(loaded + HELD)
+    assert result.facts["weights_gib"] == 40.5
+    assert "less than the model's 40.5 GiB of weights (as vLLM loaded them before): it cannot load at that value" in result.advice
+
+
+def test_plenty_left_beside_the_weights_gives_no_warning() -> None:
+    text = ("(APIServer pid=1) INFO 12-02 14:00:00 [api_utils.py:273] non-default args: {'model': 'Qwen/Qwen3-8B-FP8'}\n"
+            + free_memory_line(60.0, 121.69, 0.92))
+    assert "arning" not in diagnose(text).advice

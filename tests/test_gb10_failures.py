@@ -10,16 +10,20 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import shutil
 import signal
 import stat
 import time
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gb10d.errors import EXIT_CONFIG, EXIT_MEMORY_NOT_RETURNED
+from gb10d.memory import GIB, read_meminfo
 from gb10d.process import group_alive
+from gb10d.sim.memory import adjust
 from gb10d.statefile import read_state
 
 from harness import Daemon, NotifySocket, Setup, free_port, vllm_groups, wait_until
@@ -96,7 +100,40 @@ def test_a_build_without_kernels_for_this_gpu_is_not_retried(tmp_path: Path, not
     assert notify.wait_for(lambda m: m.get("STATUS", "").startswith("failed: this vLLM or PyTorch build"))
 
 
-def test_the_drivers_out_of_memory_stops_vllm_at_once_and_the_next_start_is_lower_with_the_workaround(
+def driver_lines(kernel_log: Path, count: int) -> None:
+    """The NVIDIA driver's out-of-memory line, `count` times at once, as the kernel logs a burst."""
+    with kernel_log.open("a") as log:
+        log.write((NVRM_OOM + "\n") * count)
+
+
+def metric(port: int, text: str) -> bool:
+    return text in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+
+
+def test_one_driver_out_of_memory_line_during_a_healthy_load_ends_ready_with_a_warning(
+    tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]
+) -> None:
+    # Healthy starts on GB10 log exactly one such line: it is told and counted, and the start goes on.
+    kernel_log = tmp_path / "kern.log"
+    kernel_log.write_text("")
+    port = free_port()
+    setup = Setup(tmp_path, scenario="slow_shards=200", extra={"daemon.kernel_log": str(kernel_log), "metrics.listen": f"127.0.0.1:{port}"})
+    daemon = run(setup, notify, daemons)
+    daemon.wait_line(r"Loading safetensors checkpoint shards:")
+    driver_lines(kernel_log, 1)
+    line = daemon.wait_line(r"gb10d: the NVIDIA driver ran out of memory")
+    assert line.string.startswith("<4>") and line.string.endswith(
+        "the load progressing: no sign of trouble with it, vLLM keeps running (it is stopped for a burst of "
+        "memory.driver_oom_burst lines, MemAvailable below memory.headroom_gib, a stalled load or an engine that stops answering)"
+    ), line.string
+    assert "1 such line within 60 s, MemAvailable " in line.string
+    ready(notify)
+    assert len(starts(daemon)) == 1
+    wait_until(lambda: metric(port, 'gb10d_driver_oom_lines_total{evidence="none"} 1.0'), 30, "the line counted")
+    assert daemon.stop() == 0
+
+
+def test_a_burst_of_driver_lines_at_rest_is_told_and_one_at_the_rate_stops_vllm_and_the_next_start_is_lower(
     tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]
 ) -> None:
     kernel_log = tmp_path / "kern.log"
@@ -105,11 +142,22 @@ def test_the_drivers_out_of_memory_stops_vllm_at_once_and_the_next_start_is_lowe
     daemon = run(setup, notify, daemons)
     ready(notify)
     first = next(vllm_groups(daemon.lines))
+    # Sixteen in one second, as a host at rest logged them: told, and vLLM serves on.
+    since = len(daemon.lines)
+    driver_lines(kernel_log, 16)
+    daemon.wait_line(r"gb10d: the NVIDIA driver ran out of memory .*16 such lines within 60 s", since=since)
+    assert group_alive(first) and len(starts(daemon)) == 1
+    assert not any("stopping vLLM" in line for line in daemon.own_lines())
+
+    # Fifty within the minute are the burst that stops it, named in the journal.
     since, notified = len(daemon.lines), len(notify.messages)
-    with kernel_log.open("a") as log:
-        log.write(NVRM_OOM + "\n")
+    driver_lines(kernel_log, 34)
     written = time.monotonic()
-    daemon.wait_line(r"gb10d: the NVIDIA driver ran out of memory .*: stopping vLLM at once", since=since)
+    line = daemon.wait_line(r"gb10d: the NVIDIA driver ran out of memory .*with evidence: ", since=since)
+    assert line.string.startswith("<3>") and line.string.endswith(
+        "with evidence: a burst of 50 such lines within 60 s (memory.driver_oom_burst 50 within memory.driver_oom_window_s); "
+        "a freeze of the whole machine can follow: stopping vLLM"
+    ), line.string
     wait_until(lambda: not group_alive(first), 10, "vLLM's process group killed")
     assert time.monotonic() - written < 1.0
     line = daemon.wait_line(r"gb10d: the NVIDIA driver in the kernel ran out of memory", since=since)
@@ -123,10 +171,29 @@ def test_the_drivers_out_of_memory_stops_vllm_at_once_and_the_next_start_is_lowe
     assert environ(list(vllm_groups(daemon.lines))[1])["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
 
     # Again, with the workaround in place: not the same failure a third time.
-    with kernel_log.open("a") as log:
-        log.write(NVRM_OOM + "\n")
+    driver_lines(kernel_log, 50)
     assert daemon.wait_exit(60) == EXIT_MEMORY_NOT_RETURNED
     daemon.wait_line(r"gb10d: .*the NVIDIA driver ran out of memory again with gpu_memory_utilization 0.75")
+
+
+def test_a_driver_line_with_memavailable_below_the_headroom_stops_vllm_and_names_it(
+    tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]
+) -> None:
+    kernel_log = tmp_path / "kern.log"
+    kernel_log.write_text("")
+    daemon = run(Setup(tmp_path, extra={"daemon.kernel_log": str(kernel_log)}), notify, daemons)
+    ready(notify)
+    first = next(vllm_groups(daemon.lines))
+    # Another process takes all but half a GiB of what is left, as the pressure before a freeze does.
+    taken = read_meminfo(daemon.setup.meminfo).available - GIB // 2
+    adjust(daemon.setup.meminfo, -taken)
+    since = len(daemon.lines)
+    driver_lines(kernel_log, 1)
+    line = daemon.wait_line(r"gb10d: the NVIDIA driver ran out of memory .*with evidence: ", since=since)
+    assert "with evidence: MemAvailable 0.50 GiB is below memory.headroom_gib 1; a freeze of the whole machine can follow" in line.string
+    wait_until(lambda: not group_alive(first), 10, "vLLM's process group killed")
+    adjust(daemon.setup.meminfo, taken)
+    daemon.stop()
 
 
 def test_an_xid_in_the_kernel_log_is_told_and_counted(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
@@ -140,12 +207,27 @@ def test_an_xid_in_the_kernel_log_is_told_and_counted(tmp_path: Path, notify: No
         log.write("[ 8123.456789] NVRM: Xid (PCI:0000:01:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x404600=0x80000004\n")
     line = daemon.wait_line(r"gb10d: NVIDIA Xid 13")
     assert "graphics engine exception" in line.string
-    import httpx
 
-    wait_until(lambda: 'gb10d_gpu_xid_total{xid="13"} 1.0' in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, 30, "the Xid counted")
+    wait_until(lambda: metric(port, 'gb10d_gpu_xid_total{xid="13"} 1.0'), 30, "the Xid counted")
     assert daemon.proc.poll() is None and len(starts(daemon)) == 1
     assert daemon.stop() == 0
 
+
+
+def test_a_kernel_log_source_that_ends_is_told_in_the_journal_and_vllm_serves_on(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    # A dmesg that may not read the kernel's buffer (dmesg_restrict) and exits.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    dmesg = bin_dir / "dmesg"
+    dmesg.write_text("#!/bin/sh\necho 'dmesg: read kernel buffer failed: Operation not permitted' >&2\nexit 1\n")
+    dmesg.chmod(0o755)
+    setup = Setup(tmp_path, extra={"daemon.kernel_log": "kmsg"})
+    daemon = Daemon(setup, notify, env={"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', os.defpath)}"})
+    daemons.append(daemon)
+    line = daemon.wait_line(r"^<4>gb10d: the kernel log source \(dmesg --follow-new --notime\) exited with status 1")
+    assert "daemon.kernel_log picks the source" in line.string
+    ready(notify)
+    assert daemon.stop() == 0
 
 def test_vllm_023s_hidden_init_failure_says_which_version_shows_the_cause(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
     setup = Setup(tmp_path, scenario="hidden_init_failure", sim_env={"GB10D_SIM_VERSION": "0.23.0"}, extra={"restart.max_attempts": 2})
@@ -157,36 +239,34 @@ def test_vllm_023s_hidden_init_failure_says_which_version_shows_the_cause(tmp_pa
 
 
 def test_leaked_shared_memory_is_removed_before_a_start_and_nothing_else(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to make a segment of another user")
-    # Any gb10d of this user that starts meanwhile removes the dead segment just the same (that is the
-    # point); the suite starts one gb10d at a time, so the one started here is the one that says so.
-    tag = uuid.uuid4().hex[:10]
-    shm = Path("/dev/shm")
-    dead = shm / f"psm_gb10dtest{tag}"
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to give gb10d a /dev/shm of its own and make a segment of another user")
+    # gb10d sees a /dev/shm of its own (this directory, bound over it in a mount namespace of its own): any
+    # other gb10d on the machine would remove a dead segment of the real one just the same, before this one.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    dead = shm / "psm_1a2b3c4d"
     dead.write_bytes(b"\0" * (1 << 20))
-    theirs = shm / f"psm_gb10dtest{tag}other"
+    theirs = shm / "psm_5e6f7a8b"
     theirs.write_bytes(b"\0" * 4096)
     nobody = pwd.getpwnam("nobody")
     os.chown(theirs, nobody.pw_uid, nobody.pw_gid)
-    used = shm / f"psm_gb10dtest{tag}used"
+    used = shm / "psm_9c0d1e2f"
     used.write_bytes(b"\0" * 4096)
-    holder = os.open(used, os.O_RDONLY)  # a living process (this test) has it open
-    unrelated = shm / f"gb10dtest{tag}-cache"
+    unrelated = shm / "gb10dtest-cache"
     unrelated.write_bytes(b"\0" * 4096)
-    try:
-        daemon = run(Setup(tmp_path), notify, daemons)
-        ready(notify)
-        line = daemon.wait_line(r"gb10d: removed \d+ shared memory segments? ")
-        assert dead.name in line.string
-        assert not dead.exists()
-        assert theirs.exists() and stat.S_ISREG(theirs.stat().st_mode)
-        assert used.exists() and unrelated.exists()
-        assert daemon.stop() == 0
-    finally:
-        os.close(holder)
-        for path in (dead, theirs, used, unrelated):
-            path.unlink(missing_ok=True)
+    # The wrapper opens `used` through /dev/shm on fd 3 and execs gb10d, which keeps it: a living process has it open.
+    private_shm = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-ec",
+                   'mount --bind "$0" /dev/shm; exec 3</dev/shm/psm_9c0d1e2f; exec "$@"', str(shm)]
+    daemon = Daemon(Setup(tmp_path), notify, wrapper=private_shm)
+    daemons.append(daemon)
+    ready(notify)
+    line = daemon.wait_line(r"gb10d: removed \d+ shared memory segments? ")
+    assert "removed 1 shared memory segment " in line.string and dead.name in line.string
+    assert not dead.exists()
+    assert theirs.exists() and stat.S_ISREG(theirs.stat().st_mode)
+    assert used.exists() and unrelated.exists()
+    assert daemon.stop() == 0
 
 
 def test_this_machines_facts_are_in_the_journal_and_in_status(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
@@ -239,9 +319,9 @@ def test_triton_ptxas_failure_without_a_toolkit_ptxas_says_what_to_install_and_i
     daemons.append(daemon)
     assert daemon.wait_exit(90) == EXIT_CONFIG
     assert len(starts(daemon)) == 1
-    line = daemon.wait_line(r"gb10d: no CUDA toolkit ptxas that knows sm_121a was found")
+    line = daemon.wait_line(r"gb10d: .*: no CUDA toolkit ptxas that knows sm_121a was found")
     assert line.string.endswith(
-        "gb10d: no CUDA toolkit ptxas that knows sm_121a was found (looked at $CUDA_HOME/bin/ptxas, /usr/local/cuda/bin/ptxas "
+        ": no CUDA toolkit ptxas that knows sm_121a was found (looked at $CUDA_HOME/bin/ptxas, /usr/local/cuda/bin/ptxas "
         "and vLLM's PATH); install the CUDA 13 toolkit (sudo apt install cuda-toolkit-13-0 puts it in /usr/local/cuda) "
         "or set vllm.env.TRITON_PTXAS_PATH to the ptxas of a CUDA 12.9 or later toolkit; not retrying"
     ), line.string

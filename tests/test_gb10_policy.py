@@ -12,7 +12,7 @@ from gb10d.facts import Parsed
 from gb10d import host
 from gb10d.host import HostFacts, cma, driver_version, ptxas_candidates, ptxas_release, warnings
 from gb10d.kernellog import source_argv
-from gb10d.lifecycle import Finish, Say, XidSeen, begin, step
+from gb10d.lifecycle import Finish, XidSeen, begin, step
 from gb10d.outcome import Cause, Failed
 from gb10d.policy import GiveUp, History, Retry, classify, failure_line, next_attempt
 from gb10d.shm import Segment, describe, leftovers
@@ -124,20 +124,6 @@ def test_the_workaround_drops_the_flag_and_adds_the_variable_where_the_config_se
     assert build_env(cfg.vllm, base={}, added=tunables.env)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
     own = config(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     assert build_env(own.vllm, base={}, added=tunables.env)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-
-
-def test_the_driver_running_out_of_memory_stops_the_attempt_at_once_ready_or_not() -> None:
-    for ready in (False, True):
-        state, _ = begin(1, Tunables(0.8), 100.0, config())
-        if ready:
-            state = state.__class__(**{**state.__dict__, "ready_since": 150.0})
-        event = DriverOutOfMemory(detail="Out of memory [NV_ERR_NO_MEMORY] (0x00000051)")
-        _, actions = step(state, Parsed(1, event), 200.0, config())
-        says = [a for a in actions if isinstance(a, Say)]
-        assert says[0].kind == "driver_oom"
-        assert says[0].message.endswith("a freeze of the whole machine can follow: stopping vLLM at once")
-        finish = actions[-1]
-        assert isinstance(finish, Finish) and finish.outcome.cause is Cause.DRIVER_OOM and finish.outcome.was_ready is ready
 
 
 def test_an_xid_is_told_with_its_meaning_and_counted_but_stops_nothing() -> None:

@@ -22,7 +22,7 @@ import pytest
 from gb10d.command import build_argv
 from gb10d.config import load_config, normalize_flag
 from gb10d.errors import ConfigError
-from gb10d.importscript import import_script, import_script_file
+from gb10d.importscript import ScriptOwner, import_script, import_script_file, render
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
 
@@ -291,9 +291,10 @@ def test_the_vllm_command_inside_a_block_is_imported_and_the_condition_named() -
 # --- docker run and compose ---------------------------------------------------------------------------
 
 
-def test_the_playbooks_docker_run_becomes_an_image_config() -> None:
-    imported = import_script((SCRIPTS / "playbook.sh").read_text())
-    assert imported.data == {"vllm": {"model": "Qwen/Qwen2.5-Math-1.5B-Instruct", "image": "nvcr.io/nvidia/vllm:26.05-py3"}}
+def test_the_playbooks_docker_run_becomes_an_image_config_that_keeps_its_cache_mount() -> None:
+    imported = import_script((SCRIPTS / "playbook.sh").read_text(), owner=ALICE)
+    assert imported.data == {"vllm": {"model": "Qwen/Qwen2.5-Math-1.5B-Instruct", "image": "nvcr.io/nvidia/vllm:26.05-py3"},
+                             "container": {"mounts": ["/home/alice/.cache/huggingface:/root/.cache/huggingface"]}}
     assert imported.warnings == []
     assert "line 3: -i not needed: vLLM reads no input" in imported.notes
     assert "line 3: -p 8000:8000 not needed: the container uses the host's network, so vllm.port is the host's port" in imported.notes
@@ -374,3 +375,35 @@ def test_imported_container_commands_round_trip_through_print_command(script: st
     words = shlex.split(first)
     image = words.index("nvcr.io/nvidia/vllm:26.05-py3")
     assert words[image + 1 : image + 3] == ["vllm", "serve"] and "--gpus" in words[:image] and f" {shared_memory} " in first
+
+
+ALICE = ScriptOwner("alice", "/home/alice", {"bob": "/home/bob"}.get)
+
+
+@pytest.mark.parametrize("name", ["home-tilde.sh", "home-dollar.sh", "home-braces.sh", "home-envdir.sh", "home-cd.sh"])
+def test_the_home_in_a_script_is_the_home_of_whoever_owns_it(name: str) -> None:
+    imported = import_script((SCRIPTS / name).read_text(), name, ALICE)
+    assert imported.data["vllm"]["venv"] == "/home/alice/vllm-pip-env"
+    assert imported.data["vllm"].get("args", {}).get("chat-template", "/home/alice/templates/chat.jinja") == "/home/alice/templates/chat.jinja"
+    assert imported.warnings == []
+    said = [n for n in imported.notes if "as /home/alice" in n]
+    assert len(said) == 1 and said[0].endswith("as when alice runs the script: the service has another home")
+
+
+def test_the_readmes_tilde_script_gives_a_config_that_loads(tmp_path: Path) -> None:
+    imported = import_script((SCRIPTS / "home-tilde.sh").read_text(), "start.sh", ALICE)
+    path = tmp_path / "gb10d.toml"
+    path.write_text(render(imported, "start.sh"))
+    assert load_config(path).vllm.venv == Path("/home/alice/vllm-pip-env")
+
+
+def test_another_users_tilde_is_their_home_and_an_unknown_one_is_reported() -> None:
+    assert import_script("source ~bob/v/bin/activate\nvllm serve m\n", owner=ALICE).data["vllm"]["venv"] == "/home/bob/v"
+    imported = import_script("source ~nobody/v/bin/activate\nvllm serve m\n", owner=ALICE)
+    assert imported.warnings == ["line 1: ~ (the home directory of whoever ran the script) is not set in the script; the value was kept as written, replace it"]
+
+
+def test_tilde_without_a_known_owner_is_reported_once_and_not_called_relative() -> None:
+    imported = import_script((SCRIPTS / "home-tilde.sh").read_text())
+    assert not any("relative to the directory" in w for w in imported.warnings)
+    assert imported.warnings == ["line 3: ~ (the home directory of whoever ran the script) is not set in the script; the value was kept as written, replace it"]

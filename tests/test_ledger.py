@@ -157,7 +157,9 @@ def test_the_name_of_a_dead_predecessor_is_taken_over(tmp_path: Path) -> None:
         # The unit ran as another user then (its User= changed since): a file this one may not write.
         os.chown(record_path(tmp_path, "gb10d@again"), 65534, 65534)
     successor = book(tmp_path, "gb10d@again")
-    assert successor.record is None and record_path(tmp_path, "gb10d@again").read_text() == ""
+    # A new record: it says who holds it, and no decision yet.
+    written = json.loads(record_path(tmp_path, "gb10d@again").read_text())
+    assert successor.record is None and written["pid"] == os.getpid() and "stage" not in written
     assert record_path(tmp_path, "gb10d@again").stat().st_uid == os.geteuid()  # a new file, this user's
     successor.close()
 

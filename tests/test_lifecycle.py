@@ -45,6 +45,7 @@ from gb10d.lifecycle import (
     begin_pull,
     deadline,
     served_name_problem,
+    start_time_asked,
     step,
 )
 from gb10d.outcome import Cause, Failed
@@ -65,6 +66,12 @@ def config(**startup: object) -> Config:
 
 
 CONFIG = config()
+
+
+
+@pytest.mark.parametrize(("stall_s", "wait_s", "asked"), [(300.0, 0.0, 360.0), (300.0, 8.0, 368.0), (5.0, 0.0, 65.0), (5.0, 120.0, 185.0)])
+def test_the_start_time_asked_covers_the_wait_and_a_whole_stall_timeout_with_a_margin(stall_s: float, wait_s: float, asked: float) -> None:
+    assert start_time_asked(config(stall_timeout_s=stall_s), wait_s) == asked
 
 
 @dataclass

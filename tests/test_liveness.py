@@ -43,6 +43,7 @@ class M:
     running: float | None
     tokens: float | None
     waiting: float | None = 0
+    prompt: float | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def replay(timeline: list[Seen]) -> LivenessState:
     state = start(0.0)
     for item in timeline:
         if isinstance(item, M):
-            state = observe_metrics(state, MetricsSample(item.running, item.waiting, item.tokens), item.t)
+            state = observe_metrics(state, MetricsSample(item.running, item.waiting, item.tokens, item.prompt), item.t)
         elif isinstance(item, H):
             state = observe_health(state, ProbeResult(item.status, item.reason, 0.01), item.t)
         elif isinstance(item, Sent):
@@ -114,6 +115,11 @@ CASES = [
                  id="long_prefill_within_progress_timeout_is_alive_however_long_it_was_idle_before"),
     pytest.param(every(10, 500, 0, lambda t: 0.0) + every(10, 640, 1, lambda t: 0.0, since=510), 640, Hung, "hung",
                  ["no generated token for 130 s"], id="prefill_that_never_ends_is_hung_counting_from_when_it_began"),
+    # An embedding model generates no token: the prompts it processes are its progress.
+    pytest.param([M(t, 4, 0, prompt=50.0 * t) for t in range(0, 610, 10)], 600, Alive, None, [],
+                 id="busy_pooling_model_processing_prompts_is_alive"),
+    pytest.param([M(t, 4, 0, prompt=50.0 * min(t, 100)) for t in range(0, 240, 10)], 230, Hung, "hung",
+                 ["no generated token for 130 s"], id="busy_pooling_model_whose_prompts_stop_is_hung"),
     pytest.param([M(0, 0, 500), M(10, 0, 500), M(20, 0, 0, waiting=3), M(150, 0, 0, waiting=3)], 150, Hung, "hung",
                  ["0 request(s) running, 3 waiting"], id="queued_requests_never_scheduled_are_hung"),
     pytest.param([M(0, 0, 500), Sent(60), P(60.4, 200, "OK", 0.4), M(70, 0, 501), Sent(121), P(121.3, 200, "OK", 0.3),

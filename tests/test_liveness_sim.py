@@ -27,6 +27,7 @@ from gb10d.facts import ADMISSION_REFUSED, ProbeKind, ProbeResult
 from gb10d.liveness import Dead, Hung, death
 from gb10d.probing import watch_liveness
 from gb10d.probe import Prober
+from gb10d.tasks import COMPLETIONS, Probe
 
 from harness import Daemon, NotifySocket, Setup, free_port, wait_until
 
@@ -156,7 +157,7 @@ def run_watch(sim: Sim, limit_s: float, load: Load | None = None, load_s: float 
 
     async def main() -> None:
         prober = Prober(sim.url, timeout_s=LIMITS.probe_timeout_s)
-        watcher = asyncio.create_task(watch_liveness(prober, LIMITS, post, model=MODEL))
+        watcher = asyncio.create_task(watch_liveness(prober, LIMITS, post, model=MODEL, probe=Probe(COMPLETIONS)))
         clients = None
         if load is not None:
             clients = asyncio.create_task(load.run(time.monotonic() + (limit_s if load_s is None else load_s)))
@@ -284,7 +285,7 @@ def test_a_probe_refused_by_vllms_full_request_queue_is_told_from_a_dead_engine(
                 async for line in response.aiter_lines():
                     if line.startswith("data: {"):
                         break  # the one request the queue takes is in the engine
-                result = await prober.complete(MODEL, timeout_s=10.0)
+                result = await prober.send(Probe(COMPLETIONS), MODEL, timeout_s=10.0)
         await prober.close()
         return result, (await asyncio.to_thread(httpx.get, sim.url + "/health")).reason_phrase
 

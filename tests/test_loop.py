@@ -94,6 +94,7 @@ def test_the_watchdog_is_pinged_while_the_daemon_awaits_something_else() -> None
     try:
         asyncio.run(main())
         # A ping every 0.2 s for 1.1 s, though nothing waited on the queue.
-        receiver.wait_for(lambda m: receiver.count("WATCHDOG", "1") >= 5, timeout=10)
+        pinged = receiver.wait(lambda m: receiver.count("WATCHDOG", "1") >= 5, timeout=10)
+        assert pinged is not None, receiver.keys()
     finally:
         receiver.close()

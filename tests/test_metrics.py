@@ -125,12 +125,13 @@ def test_start_attempts_restarts_and_liveness_failures_count_by_label(metrics: M
 def test_startup_progress_utilization_and_memory_gauges(metrics: Metrics) -> None:
     shards = ShardsProgressed(done=12, total=66)
     metrics.set_load_progress(shards.done / shards.total)
-    metrics.set_utilization(0.49)
+    metrics.set_utilization(0.49, requested=0.8)
     metrics.set_startup_seconds(412.5)
     metrics.set_memory(total=128_526_778_368, available=65_821_179_904, free=44_023_414_784, cached=21_474_836_480)
     text = scrape(metrics)
     assert value(text, "gb10d_load_progress_ratio") == pytest.approx(12 / 66)
     assert value(text, "gb10d_gpu_memory_utilization") == 0.49
+    assert value(text, "gb10d_gpu_memory_utilization_requested") == 0.8
     assert value(text, "gb10d_last_startup_seconds") == 412.5
     assert value(text, "gb10d_mem_total_bytes") == 128_526_778_368
     assert value(text, "gb10d_mem_available_bytes") == 65_821_179_904

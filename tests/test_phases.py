@@ -33,7 +33,6 @@ from gb10d.phases import (
     describe,
     enter,
     note_io,
-    seconds_without_progress,
     start,
     status_text,
 )
@@ -144,11 +143,6 @@ def test_io_growth_is_progress_and_a_shrinking_total_is_rebased() -> None:
     assert not note_io(state, 1000, 250.0).progressed
     lower = note_io(state, 10, 260.0)
     assert not lower.progressed and note_io(lower, 20, 270.0).last_progress_at == 270.0
-
-
-def test_seconds_without_progress_counts_from_the_last_progress() -> None:
-    state = run([ShardsProgressed(0, 66)])
-    assert seconds_without_progress(state, 401.0) == 300.0
 
 
 @pytest.mark.parametrize(

@@ -162,19 +162,21 @@ class Notifications:
         assert threading.current_thread() is threading.main_thread(), "on_change must run in the loop's thread"
         self.queue.put_nowait(None)
 
-    async def next(self) -> None:
+    async def next(self) -> bool:
+        """Whether a notification arrives within the deadline."""
         try:
             await asyncio.wait_for(self.queue.get(), DEADLINE_S)
         except asyncio.TimeoutError:
-            raise AssertionError(f"no notification within {DEADLINE_S} s") from None
+            return False
+        return True
 
-    async def quiet(self) -> None:
-        """Assert that no further notification arrives within the quiet window."""
+    async def quiet(self) -> bool:
+        """Whether no further notification arrives within the quiet window."""
         try:
             await asyncio.wait_for(self.queue.get(), QUIET_S)
         except asyncio.TimeoutError:
-            return
-        raise AssertionError("a second notification arrived for the same burst")
+            return True
+        return False
 
 
 Scenario = Callable[[Path, Notifications], Awaitable[None]]
@@ -213,8 +215,8 @@ def test_a_burst_of_editor_renames_gives_one_notification(tmp_path: Path) -> Non
     async def scenario(path: Path, got: Notifications) -> None:
         for n in range(5):
             replace_by_rename(path, path.read_text() + f"# edit {n}\n", f".gb10d.toml.{n}.swp")
-        await got.next()
-        await got.quiet()
+        assert await got.next(), f"no notification within {DEADLINE_S} s"
+        assert await got.quiet(), "a second notification arrived for the same burst"
 
     watching(tmp_path, scenario)
 
@@ -228,11 +230,11 @@ def test_truncate_and_write_gives_one_notification_and_each_burst_its_own(tmp_pa
                 f.write(text)
                 f.flush()
                 f.write(f"# edit {n}\n")
-        await got.next()
-        await got.quiet()
+        assert await got.next(), f"no notification within {DEADLINE_S} s"
+        assert await got.quiet(), "a second notification arrived for the same burst"
         replace_by_rename(path, text, "sedAbC123")
-        await got.next()
-        await got.quiet()
+        assert await got.next(), f"no notification within {DEADLINE_S} s"
+        assert await got.quiet(), "a second notification arrived for the same burst"
 
     watching(tmp_path, scenario)
 
@@ -243,14 +245,14 @@ def test_a_dropin_directory_created_later_is_watched(tmp_path: Path) -> None:
         dropins = path.with_suffix(".d")
         dropins.mkdir()
         (dropins / "10-port.toml").write_text("[vllm]\nport = 8001\n")
-        await got.next()
-        await got.quiet()
+        assert await got.next(), f"no notification within {DEADLINE_S} s"
+        assert await got.quiet(), "a second notification arrived for the same burst"
         replace_by_rename(dropins / "10-port.toml", "[vllm]\nport = 8002\n", ".10-port.toml.swp")
-        await got.next()
-        await got.quiet()
+        assert await got.next(), f"no notification within {DEADLINE_S} s"
+        assert await got.quiet(), "a second notification arrived for the same burst"
         (dropins / "20-more.toml").write_text("[restart]\nmax_attempts = 2\n")
-        await got.next()
-        await got.quiet()
+        assert await got.next(), f"no notification within {DEADLINE_S} s"
+        assert await got.quiet(), "a second notification arrived for the same burst"
 
     watching(tmp_path, scenario)
 
@@ -260,17 +262,17 @@ def test_a_dropin_directory_removed_and_created_again_is_watched_again(tmp_path:
     async def scenario(path: Path, got: Notifications) -> None:
         dropins = path.with_suffix(".d")
         dropins.mkdir()
-        await got.next()
-        await got.quiet()
+        assert await got.next(), f"no notification within {DEADLINE_S} s"
+        assert await got.quiet(), "a second notification arrived for the same burst"
         shutil.rmtree(dropins)
-        await got.next()
-        await got.quiet()
+        assert await got.next(), f"no notification within {DEADLINE_S} s"
+        assert await got.quiet(), "a second notification arrived for the same burst"
         dropins.mkdir()
-        await got.next()
-        await got.quiet()
+        assert await got.next(), f"no notification within {DEADLINE_S} s"
+        assert await got.quiet(), "a second notification arrived for the same burst"
         (dropins / "10-port.toml").write_text("[vllm]\nport = 8001\n")
-        await got.next()
-        await got.quiet()
+        assert await got.next(), f"no notification within {DEADLINE_S} s"
+        assert await got.quiet(), "a second notification arrived for the same burst"
 
     watching(tmp_path, scenario)
 
@@ -280,8 +282,8 @@ def test_unrelated_files_and_reading_the_config_do_not_notify(tmp_path: Path) ->
     async def scenario(path: Path, got: Notifications) -> None:
         dropins = path.with_suffix(".d")
         dropins.mkdir()
-        await got.next()
-        await got.quiet()
+        assert await got.next(), f"no notification within {DEADLINE_S} s"
+        assert await got.quiet(), "a second notification arrived for the same burst"
         load_config(path)  # what the supervisor does on every notification
         (path.parent / "hosts").write_text("127.0.0.1 localhost\n")
         (path.parent / ".gb10d.toml.swp").write_text("swap")
@@ -291,9 +293,9 @@ def test_unrelated_files_and_reading_the_config_do_not_notify(tmp_path: Path) ->
         (dropins / "10-port.toml.dpkg-dist").write_text("[vllm]\n")
         (dropins / "sub").mkdir()
         (dropins / "sub" / "x.toml").write_text("[vllm]\n")
-        await got.quiet()
+        assert await got.quiet(), "unrelated files or reading the config notified"
         (dropins / "10-port.toml").write_text("[vllm]\nport = 8001\n")
-        await got.next()  # still watching
+        assert await got.next(), "an edit after the ignored files was not noticed"
 
     watching(tmp_path, scenario)
 
@@ -309,12 +311,12 @@ def test_stop_ends_the_threads_and_drops_a_pending_notification(tmp_path: Path) 
         watcher = ConfigWatcher(path, asyncio.get_running_loop(), got, debounce_s=DEBOUNCE_S)
         watcher.start()
         path.write_text("# first\n")
-        await got.next()
+        assert await got.next(), f"no notification within {DEADLINE_S} s"
         path.write_text("# second, still pending when stopped\n")
         watcher.stop()
         watcher.stop()
         path.write_text("# after stop\n")
-        await got.quiet()
+        assert await got.quiet(), "a notification arrived after stop()"
 
     asyncio.run(main())
     assert set(threading.enumerate()) - before == set()
@@ -322,10 +324,13 @@ def test_stop_ends_the_threads_and_drops_a_pending_notification(tmp_path: Path) 
 
 @pytest.mark.slow
 def test_stop_before_start_is_harmless(tmp_path: Path) -> None:
+    before = set(threading.enumerate())
+
     async def main() -> None:
         ConfigWatcher(tmp_path / "gb10d.toml", asyncio.get_running_loop(), lambda: None).stop()
 
     asyncio.run(main())
+    assert set(threading.enumerate()) - before == set()
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gb10d.statefile import StateRecord, read_state, write_state
+from gb10d.statefile import PHASE_WRITE_GAP_S, WRITE_EVERY_S, StateRecord, read_state, write_delay, write_state
 
 
 def serving_state(**changes: Any) -> StateRecord:
@@ -135,3 +135,10 @@ def test_file_is_plain_json_for_other_tools(tmp_path: Path) -> None:
     path = tmp_path / "state.json"
     write_state(path, serving_state())
     assert json.loads(path.read_text(encoding="utf-8"))["state"] == "serving"
+
+
+def test_a_new_phase_is_written_at_once_unless_one_was_written_a_moment_ago() -> None:
+    assert write_delay(True, 5.0) == 0.0
+    assert write_delay(True, 0.0) == PHASE_WRITE_GAP_S  # output flapping between phases costs one write per gap
+    assert write_delay(False, 0.25) == WRITE_EVERY_S - 0.25
+    assert write_delay(False, WRITE_EVERY_S) == 0.0

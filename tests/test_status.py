@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +18,8 @@ from typing import Any
 import pytest
 
 from gb10d.statefile import StateRecord, read_state, write_state
-from gb10d.status import DEFAULT_STATE_FILE, duration, render
+from gb10d.errors import ConfigError
+from gb10d.status import DEFAULT_STATE_FILE, duration, render, state_file_path, status_config
 
 from harness import Daemon, NotifySocket, Setup, wait_until
 
@@ -41,6 +43,7 @@ def state(**changes: Any) -> StateRecord:
         "load_strategy": "eager",
         "memory": {"total_bytes": 128 << 30, "available_bytes": 64 << 30, "free_bytes": 41 << 30,
                    "cached_bytes": 20 << 30},
+        "memory_at": NOW - 6400,
         "vllm_pid": 4250,
         "ready_at": NOW - 200,
         "last_failure": {
@@ -79,7 +82,10 @@ def test_summary_of_a_serving_daemon_shows_every_fact() -> None:
     assert r["URL"] == "http://0.0.0.0:8000"
     assert r["Attempt"] == "2 of 5"
     assert r["GPU memory"] == "gpu_memory_utilization 0.49, load strategy eager"
-    assert r["Memory"] == "128.0 GiB total, 64.0 GiB available, 41.0 GiB free, 20.0 GiB page cache"
+    assert r["Memory"] == (
+        "128.0 GiB total, 64.0 GiB available, 41.0 GiB free, 20.0 GiB page cache "
+        "(measured 1h 46min ago, before the attempt started; free -g shows it now)"
+    )
     assert r["PID"] == "4242 (gb10d), 4250 (vLLM)"
     assert r["Started"].endswith("; 1h 56min ago")
     assert r["Ready"].endswith("; 3min 20s ago")
@@ -119,6 +125,18 @@ def test_summary_of_a_dead_daemon_says_so_and_keeps_the_last_known_facts() -> No
     text = render(state(), NOW, alive=False)
     assert text.splitlines()[0] == "gb10d is not running (pid 4242 has exited; last state: serving, last update 3s ago)"
     assert rows(text)["Last failure"] == "free_memory, 1h 48min ago"
+
+
+def test_a_daemon_that_is_not_running_is_not_shown_ready() -> None:
+    # Killed while serving (its state file still says serving), or stopped: no "Ready: since".
+    assert "Ready" not in rows(render(state(), NOW, alive=False))
+    assert "Ready" not in rows(render(state(state="stopped"), NOW, alive=True))
+    assert "Ready" in rows(render(state(), NOW, alive=True))
+
+
+def test_a_memory_snapshot_of_unknown_age_says_so() -> None:
+    r = rows(render(state(memory_at=None), NOW, alive=True))
+    assert r["Memory"].endswith("page cache (measured at an unknown time, before the attempt started; free -g shows it now)")
 
 
 def test_summary_without_state_file() -> None:
@@ -252,12 +270,48 @@ def test_state_file_location_comes_from_the_config(tmp_path: Path, daemon_pid: s
 
 
 @pytest.mark.slow
-def test_unloadable_config_falls_back_to_the_default_state_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [(), ("--json",), ("--all",)])
+def test_a_named_config_that_does_not_load_is_the_answer_with_exit_78(tmp_path: Path, extra: tuple[str, ...]) -> None:
+    # Falling back to the default state file would show another instance's status as this one's.
     config = tmp_path / "gb10d.toml"
     config.write_text("[vllm\n", encoding="utf-8")
-    result = gb10d("status", "--json", "--config", str(config))
-    assert json.loads(result.stdout)["state_file"] == str(DEFAULT_STATE_FILE)
-    assert "Traceback" not in result.stderr
+    result = gb10d("status", *extra, "--config", str(config))
+    assert result.returncode == 78
+    assert result.stdout == ""
+    assert str(config) in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_config_named_by_gb10d_config_that_does_not_load_is_the_answer_with_exit_78(tmp_path: Path) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text("[vllm\n", encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, "-m", "gb10d", "status"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "GB10D_CONFIG": str(config)},
+    )
+    assert result.returncode == 78 and result.stdout == ""
+    assert str(config) in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_named_state_file_is_read_whatever_the_config(tmp_path: Path, daemon_pid: subprocess.Popen[bytes]) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text("[vllm\n", encoding="utf-8")
+    path = tmp_path / "state.json"
+    write_state(path, state(pid=daemon_pid.pid))
+    result = gb10d("status", "--state-file", str(path), "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "gb10d is running: serving"
+
+
+def test_a_default_config_that_does_not_load_falls_back_to_the_default_state_file(tmp_path: Path) -> None:
+    # The daemon may run from an earlier, valid version of the file; nobody named this one.
+    config = tmp_path / "gb10d.toml"
+    config.write_text("[vllm\n", encoding="utf-8")
+    assert status_config(config, named=False) is None
+    assert state_file_path(None, None) == DEFAULT_STATE_FILE
+    with pytest.raises(ConfigError):
+        status_config(config, named=True)
 
 
 # --- against a real `gb10d run` with gb10d.sim ------------------------------------
@@ -286,6 +340,8 @@ def test_status_of_a_serving_daemon_then_exit_3_after_it_stops(tmp_path: Path, n
         assert r["Attempt"] == "1 of 3"
         assert r["GPU memory"].startswith("gpu_memory_utilization 0.8")
         assert r["Memory"].startswith("121.7 GiB total")
+        # gb10d measured it when the attempt started, and says when: a snapshot, not the memory now.
+        assert re.search(r" page cache \(measured \d+s ago, before the attempt started; free -g shows it now\)$", r["Memory"]), r["Memory"]
         answer = json.loads(gb10d("status", "--json", "--config", str(setup.config)).stdout)
         assert answer["running"] is True and answer["pid"] == daemon.proc.pid
         assert isinstance(answer["vllm_pid"], int) and answer["ready_at"] is not None

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import tomli_w
 
 from gb10d.budget import Reservation, Stage
 from gb10d.memory import GIB, MemInfo
-from gb10d.statefile import StateRecord
+from gb10d.statefile import DaemonState, StateRecord, write_state
 from gb10d.status import render, render_all
 
 from harness import meminfo_text
@@ -101,6 +102,7 @@ def machine(tmp_path: Path) -> tuple[Path, Path]:
     config.write_text(tomli_w.dumps({
         "vllm": {"executable": "/opt/vllm/bin/vllm", "model": "m"},
         "memory": {"ledger_dir": str(ledger), "meminfo_path": str(tmp_path / "meminfo")},
+        "daemon": {"state_file": str(tmp_path / "run" / "state.json")},
     }))
     return ledger, config
 
@@ -147,8 +149,75 @@ def test_status_all_of_a_machine_without_a_ledger_exits_3_and_of_an_unreadable_o
     ledger, config = machine
     ledger.rmdir()
     missing = gb10d("status", "--all", "--config", str(config))
-    assert missing.returncode == 3 and missing.stdout.startswith("no gb10d instance is running on this machine")
+    assert missing.returncode == 3 and missing.stdout == (
+        f"the memory ledger {ledger} does not exist (the package creates it at boot: systemd-tmpfiles --create); "
+        f"no state file in {config.parent / 'run'} names a running gb10d\n"
+    )
     ledger.write_text("not a directory")
     broken = gb10d("status", "--all", "--config", str(config))
     assert broken.returncode == 4 and "Traceback" not in broken.stderr
     assert broken.stderr.startswith(f"gb10d: cannot read the memory ledger {ledger}:")
+
+
+@pytest.fixture
+def serving(machine: tuple[Path, Path]) -> Iterator[tuple[Path, int]]:
+    """A running instance's state file beside the config's, and its pid (a real process), and a dead one's."""
+    path = machine[1].parent / "run" / "state.json"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        write_state(path, StateRecord(pid=holder.pid, state=DaemonState.SERVING, model="Qwen/Qwen3.6-27B-FP8"))
+        write_state(path.with_name("gone.json"), StateRecord(pid=2**22 + 7, state=DaemonState.SERVING, model="m"))
+        yield path, holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.slow
+def test_status_all_without_a_ledger_still_finds_a_running_instance_by_its_state_file(machine: tuple[Path, Path], serving: tuple[Path, int]) -> None:
+    (ledger, config), (path, pid) = machine, serving
+    ledger.rmdir()
+    shown = gb10d("status", "--all", "--config", str(config))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout == (
+        f"the memory ledger {ledger} does not exist (the package creates it at boot: systemd-tmpfiles --create); "
+        f"the state files in {path.parent} name 1 running:\n"
+        f"  {path}: serving Qwen/Qwen3.6-27B-FP8, pid {pid}\n"
+    )
+    answer = json.loads(gb10d("status", "--all", "--json", "--config", str(config)).stdout)
+    assert answer["running"] is True and [i["state_file"] for i in answer["instances"]] == [str(path)]
+
+
+@pytest.mark.slow
+def test_status_all_with_the_ledger_off_reads_the_state_files(machine: tuple[Path, Path], serving: tuple[Path, int]) -> None:
+    config, path = machine[1], serving[0]
+    config.write_text(config.read_text().replace(f'ledger_dir = "{machine[0]}"', 'ledger_dir = ""'))
+    shown = gb10d("status", "--all", "--config", str(config))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(
+        'the memory ledger is off in this config (memory.ledger_dir = ""); '
+        f"the state files in {path.parent} name 1 running:\n"
+    )
+
+
+@pytest.mark.slow
+def test_status_all_shows_an_instance_that_runs_alone_outside_an_empty_ledger(machine: tuple[Path, Path], serving: tuple[Path, int]) -> None:
+    # It could not use the ledger (one warning in its journal) and runs alone: still not "no instance".
+    (ledger, config), (path, pid) = machine, serving
+    shown = gb10d("status", "--all", "--config", str(config))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout == (
+        f"no instance is in the memory ledger {ledger}; the state files in {path.parent} name 1 running:\n"
+        f"  {path}: serving Qwen/Qwen3.6-27B-FP8, pid {pid}\n"
+    )
+
+
+@pytest.mark.slow
+def test_status_all_without_a_ledger_and_a_state_directory_it_cannot_list_exits_4(machine: tuple[Path, Path]) -> None:
+    ledger, config = machine
+    ledger.rmdir()
+    (config.parent / "run").write_text("not a directory")
+    shown = gb10d("status", "--all", "--config", str(config))
+    assert shown.returncode == 4 and shown.stdout == "" and "Traceback" not in shown.stderr
+    assert shown.stderr.startswith(f"gb10d: the memory ledger {ledger} does not exist")
+    assert f"and the state files in {config.parent / 'run'} cannot be listed: " in shown.stderr

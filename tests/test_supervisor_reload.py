@@ -1,22 +1,22 @@
-"""`systemctl reload gb10d` (SIGHUP), edits seen on disk, and learned settings, against gb10d.sim.
+"""`systemctl reload gb10d` (SIGHUP), edits seen on disk, and learned settings, against the real `gb10d run`.
 
-The daemon is the real `gb10d run`; systemd's notify socket is a real
-datagram socket, so RELOADING=1 / READY=1 are observed as systemd sees them.
+What needs a real process stays here: the file watcher (inotify and its
+debounce), settings learned by one run of gb10d used by the next, and a
+pair's Ray restarted by gb10d. What a reload applies to vLLM and in which
+order is tested in one process in test_shell_reload.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from gb10d.errors import EXIT_MEMORY_NOT_RETURNED
-from gb10d.memory import GIB
-from gb10d.sim.memory import adjust
-from harness import Daemon, NotifySocket, Setup, vllm_groups, wait_until
+from harness import Daemon, NotifySocket, Setup
 
 pytestmark = pytest.mark.slow
 
@@ -28,70 +28,8 @@ def serving(setup: Setup, notify: NotifySocket, daemons: list[Daemon]) -> Daemon
     return daemon
 
 
-def pids(daemon: Daemon) -> list[int]:
-    return list(vllm_groups(daemon.lines))
-
-
 def hup(daemon: Daemon) -> None:
     os.kill(daemon.proc.pid, signal.SIGHUP)
-
-
-def test_invalid_edit_and_reload_keep_the_same_vllm_serving(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
-    setup = Setup(tmp_path)
-    daemon = serving(setup, notify, daemons)
-    before = pids(daemon)
-    setup.config.write_text(setup.config.read_text().replace("gpu_memory_utilization = 0.8", "gpu_memory_utilization = 1.5"))
-    hup(daemon)
-    daemon.wait_line(r"gb10d: config not applied: .*gb10d.toml:\d+: vllm.gpu_memory_utilization: must be > 0 and <= 1 \(got 1.5\)")
-    notify.wait_for(lambda m: m.get("READY") == "1" and notify.count("RELOADING", "1") == 1 and notify.count("READY", "1") == 2)
-    reloading = next(m for _, m in notify.messages if m.get("RELOADING") == "1")
-    assert int(reloading["MONOTONIC_USEC"]) > 0
-    assert pids(daemon) == before
-    assert daemon.stop() == 0
-
-
-def test_daemon_only_change_is_applied_without_restarting_vllm(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
-    setup = Setup(tmp_path)
-    daemon = serving(setup, notify, daemons)
-    before = pids(daemon)
-    setup.extra["restart.max_attempts"] = 7
-    setup.write_config()
-    hup(daemon)
-    daemon.wait_line(r"gb10d: applied without restarting vLLM \(pid \d+\): .*restart.max_attempts 3 -> 7")
-    wait_until(lambda: notify.count("READY", "1") == 2, 30, "READY=1 after the reload")
-    assert pids(daemon) == before
-    daemon.stop()
-
-
-def test_served_name_change_restarts_vllm_with_the_new_flag(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
-    setup = Setup(tmp_path)
-    daemon = serving(setup, notify, daemons)
-    setup.served_name = "renamed"
-    setup.write_config()
-    hup(daemon)
-    daemon.wait_line(r'gb10d: .*vllm.served_model_name "tiny" -> "renamed".*stopping vLLM')
-    wait_until(lambda: notify.count("READY", "1") == 2, 90, "READY=1 from the new vLLM")
-    starts = [line for line in daemon.own_lines() if "started vLLM as pid" in line]
-    assert len(starts) == 2 and "--served-model-name renamed" in starts[1]
-    first = pids(daemon)[0]
-    wait_until(lambda: not os.path.exists(f"/proc/{first}"), 30, "old vLLM gone")
-    daemon.stop()
-
-
-def test_a_reload_that_restarts_vllm_waits_for_its_memory_as_a_failure_does(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
-    # Measured before the old vLLM's memory is back, the new start would be lowered or refused for memory that
-    # is only on its way back. Here 10 GiB never come back (held by something else, as a crashed CUDA process
-    # traps it on GB10): the reload ends as a failure whose memory stays missing does, without a second start.
-    setup = Setup(tmp_path, extra={"memory.recovery_timeout_s": 2.0})
-    daemon = serving(setup, notify, daemons)
-    assert adjust(setup.meminfo, -10 * GIB, need_bytes=10 * GIB) is None
-    setup.served_name = "renamed"
-    setup.write_config()
-    hup(daemon)
-    daemon.wait_line(r'gb10d: .*vllm.served_model_name "tiny" -> "renamed".*stopping vLLM')
-    assert daemon.wait_exit(120) == EXIT_MEMORY_NOT_RETURNED
-    assert len([line for line in daemon.own_lines() if "started vLLM as pid" in line]) == 1, daemon.tail()
-    assert any("memory was not returned after vLLM exited" in line for line in daemon.own_lines()), daemon.tail()
 
 
 def test_a_burst_of_editor_writes_is_validated_once(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
@@ -102,11 +40,14 @@ def test_a_burst_of_editor_writes_is_validated_once(tmp_path: Path, notify: Noti
         tmp = setup.config.with_name(f".gb10d.toml.swp{n}")
         tmp.write_text(text.replace("max_attempts = 3", "max_attempts = 4"))
         tmp.replace(setup.config)
-    daemon.wait_line(r"gb10d: config changed \(1 keys\); run systemctl reload gb10d to apply: .*restart.max_attempts 3 -> 4")
+    line = daemon.wait_line(r"gb10d: .* changed on disk, not applied")
+    assert line.string.endswith(
+        f"gb10d: {setup.config} changed on disk, not applied (1 key changed: restart.max_attempts 3 -> 4); apply it with: systemctl reload gb10d"
+    ), line.string
     # Quiet afterwards: the debounce gave one validation for the whole burst, seen by waiting for the next.
     setup.config.write_text(text)
     daemon.wait_line(r"changed on disk; it is valid and nothing gb10d uses differs")
-    assert sum("config changed (" in line for line in daemon.own_lines()) == 1
+    assert sum("changed on disk, not applied" in line for line in daemon.own_lines()) == 1
     assert notify.count("RELOADING") == 0
     daemon.stop()
 
@@ -145,3 +86,52 @@ def test_learned_utilization_is_used_at_the_next_start_and_dropped_when_the_conf
     starts = [line for line in third.own_lines() if "started vLLM as pid" in line]
     assert "--gpu-memory-utilization 0.5" in starts[0]
     third.stop()
+
+
+def pair_head(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon], ray_says: str = "", **extra: object) -> tuple[Setup, Daemon]:
+    """The head of a pair whose Ray is a program that exits at once (after printing `ray_says`): gb10d starts it again and again."""
+    ray = tmp_path / "ray"
+    ray.write_text(f"#!/bin/sh\n{ray_says}\nexit 3\n")
+    ray.chmod(0o755)
+    cluster = {"cluster.role": "head", "cluster.head_address": "127.0.0.1", "cluster.interface": "lo", "cluster.ray": str(ray)}
+    setup = Setup(tmp_path, extra={**cluster, **extra})
+    daemon = Daemon(setup, notify)
+    daemons.append(daemon)
+    return setup, daemon
+
+
+def after_reload(daemon: Daemon) -> int:
+    """The index of the line after gb10d's `reload requested`: what it says from there on, it says with the new config."""
+    daemon.wait_line(r"gb10d: reload requested")
+    return next(i for i, line in enumerate(daemon.lines) if "gb10d: reload requested" in line) + 1
+
+
+def test_a_reload_of_the_back_off_reaches_the_restarts_of_a_pairs_ray(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    setup, daemon = pair_head(tmp_path, notify, daemons, **{"restart.backoff_initial_s": 0.1, "restart.backoff_max_s": 0.1})
+    daemon.wait_line(r"gb10d: Ray on this machine exited with status 3; starting it again in 0\.1 s")
+    setup.extra.update({"restart.backoff_initial_s": 30.0, "restart.backoff_max_s": 30.0})
+    setup.write_config()
+    hup(daemon)
+    since = after_reload(daemon)
+    restarted = daemon.wait_line(r"gb10d: Ray on this machine exited with status 3; starting it again in .*", since=since)
+    assert restarted.group(0).endswith("starting it again in 30 s"), daemon.tail()
+
+
+def test_a_pairs_ray_gets_the_env_file_as_last_reloaded_and_an_edit_alone_changes_nothing(
+    tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]
+) -> None:
+    env_file = tmp_path / "vllm.env"
+    env_file.write_text("GB10D_MARK=first\n")
+    extra = {"vllm.env_file": str(env_file), "restart.backoff_initial_s": 0.2, "restart.backoff_max_s": 0.2}
+    _, daemon = pair_head(tmp_path, notify, daemons, 'echo "mark=$GB10D_MARK"', **extra)
+    daemon.wait_line(r"\(ray\) mark=first")
+    env_file.write_text("GB10D_MARK=edited\n")
+    # An edit alone is not applied: Ray, started again and again meanwhile, keeps the env_file as read.
+    edited = len(daemon.lines)
+    for _ in range(2):
+        daemon.wait_line(r"gb10d: Ray on this machine exited", since=len(daemon.lines))
+    marks = re.findall(r"\(ray\) mark=(\w+)", "\n".join(daemon.lines[edited:]))
+    assert marks and set(marks) == {"first"}, daemon.tail()
+    hup(daemon)
+    since = after_reload(daemon)
+    daemon.wait_line(r"\(ray\) mark=edited", timeout=30, since=since)

@@ -35,6 +35,8 @@ Knobs (environment):
   0.23 only: the EngineCore dies without a word and the API server says
   `Failed core proc(s): {}`), `ipc_removed` (the spawned EngineCore cannot
   open its parent's semaphore: FileNotFoundError in SemLock._rebuild).
+- `GB10D_SIM_LOAD_GATE`: a path; the weights' load waits before its first
+  shard until it exists (a test holds a start there for as long as it needs).
 - `GB10D_SIM_SPEED`: factor on every delay (1: minutes, like a 27B model on
   GB10; 0.01: ready in about 1.5 s).
 - `GB10D_SIM_SHARDS`: number of checkpoint shards (default 6, or the number

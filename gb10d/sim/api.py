@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from . import texts
 from .output import STDOUT, Console
+from .pooling import pool, routes
 
 WORDS = ("The", "stand-in", "engine", "answers", "every", "prompt", "with", "this", "same", "short", "calm", "sentence", ".")
 CHAT_ANSWER_TOKENS = len(WORDS)
@@ -171,6 +172,7 @@ class _Pending:
     produced: int = 0
     first_at: float | None = None
     last_at: float | None = None
+    pooling: bool = False  # a pooling request: its one engine pass generates no token
 
 
 class EngineClient:
@@ -196,14 +198,14 @@ class EngineClient:
         """Durations are reported in simulated seconds, like every other figure."""
         return wall_seconds / self.speed if self.speed > 0 else wall_seconds
 
-    def submit(self, prompt_key: str, prompt_tokens: int, max_tokens: int) -> tuple[str, _Pending] | None:
+    def submit(self, prompt_key: str, prompt_tokens: int, max_tokens: int, pooling: bool = False) -> tuple[str, _Pending] | None:
         """Queue a request on the engine; None if the engine is dead."""
         with self.lock:
             if self.dead:
                 return None
             self._counter += 1
             rid = f"{self._counter:x}"
-            pending = _Pending(prompt_tokens, max_tokens, time.monotonic())
+            pending = _Pending(prompt_tokens, max_tokens, time.monotonic(), pooling=pooling)
             self.pending[rid] = pending
             self.metrics.prefix_queries += prompt_tokens
             if prompt_key in self._seen_prompts:
@@ -266,7 +268,8 @@ class EngineClient:
                 m.itl.observe(self._sim(now - pending.last_at))
             pending.last_at = now
             pending.produced += count
-            m.generation_tokens += count
+            if not pending.pooling:
+                m.generation_tokens += count
             m.iteration.observe(count)
             accepted = message.get("spec")
             if accepted:
@@ -311,6 +314,7 @@ class ServeConfig:
     api_keys: tuple[str, ...]
     access_log: bool
     utilization: float
+    tasks: tuple[str, ...] = ("generate",)  # `Supported tasks`: which routes are open (`pooling.routes`)
     max_queued: int | None = None  # --max-num-queued-reqs (0.34): more in the engine are refused with 503
 
 
@@ -339,6 +343,7 @@ class SimHTTPServer(ThreadingHTTPServer):
         self.client = client
         self.console = console
         self.engine_dead = False
+        self.routes = routes(ROUTES, config.tasks)
 
     def server_bind(self) -> None:  # the socket is already bound
         pass
@@ -418,14 +423,20 @@ class Handler(BaseHTTPRequestHandler):
             self._metrics()
         elif path == "/load" and method == "GET":
             self._send(200, _dumps({"server_load": self.server.client.running()}))
-        elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
+        elif path in ("/v1/completions", "/v1/chat/completions") and self._opened(path, method):
             self._generate(chat=path == "/v1/chat/completions")
-        elif any(path == route and method in methods for route, methods in ROUTES):
-            self._error(501, "NotImplementedError", f"{method} {path} is a vLLM route the stand-in does not simulate")
-        elif any(path == route for route, _ in ROUTES):
+        elif path in ("/v1/embeddings", "/classify", "/pooling") and self._opened(path, method):
+            pool(self, path)
+        elif self._opened(path, method):
+            self.error(501, "NotImplementedError", f"{method} {path} is a vLLM route the stand-in does not simulate")
+        elif any(path == route for route, _ in self.server.routes):
             self._send(405, _dumps({"detail": "Method Not Allowed"}))
         else:
             self._send(404, _dumps({"detail": "Not Found"}))
+
+    def _opened(self, path: str, method: str) -> bool:
+        """vLLM serves this route, with this method, for this model's tasks."""
+        return any(path == route and method in methods for route, methods in self.server.routes)
 
     def _models(self) -> dict[str, Any]:
         config = self.server.config
@@ -453,21 +464,37 @@ class Handler(BaseHTTPRequestHandler):
 
     # --- generation ----------------------------------------------------------------
 
-    def _error(self, status: int, kind: str, message: str) -> None:
+    def error(self, status: int, kind: str, message: str) -> None:
+        """vLLM's error body."""
         self._send(status, _dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}))
+
+    def send_json(self, status: int, value: Any) -> None:
+        self._send(status, _dumps(value))
+
+    def read_json(self) -> dict[str, Any]:
+        """The request's JSON object; ValueError if it is none."""
+        body = self._body()
+        if not isinstance(body, dict):
+            raise ValueError("body is not a JSON object")
+        return body
+
+    def model_served(self, model: Any) -> bool:
+        """A request's `model` names a served model (or none); else vLLM's 404 is sent."""
+        config = self.server.config
+        if model and model not in config.served_names:
+            self._send(404, texts.not_found_body(str(model), config.served_names, config.minor).encode())
+            return False
+        return True
 
     def _generate(self, chat: bool) -> None:
         config = self.server.config
         try:
-            body = self._body()
-            if not isinstance(body, dict):
-                raise ValueError("body is not a JSON object")
+            body = self.read_json()
         except ValueError as exc:
-            self._error(400, "BadRequestError", f"Invalid JSON body: {exc}")
+            self.error(400, "BadRequestError", f"Invalid JSON body: {exc}")
             return
         model = body.get("model")
-        if model and model not in config.served_names:
-            self._send(404, texts.not_found_body(str(model), config.served_names, config.minor).encode())
+        if not self.model_served(model):
             return
         if chat:
             messages = body.get("messages") or []
@@ -483,11 +510,11 @@ class Handler(BaseHTTPRequestHandler):
             natural_stop = False
         wanted = max(1, min(wanted, max(config.max_model_len - prompt_tokens, 1)))
         if config.max_queued is not None and self.server.client.running() + 1 > config.max_queued:
-            self._error(503, "Service Unavailable", texts.QUEUE_FULL)  # QueueOverflowError, a GracefulHTTPError
+            self.error(503, "Service Unavailable", texts.QUEUE_FULL)  # QueueOverflowError, a GracefulHTTPError
             return
         submitted = self.server.client.submit(json.dumps(text), prompt_tokens, wanted)
         if submitted is None:
-            self._error(500, "InternalServerError", "EngineCore encountered an issue. See stack trace (above) for the root cause.")
+            self.error(500, "InternalServerError", "EngineCore encountered an issue. See stack trace (above) for the root cause.")
             return
         _, pending = submitted
         reason = "stop" if natural_stop else "length"
@@ -498,7 +525,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._complete(pending, chat, ident, name, reason, prompt_tokens)
 
-    def _tokens(self, pending: _Pending) -> Iterable[tuple[int, int, bool]]:
+    def tokens(self, pending: _Pending) -> Iterable[tuple[int, int, bool]]:
         """(first index, count, finished) as the engine produces them; stops early if it dies."""
         index = 0
         while True:
@@ -514,11 +541,11 @@ class Handler(BaseHTTPRequestHandler):
     def _complete(self, pending: _Pending, chat: bool, ident: str, name: str, reason: str, prompt_tokens: int) -> None:
         pieces: list[str] = []
         done = False
-        for first, count, finished in self._tokens(pending):
+        for first, count, finished in self.tokens(pending):
             pieces += [token_text(first + i) for i in range(count)]
             done = finished
         if not done:
-            self._error(500, "InternalServerError", "EngineCore encountered an issue. See stack trace (above) for the root cause.")
+            self.error(500, "InternalServerError", "EngineCore encountered an issue. See stack trace (above) for the root cause.")
             return
         self.server.client.finish(reason)
         text = "".join(pieces)
@@ -555,7 +582,7 @@ class Handler(BaseHTTPRequestHandler):
         if chat:
             event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
         finished = False
-        for first, count, finished in self._tokens(pending):
+        for first, count, finished in self.tokens(pending):
             text = "".join(token_text(first + i) for i in range(count))
             produced += count
             end = reason if finished else None

@@ -91,7 +91,7 @@ class ApiServer:
         self.settings = settings
         self.args = args
         self.console = Console(settings.style, "APIServer")
-        self.model: ModelFacts = describe_model(args.model, args.max_model_len, settings.shards)
+        self.model: ModelFacts = describe_model(args.model, args.max_model_len, settings.shards, args.runner, args.convert)
         self.engine_pid: int | None = None
         self.conn: socket.socket | None = None
         self.client: EngineClient | None = None  # once serving
@@ -248,6 +248,7 @@ class ApiServer:
     def serve(self, sock: socket.socket, kv_tokens: int) -> NoReturn:
         """The serving phase: routes, uvicorn's lines, listen(), then act on queued events."""
         from .api import ROUTES, EngineClient, Handler, ServeConfig, SimHTTPServer
+        from .pooling import routes
 
         args, settings = self.args, self.settings
         assert self.conn is not None
@@ -262,17 +263,18 @@ class ApiServer:
         config = ServeConfig(
             served_names=served, root=args.model, max_model_len=self.model.max_model_len, version=settings.version,
             minor=settings.minor, api_keys=keys, access_log=self.uvicorn_info and not args.disable_uvicorn_access_log,
-            utilization=resolved_utilization(args, settings.minor), max_queued=getattr(args, "max_num_queued_reqs", None),
+            utilization=resolved_utilization(args, settings.minor), tasks=self.model.tasks,
+            max_queued=getattr(args, "max_num_queued_reqs", None),
         )
         self.settings.sleep(SERVE_SETUP_S)
-        self.log("entrypoints/openai/api_server.py:579", "Supported tasks: ['generate']")
+        self.log("entrypoints/openai/api_server.py:579", f"Supported tasks: {list(self.model.tasks)}")
         self.log("entrypoints/chat_utils/hf.py:548", "Detected the chat template content format to be 'string'. You can set `--chat-template-content-format` to override this.")
         scheme = "https" if args.ssl_certfile else "http"
         host = args.host or "0.0.0.0"
         shown_host = f"[{host}]" if ":" in host else host
         self.log("entrypoints/openai/api_server.py:583", f"Starting vLLM server on {scheme}://{shown_host}:{args.port}")
         self.log("entrypoints/launcher.py:37", "Available routes are:")
-        for route, methods in ROUTES:
+        for route, methods in routes(ROUTES, self.model.tasks):
             self.log("entrypoints/launcher.py:46", f"Route: {route}, Methods: {methods}")
         server = SimHTTPServer(sock, Handler, config, client, self.console)
         self.uvicorn(f"Started server process [{os.getpid()}]")

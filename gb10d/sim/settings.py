@@ -131,6 +131,8 @@ class SimSettings:
     stats_interval_s: float
     api_key_env: str | None
     keep_alive_on_engine_death: bool
+    # GB10D_SIM_LOAD_GATE: the weights' load waits for this file before its first shard (a test holds a start there).
+    load_gate: Path | None = None
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     @property
@@ -235,5 +237,6 @@ def from_environ(env: Mapping[str, str] | None = None) -> SimSettings:
         stats_interval_s=interval if interval > 0 else 10.0,
         api_key_env=env.get("VLLM_API_KEY") or None,
         keep_alive_on_engine_death=_flag(env, "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", False),
+        load_gate=Path(env["GB10D_SIM_LOAD_GATE"]) if env.get("GB10D_SIM_LOAD_GATE") else None,
         env=env,
     )

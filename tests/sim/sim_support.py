@@ -193,7 +193,11 @@ class Sim:
         self.wait_output(lambda out, err: needle in (out, err)[index], timeout)
 
     def wait_ready(self, timeout: float = DEADLINE_S) -> None:
-        """Until /health answers 200 (retrying refusals: listen() follows the startup line)."""
+        """Until /health answers 200 (retrying refusals: listen() follows the startup line).
+
+        Each pipe has a reader thread of its own, so stdout's earlier lines may
+        still be on their way: a test that reads them waits for them (wait_text).
+        """
         self.wait_text("Application startup complete.", "stderr", timeout)
         deadline = time.monotonic() + timeout
         while True:

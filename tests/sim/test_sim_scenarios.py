@@ -61,6 +61,9 @@ def test_a_lower_utilization_that_fits_starts(sim, tmp_path: Path) -> None:  # t
     meminfo = write_meminfo(tmp_path / "meminfo", 121.69, 80.0, cached_gib=12.0)
     s = sim("m", "--gpu-memory-utilization", "0.65", env={"GB10D_SIM_MEMINFO": str(meminfo)})
     s.wait_ready()
+    # 0.65 of 121.69 GiB is 79.1 GiB, below the 80.0 GiB free: vLLM's check passes and says nothing.
+    assert s.process.poll() is None
+    assert b"Free memory on device" not in bytes(s.stdout) + bytes(s.stderr)
 
 
 def test_free_and_total_gib_knobs_feed_the_same_check(sim) -> None:  # type: ignore[no-untyped-def]

@@ -7,6 +7,7 @@ container here" from a skip into a failure.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 from collections.abc import Callable, Generator, Iterator
@@ -50,29 +51,33 @@ def skip_unless_tools(*names: str, package_hint: str) -> None:
 
 @pytest.fixture(scope="session")
 def build_deb(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
-    """Build the .deb with packaging/build-deb, once per session, architecture and Python minor.
+    """Build the .deb with packaging/build-deb, once per run, architecture and Python minor.
 
     `build("arm64", "3.12")` is the package GB10 owners install;
     `build("arm64", "3.13")` the same scripts with the wheels for Debian 13's
     python3. Each build gets its own directory: both are gb10d_VERSION_arm64.deb.
     """
-    built: dict[tuple[str, str], Path] = {}
-    root = tmp_path_factory.mktemp("deb")
+    # Under pytest-xdist each worker has a base directory of its own inside the run's: the
+    # workers share the run's, so each package is built once per run, not once per worker.
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "deb"
+    root.mkdir(exist_ok=True)
 
     def build(arch: str, python: str) -> Path:
-        if (arch, python) in built:
-            return built[arch, python]
         tools = ["dpkg-buildpackage", "dh"] + (["aarch64-linux-gnu-objdump"] if arch == "arm64" else [])
         skip_unless_tools(*tools, package_hint="dpkg-dev debhelper binutils-aarch64-linux-gnu")
         out = root / f"{arch}-python{python}"
-        env = dict(os.environ, GB10D_BUILD_DIR=str(out / "build"), GB10D_DIST_DIR=str(out / "dist"))
-        argv = [str(REPO / "packaging" / "build-deb"), arch, python]
-        result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, f"{' '.join(argv[1:])}: build-deb failed:\n{result.stdout}\n{result.stderr}"
         deb = out / "dist" / f"gb10d_{gb10d_version()}_{arch}.deb"
-        assert deb.is_file(), f"build-deb {arch} did not write {deb}:\n{result.stdout}"
-        built[arch, python] = deb
-        return deb
+        with open(root / f"{out.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if deb.is_file():
+                return deb
+            env = dict(os.environ, GB10D_BUILD_DIR=str(out / "build"), GB10D_DIST_DIR=str(out / "dist"))
+            argv = [str(REPO / "packaging" / "build-deb"), arch, python]
+            result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+            assert result.returncode == 0, f"{' '.join(argv[1:])}: build-deb failed:\n{result.stdout}\n{result.stderr}"
+            assert deb.is_file(), f"build-deb {arch} did not write {deb}:\n{result.stdout}"
+            return deb
 
     return build
 

@@ -146,8 +146,9 @@ def cached_root(debian: Debian) -> Path:
 
     The key covers the suite, the architecture, the mirror, the package list
     and the files added under emulation, so changing any of them makes a new
-    root instead of reusing a stale one. A lock keeps two test runs from
-    debootstrapping into the same place at once. For a foreign architecture
+    root instead of reusing a stale one. A lock keeps two test runs (or
+    workers, or .ci/run's early build) from debootstrapping into the same
+    place at once. For a foreign architecture
     debootstrap runs its second stage (dpkg and the maintainer scripts) in the
     root under qemu-user, which makes it the slowest step of a cold run.
     """
@@ -158,7 +159,8 @@ def cached_root(debian: Debian) -> Path:
     key = hashlib.sha256(repr((debian.suite, debian.arch, MIRROR, debian.packages, extra)).encode()).hexdigest()[:16]
     root = CACHE_DIR / f"{debian.suite}-{debian.arch}-{key}"
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with open(CACHE_DIR / "lock", "w") as lock:
+    # One lock per root: a run waiting for the emulated root (minutes) does not hold up the other.
+    with open(CACHE_DIR / f"{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (root / "usr" / "lib" / "systemd" / "systemd").exists():
             return root
@@ -206,6 +208,7 @@ class Container:
     init_pid: int
     share: Path
     log: Path
+    cgroups: list[Path]
 
     def run(self, *argv: str, input: str | None = None, check: bool = True, timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
         """Run argv in the container with a clean environment; fail the test on a non-zero exit when `check`."""
@@ -294,6 +297,60 @@ class Container:
                 self.nspawn.wait(HALT_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 _kill(self.nspawn, self.init_pid)
+        _remove_cgroups(self.cgroups)
+
+
+def _cgroup_hierarchies() -> list[Path]:
+    """The cgroup hierarchies a container's systemd manages: name=systemd (cgroup v1) and the unified one (v2).
+
+    Each as the directory of this process's own cgroup in it.
+    """
+    found = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        number, controllers, path = line.split(":", 2)
+        if controllers == "name=systemd":
+            base = Path("/sys/fs/cgroup/systemd")
+        elif number == "0" and controllers == "":
+            unified = Path("/sys/fs/cgroup/unified")
+            base = unified if unified.is_dir() else Path("/sys/fs/cgroup")
+        else:
+            continue
+        if (base / "cgroup.procs").exists():
+            found.append(base / path.lstrip("/"))
+    return found
+
+
+def own_cgroups(name: str) -> list[Path]:
+    """A cgroup of the container's own in each hierarchy its systemd manages, made empty.
+
+    With --keep-unit --register=no nspawn leaves the container in its
+    caller's cgroup, and the container's systemd makes its units' cgroups
+    under it. Two containers booted from one cgroup would share
+    system.slice/gb10d.service, and stopping the unit in one kills the
+    other's gb10d: each container gets its own.
+    """
+    made = []
+    for hierarchy in _cgroup_hierarchies():
+        group = hierarchy / name
+        group.mkdir(exist_ok=True)
+        made.append(group)
+    return made
+
+
+def _enter(cgroups: list[Path]) -> None:
+    """In the nspawn child, before exec: move into the container's own cgroups."""
+    for group in cgroups:
+        (group / "cgroup.procs").write_text("0")
+
+
+def _remove_cgroups(cgroups: list[Path]) -> None:
+    """Remove a container's cgroups once it is gone, deepest first; one still busy is left."""
+    for group in cgroups:
+        for directory in sorted((d for d in group.rglob("*") if d.is_dir()), key=lambda d: len(d.parts), reverse=True) + [group]:
+            try:
+                directory.rmdir()
+            except OSError:
+                pass
 
 
 def boot(root: Path, share: Path, log: Path, timeout_s: float, host_network: bool = False, binds: tuple[Path, ...] = ()) -> Container:
@@ -305,6 +362,8 @@ def boot(root: Path, share: Path, log: Path, timeout_s: float, host_network: boo
     same path inside, writable (an engine's socket, a directory both sides
     must see alike).
     """
+    machine = f"gb10d-test-{os.getpid()}-{share.name[-8:]}"
+    cgroups = own_cgroups(machine)
     with open(log, "wb") as console:
         nspawn = subprocess.Popen(
             [
@@ -314,7 +373,7 @@ def boot(root: Path, share: Path, log: Path, timeout_s: float, host_network: boo
                 "--quiet",
                 "--volatile=overlay",
                 *([] if host_network else ["--private-network"]),
-                f"--machine=gb10d-test-{os.getpid()}-{share.name[-8:]}",
+                f"--machine={machine}",
                 f"--bind-ro={share}:{SHARE_IN_CONTAINER}",
                 *(f"--bind={path}" for path in binds),
                 "-D",
@@ -325,7 +384,7 @@ def boot(root: Path, share: Path, log: Path, timeout_s: float, host_network: boo
             stdout=console,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_halt_with_parent,
+            preexec_fn=lambda: (_halt_with_parent(), _enter(cgroups)),
         )
     try:
         deadline = time.monotonic() + timeout_s
@@ -336,7 +395,7 @@ def boot(root: Path, share: Path, log: Path, timeout_s: float, host_network: boo
             if time.monotonic() > deadline:
                 raise BootFailed(f"the container's systemd did not appear within {timeout_s:.0f} s:\n{_tail(log)}")
             init_pid = _container_init(nspawn.pid)
-        box = Container(nspawn, init_pid, share, log)
+        box = Container(nspawn, init_pid, share, log, cgroups)
         # --wait returns once boot has finished ("degraded": a unit failed, but
         # it booted). Before that, "offline" or "Failed to connect to bus" mean
         # systemd does not answer yet: PID 1 is still nspawn's own setup, or
@@ -350,6 +409,7 @@ def boot(root: Path, share: Path, log: Path, timeout_s: float, host_network: boo
         return box
     except BaseException:
         _kill(nspawn, None)
+        _remove_cgroups(cgroups)
         raise
 
 
@@ -379,3 +439,16 @@ def _kill(nspawn: subprocess.Popen[bytes], init_pid: int | None) -> None:
     except ProcessLookupError:
         pass
     nspawn.wait(HALT_TIMEOUT_S)
+
+
+if __name__ == "__main__":
+    # `python3 tests/systemd/systemd_harness.py`: make the cached roots now (.ci/run does,
+    # beside the install and the pure tests); the tests that boot them wait on their locks.
+    import sys
+
+    for debian in (DEBIAN_12_AMD64, DEBIAN_13_ARM64):
+        if emulation_missing(debian) is None:
+            started = time.monotonic()
+            print(f"{debian.name}: {cached_root(debian)} ({time.monotonic() - started:.0f} s)", flush=True)
+        else:
+            print(f"{debian.name}: not built: {emulation_missing(debian)}", file=sys.stderr)

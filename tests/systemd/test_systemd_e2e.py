@@ -407,16 +407,9 @@ def test_free_memory_failure_recovers_and_the_warning_explains_it(supervisor: Co
 
 
 def test_instance_serves_from_its_own_config_beside_the_main_unit(supervisor: Container) -> None:
+    # Only its own port: the state file, learned file and metrics port are the instance's own by default.
     supervisor.write("/etc/gb10d.toml", sim_config(utilization=0.4))
-    supervisor.write(
-        "/etc/gb10d/second.toml",
-        sim_config(
-            utilization=0.4,
-            port=8001,
-            extra='\n[metrics]\nlisten = "127.0.0.1:9401"\n\n[daemon]\n'
-            'state_file = "/run/gb10d-second/state.json"\nlearned_file = "/var/lib/gb10d/second/state.toml"\n',
-        ),
-    )
+    supervisor.write("/etc/gb10d/second.toml", sim_config(utilization=0.4, port=8001))
     supervisor.run("systemctl", "start", UNIT, INSTANCE)
     for unit in (UNIT, INSTANCE):
         assert supervisor.show(unit, "StatusText")["StatusText"].startswith("serving"), unit
@@ -426,6 +419,29 @@ def test_instance_serves_from_its_own_config_beside_the_main_unit(supervisor: Co
     supervisor.run("systemctl", "stop", UNIT)
     assert supervisor.show(INSTANCE, "ActiveState")["ActiveState"] == "active"
     assert supervisor.exists("/run/gb10d-second/state.json"), "stopping gb10d.service must not touch an instance's files"
+
+
+def test_a_config_copied_from_the_main_one_is_refused_and_the_main_status_stays_right(supervisor: Container) -> None:
+    supervisor.write("/etc/gb10d.toml", sim_config(utilization=0.4))
+    supervisor.run("systemctl", "start", UNIT)
+    main_pid = supervisor.show(UNIT, "MainPID")["MainPID"]
+    supervisor.write("/etc/gb10d/copy.toml", sim_config(utilization=0.4))
+    try:
+        checked = supervisor.run("gb10d", "check-config", "--config", "/etc/gb10d/copy.toml", check=False)
+        assert checked.returncode == 78, checked.stdout + checked.stderr
+        assert f"is held by the running instance gb10d (/etc/gb10d.toml, pid {main_pid})" in checked.stderr, checked.stderr
+        start = supervisor.run("systemctl", "start", "gb10d@copy.service", check=False)
+        assert start.returncode != 0
+        assert supervisor.show("gb10d@copy.service", "ExecMainStatus")["ExecMainStatus"] == "78"
+        log = journal(supervisor, "gb10d@copy.service")
+        assert (f"vllm.port 127.0.0.1:8000 of gb10d@copy (/etc/gb10d/copy.toml) is held by the running instance gb10d "
+                f"(/etc/gb10d.toml, pid {main_pid})") in log, log
+        status = supervisor.run("gb10d", "status", check=False)
+        assert status.returncode == 0 and status.stdout.startswith("gb10d is running: serving"), status.stdout + status.stderr
+    finally:
+        supervisor.run("systemctl", "reset-failed", "gb10d@copy.service", check=False)
+        supervisor.run("rm", "-f", "/etc/gb10d/copy.toml")
+        supervisor.run("systemctl", "stop", UNIT)
 
 
 @emulated_too

@@ -73,10 +73,12 @@ preflight = false
 
 
 def start_script() -> str:
-    """The reference script as its first user runs it: it also names a log file and removes the old one first."""
+    """The reference script as its first user runs it: it also names a log file and removes the old one first,
+    and activates the venv as the README's example does, through `~`."""
     lines = (REPO / "tests" / "fixtures" / "scripts" / "reference.sh").read_text().splitlines(keepends=True)
-    log = f'LOG_FILE="{HOME}/vllm.log"\nif [ -f "$LOG_FILE" ]; then rm "$LOG_FILE"; fi\n'
-    return "#!/bin/bash\n" + "".join(lines[:3]) + log + "".join(lines[3:])
+    log = 'LOG_FILE=~/vllm.log\nif [ -f "$LOG_FILE" ]; then rm "$LOG_FILE"; fi\n'
+    script = "#!/bin/bash\n" + "".join(lines[:3]) + log + "".join(lines[3:])
+    return script.replace('source "${ENV_DIR}/bin/activate"', "source ~/vllm-pip-env/bin/activate")
 
 
 
@@ -110,7 +112,7 @@ def operator(container: Container, debian: Debian, build_deb: Callable[[str, str
     container.write("/etc/gb10d.d/90-test-rig.toml", RIG)
     # The README's commands, in its order.
     container.run("dpkg", "-i", container.put(build_deb(debian.arch, debian.python), "gb10d.deb"))
-    as_operator(container, "gb10d import-script start.sh > gb10d.toml")
+    as_operator(container, "gb10d import-script ~/start.sh > gb10d.toml")
     container.run("install", "-m", "0644", f"{HOME}/gb10d.toml", "/etc/gb10d.toml")
     return container
 
@@ -118,6 +120,8 @@ def operator(container: Container, debian: Debian, build_deb: Callable[[str, str
 def test_import_script_points_at_the_model_already_downloaded_and_says_what_changes(operator: Container) -> None:
     config = operator.read("/etc/gb10d.toml")
     assert f'venv = "{VENV}"' in config
+    assert f"# note: read ~ as {HOME}, as when {USER} runs the script: the service has another home" in config
+    assert "relative to the directory" not in config and "is not set in the script" not in config
     assert f'HF_HUB_CACHE = "{HUB}"' in config and 'HF_HUB_OFFLINE = "1"' in config
     assert f"# note: {MODEL} is already in {USER}'s Hugging Face cache {HUB}" in config
     assert f"# note: the service runs vLLM as the system user gb10d, not as {USER} who ran this script" in config

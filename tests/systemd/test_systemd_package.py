@@ -89,6 +89,8 @@ def test_package_ships_config_units_manual_catalog_and_docs_but_no_bytecode(
         "usr/share/doc/gb10d/changelog.gz",
         "usr/share/doc/gb10d/copyright",
         "usr/share/doc/gb10d/examples/gb10d.toml",
+        "usr/share/gb10d/grafana/gb10d.json",
+        "usr/share/gb10d/prometheus/gb10d-alerts.yml",
     ]
     assert [path for path in expected if not (root / path).exists()] == []
     assert list((root / "usr/share/doc/gb10d").glob("README.md*")), "README.md (compressed when large)"

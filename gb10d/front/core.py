@@ -1,0 +1,239 @@
+"""The front's decisions, free of I/O: which instance a request goes to, and whether it goes now, waits, or is refused.
+
+The shell (gb10d.front.server) reads sockets and state files and acts; everything it decides, it decides here, from
+values it passes in (the request's bytes, what each instance's state file says, how long a request has waited), so
+every case is a fast test.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from ..statefile import DaemonState, StateRecord
+from ..status import not_running_reason
+
+# RFC 9110 §7.6.1: meaningful for one connection only; a proxy never forwards them. `Connection` may name more.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "transfer-encoding", "upgrade",
+})
+
+# Paths the front answers itself: a load balancer's health check must not wake or wait for any model.
+FRONT_HEALTH = "/health"
+MODELS = "/v1/models"
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One gb10d instance as its config describes it: the names it serves and its internal address."""
+
+    name: str
+    models: tuple[str, ...]
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """What the front knows of an instance now: from its state file, and whether its address refused a connection."""
+
+    serving: bool
+    # A running gb10d that will serve in time (starting, restarting, waiting for memory); False when stopped or failed.
+    coming: bool
+    # What a client is told while it waits, e.g. "loading weights 12/66".
+    detail: str
+
+
+@dataclass(frozen=True)
+class Forward:
+    instance: Instance
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A reply the front gives itself (an error, the model list, its health), as an OpenAI-style JSON body."""
+
+    status: int
+    body: Mapping[str, object]
+    retry_after_s: int | None = None
+
+    @property
+    def message(self) -> str:
+        """An error's message, for the journal line that records it."""
+        err = self.body.get("error")
+        return str(err.get("message", "")) if isinstance(err, dict) else ""
+
+
+Route = Forward | Answer
+
+
+def error(status: int, message: str, kind: str, retry_after_s: int | None = None) -> Answer:
+    """An error in the shape OpenAI clients parse (`{"error": {"message", "type", "code"}}`)."""
+    return Answer(status, {"error": {"message": message, "type": kind, "code": status}}, retry_after_s)
+
+
+def forwarded_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The headers a proxy passes on: all but hop-by-hop ones, those `Connection` names, and Host and Content-Length
+    (the shell sets both for the connection it writes to)."""
+    pairs = [(name.lower(), value) for name, value in headers]
+    named = {token.strip().lower() for name, value in pairs if name == b"connection" for token in value.split(b",")}
+    dropped = {h.encode() for h in HOP_BY_HOP} | named | {b"host", b"content-length"}
+    return [(name, value) for name, value in pairs if name not in dropped]
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A key clients may send, and the models it may use (none named: every model)."""
+
+    secret: bytes
+    models: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, entry: str) -> ApiKey:
+        """`KEY`, or `KEY MODEL...` for a key restricted to those models (keys hold no spaces)."""
+        secret, *models = entry.split()
+        return cls(secret.encode(), frozenset(models))
+
+
+def authorized(path: str, headers: Iterable[tuple[bytes, bytes]], keys: Sequence[ApiKey]) -> ApiKey | Answer | None:
+    """The key the request carries, None when it needs none (no keys are set, or it is the front's /health), or 401.
+
+    Every key is compared, each in constant time, so neither a key nor which one matched leaks through timing."""
+    if not keys or path.split("?", 1)[0] == FRONT_HEALTH:
+        return None
+    given = b""
+    for name, value in headers:
+        name = name.lower()
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            given = value[7:].strip()
+        elif name == b"x-api-key":
+            given = value.strip()
+    matched: ApiKey | None = None
+    for key in keys:
+        if hmac.compare_digest(given, key.secret) and matched is None:
+            matched = key
+    if matched is not None:
+        return matched
+    return error(401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)", "AuthenticationError")
+
+
+def model_of(body: bytes, content_type: str) -> tuple[str | None, Answer | None]:
+    """The request's `model` field, or None when the body names none, or a 400 for a body that is not JSON."""
+    if not body.strip() or "json" not in content_type.lower():
+        return None, None
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return None, error(400, f"the request body is not valid JSON: {exc}", "BadRequestError")
+    if not isinstance(parsed, dict):
+        return None, error(400, "the request body must be a JSON object", "BadRequestError")
+    model = parsed.get("model")
+    if model is None:
+        return None, None
+    if not isinstance(model, str):
+        return None, error(400, f'"model" must be a string (got {json.dumps(model)})', "BadRequestError")
+    return model, None
+
+
+def route(
+    method: str, path: str, body: bytes, content_type: str, instances: Sequence[Instance], readiness: Mapping[str, Readiness], now: float,
+    allowed: frozenset[str] = frozenset(),
+) -> Route:
+    """Where a request goes: the instance serving its `model`, or the only instance when it names none, or an answer
+    (the front's own /health and /v1/models among them). `allowed`: the models the request's key may use (empty:
+    every model); a restricted key sees only those, and gets 403 for the others."""
+    bare = path.split("?", 1)[0]
+    if bare == FRONT_HEALTH and method in ("GET", "HEAD"):
+        return Answer(200, {"status": "ok"})
+    if bare == MODELS and method == "GET":
+        return model_list(instances, readiness, now, allowed)
+    model, problem = model_of(body, content_type)
+    if problem is not None:
+        return problem
+    served = sorted(name for instance in instances for name in instance.models if not allowed or name in allowed)
+    if model is None:
+        if len(instances) == 1:
+            return _permitted(Forward(instances[0]), allowed, instances[0].models)
+        return error(400, f'the request names no "model"; this endpoint serves {", ".join(served) or "no model"}', "BadRequestError")
+    for instance in instances:
+        if model in instance.models:
+            return _permitted(Forward(instance), allowed, (model,))
+    return error(404, f"The model `{model}` does not exist. This endpoint serves: {', '.join(served) or 'none'}.", "NotFoundError")
+
+
+def _permitted(forward: Forward, allowed: frozenset[str], asked: Sequence[str]) -> Route:
+    """`forward` when the key may use one of the models `asked` for, else 403 naming those it may use."""
+    if not allowed or allowed.intersection(asked):
+        return forward
+    return error(403, f"this API key may not use {', '.join(asked)}; it may use {', '.join(sorted(allowed))}", "PermissionDeniedError")
+
+
+@dataclass(frozen=True)
+class Go:
+    pass
+
+
+@dataclass(frozen=True)
+class Wait:
+    pass
+
+
+Admission = Go | Wait | Answer
+
+# A client told to retry comes back after this many seconds at most: soon enough to catch READY, rarely enough not to flood.
+RETRY_AFTER_S = 5
+
+
+def admit(instance: Instance, ready: Readiness, held: int, queue_limit: int, waited_s: float, hold_timeout_s: float, newly: bool) -> Admission:
+    """Whether a request for `instance` goes through, waits for it, or gets 503.
+
+    `held`: requests already waiting for it (this one excluded when `newly`, the first ask); `waited_s`: how long
+    this one has waited. A stopped or failed instance is not waited for: nothing would make it serve."""
+    if ready.serving:
+        return Go()
+    what = f"{instance.name} is {ready.detail}"
+    if not ready.coming:
+        return error(503, f"{what}; it is not starting (systemctl start gb10d@{instance.name})", "ServiceUnavailableError", RETRY_AFTER_S)
+    if newly and held >= queue_limit:
+        return error(503, f"{what}, and {held} requests already wait for it (front.queue_limit)", "ServiceUnavailableError", RETRY_AFTER_S)
+    if waited_s >= hold_timeout_s:
+        return error(503, f"{what}; waited {waited_s:.0f} s (front.hold_timeout_s)", "ServiceUnavailableError", RETRY_AFTER_S)
+    return Wait()
+
+
+def model_list(instances: Sequence[Instance], readiness: Mapping[str, Readiness], now: float, allowed: frozenset[str] = frozenset()) -> Answer:
+    """/v1/models for every configured model (those `allowed` when a key is restricted), each with its instance's
+    state (`gb10d_state`), serving or not."""
+    data = [
+        {
+            "id": model, "object": "model", "created": int(now), "owned_by": "gb10d",
+            "gb10d_instance": instance.name,
+            "gb10d_state": "serving" if readiness[instance.name].serving else readiness[instance.name].detail,
+        }
+        for instance in instances for model in instance.models if not allowed or model in allowed
+    ]
+    return Answer(200, {"object": "list", "data": data})
+
+
+def sse_error_event(message: str) -> bytes:
+    """The last event of a stream whose instance went away mid-answer: the client sees why instead of waiting."""
+    payload = json.dumps({"error": {"message": message, "type": "ServiceUnavailableError", "code": 503}})
+    return f"event: error\ndata: {payload}\n\n".encode()
+
+
+def readiness_of(state: StateRecord | None, alive: bool) -> Readiness:
+    """An instance's readiness from its state file and whether its gb10d process lives."""
+    reason = not_running_reason(state, alive)
+    if reason is not None or state is None or state.state is None:
+        return Readiness(serving=False, coming=False, detail=f"not running ({reason or 'no state yet'})")
+    if state.state is DaemonState.SERVING:
+        return Readiness(serving=True, coming=True, detail="serving")
+    detail = state.state.value
+    if state.phase:
+        detail += f": {state.phase}"
+    if state.progress is not None:
+        detail += f" {state.progress.shards_done}/{state.progress.shards_total}"
+    return Readiness(serving=False, coming=True, detail=detail)

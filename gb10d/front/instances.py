@@ -1,0 +1,77 @@
+"""Which gb10d instances the front stands before: every *.toml of `front.instances_dir`, plus the main config when
+it runs a model itself. Each one's [vllm] host and port is its internal address, its [daemon] state_file tells
+whether it serves. Also the API keys the front lets in, from the config and front.api_keys_file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import API_KEY_FORM, Config, FrontSection, api_key_problem, load_config, read_toml
+from ..errors import ConfigError, ConfigProblem
+from .core import ApiKey, Instance
+
+# An instance bound to every address is reached on the loopback one.
+_LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}
+
+
+@dataclass(frozen=True)
+class Known:
+    instance: Instance
+    state_file: Path
+
+
+def _known(name: str, config: Config) -> Known:
+    vllm = config.vllm
+    host = _LOOPBACK.get(vllm.host, vllm.host)
+    return Known(Instance(name, tuple(vllm.served_names), host, vllm.port), config.daemon.state_file)
+
+
+def discover(front: FrontSection, main: Path) -> list[Known]:
+    """The instances, in name order; a ConfigError for a broken instance config, a model served twice, or an
+    instance on the front's own port (the front owns the public address: the instance moves to an internal one)."""
+    found: list[tuple[Path, Known]] = []
+    if main.exists() and "vllm" in read_toml(main)[0]:
+        found.append((main, _known("gb10d", load_config(main))))
+    if front.instances_dir.is_dir():
+        for path in sorted(front.instances_dir.glob("*.toml")):
+            found.append((path, _known(path.stem, load_config(path))))
+    problems: list[ConfigProblem] = []
+    owner: dict[str, str] = {}
+    _, front_port = front.address
+    for path, known in found:
+        if known.instance.port == front_port:
+            problems.append(ConfigProblem(str(path), "vllm.port", f"is {front_port}, the front's own port (front.listen): give this instance an internal port such as {8100 + len(owner)}"))
+        for model in known.instance.models:
+            if model in owner:
+                problems.append(ConfigProblem(str(path), "vllm.served_model_name", f"serves {model!r}, which instance {owner[model]} serves too: each model name must be unique"))
+            owner.setdefault(model, known.instance.name)
+    if problems:
+        raise ConfigError(problems)
+    if not found:
+        raise ConfigError([ConfigProblem(str(front.instances_dir), "front.instances_dir", f"holds no instance config (*.toml), and {main} runs no model: the front has nothing to serve")])
+    return [known for _, known in found]
+
+
+def api_keys(front: FrontSection) -> list[ApiKey]:
+    """front.api_keys and the entries of front.api_keys_file; a ConfigError names the file and line of a bad entry,
+    never the key itself."""
+    entries = list(front.api_keys)
+    path = front.api_keys_file
+    if path is not None:
+        try:
+            lines = path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError([ConfigProblem(str(path), "front.api_keys_file", f"cannot be read ({why}): the front runs as gb10d, so make it root:gb10d, mode 0640")]) from None
+        problems = []
+        for number, line in enumerate(lines, 1):
+            entry = line.split("#", 1)[0].strip()
+            if not entry:
+                continue
+            if api_key_problem(entry):
+                problems.append(ConfigProblem(str(path), "", API_KEY_FORM, line=number))
+            entries.append(entry)
+        if problems:
+            raise ConfigError(problems)
+    return [ApiKey.parse(entry) for entry in entries]

@@ -1,0 +1,128 @@
+"""The machine's memory ledger in one process and virtual time: instances that wait for each other's starts.
+
+Two gb10d instances (each its own Supervisor, Preflight and Reporter, each a
+scripted vLLM) share one meminfo file and one ledger directory on a real
+file system, as the instances of one machine do. What needs real
+processes stays in test_instances: a kill -9 that frees a reservation, the
+memory the sim's engines really take, `gb10d status --all`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gb10d.errors import EXIT_GAVE_UP, EXIT_OK
+from gb10d.lab import meminfo_text
+
+from harness import Setup
+from shell_support import LINE_GAP_S, Script, Shell, VirtualClock, finish, healthy_start, run_virtual, start_shell
+
+HEALTHY = healthy_start()
+# 0.5 of 121.69 GiB and 1 GiB of headroom: two such shares (2 x 61.84 GiB) do not fit in 117 GiB available.
+SHARE = "61.84 GiB"
+
+
+def configure(root: Path, name: str, **extra: object) -> Setup:
+    """One instance of the machine under `root`: its share 0.5, the machine's meminfo and ledger."""
+    return Setup(
+        root / name,
+        utilization=0.5,
+        extra={
+            "memory.meminfo_path": str(root / "meminfo"),
+            "memory.ledger_dir": str(root / "ledger"),
+            "startup.stall_timeout_s": 30.0,
+            "startup.ready_timeout_s": 600.0,
+            **extra,
+        },
+    )
+
+
+@pytest.fixture
+def machine(tmp_path: Path) -> Path:
+    """121.69 GiB, 115 free and 117 available, and an empty ledger."""
+    (tmp_path / "meminfo").write_text(meminfo_text(121.69, 115.0, 117.0))
+    (tmp_path / "ledger").mkdir()
+    return tmp_path
+
+
+def loading_slowly() -> Script:
+    """A healthy start whose shards take 20 s each: still starting while the other instance looks."""
+    return Script(HEALTHY, gaps={i: 20.0 if "Loading safetensors checkpoint shards" in line else LINE_GAP_S for i, line in enumerate(HEALTHY)})
+
+
+async def loading(shell: Shell) -> None:
+    await shell.until(lambda: bool(shell.said(r"started vLLM as pid")), "the first instance's start")
+
+
+def test_a_start_that_does_not_fit_waits_for_the_one_loading_and_starts_once_it_stops(
+    machine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main(clock: VirtualClock) -> None:
+        a = await start_shell(configure(machine, "a"), [loading_slowly()], clock)
+        await loading(a)
+        b = await start_shell(configure(machine, "b"), [Script(HEALTHY)], clock)
+        try:
+            name = re.escape(str(a.setup.config))
+            await b.until(lambda: bool(b.said(rf"does not fit beside the starts of {name} \({SHARE}, starting")), "b waiting for a")
+            assert b.said(r"^<6>gb10d: memory: gpu_memory_utilization 0\.5 \(60\.84 GiB \+ 1\.00 GiB headroom\) does not fit .*MemAvailable 117\.00 GiB leaves")
+            assert any(s.startswith(f"waiting for memory: needs {SHARE}, ") for s in b.notify.statuses()), b.notify.statuses()
+            assert b.metric("gb10d_memory_waiting") == 1.0 and not b.launcher.argvs
+            # While a loads shard after shard, systemd is asked to wait longer for b too.
+            since = len(b.notify.messages)
+            await b.until(lambda: any("EXTEND_TIMEOUT_USEC" in m for m in b.notify.messages[since:]), "b's start timeout extended")
+            a.stop()
+            assert await a.exit_status() == EXIT_OK
+            await b.ready()
+            assert b.said(rf"; waited \d+ s for {name}$")
+            assert b.metric("gb10d_memory_waiting") == 0.0 and len(b.launcher.argvs) == 1
+        finally:
+            await finish(b)
+            await finish(a)
+
+    run_virtual(monkeypatch, main)
+
+
+def test_a_waiting_instance_stops_at_once_on_sigterm(machine: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main(clock: VirtualClock) -> None:
+        a = await start_shell(configure(machine, "a"), [loading_slowly()], clock)
+        await loading(a)
+        b = await start_shell(configure(machine, "b"), [Script(HEALTHY)], clock)
+        try:
+            await b.until(lambda: bool(b.said(r"does not fit beside the starts of")), "b waiting")
+            b.stop()
+            stopped_at = clock.now
+            assert await b.exit_status() == EXIT_OK
+            assert clock.now - stopped_at < 1.0, "a stop while waiting for memory waits for nothing"
+            assert b.said(r"^<6>gb10d: received SIGTERM while waiting for memory; stopping")
+            assert not b.launcher.argvs
+            assert not a.task.done() and a.launcher.started[0].signals == []
+        finally:
+            await finish(b)
+            await finish(a)
+
+    run_virtual(monkeypatch, main)
+
+
+def test_with_when_full_fail_a_start_that_does_not_fit_gives_up_at_once_with_the_numbers(
+    machine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main(clock: VirtualClock) -> None:
+        a = await start_shell(configure(machine, "a", **{"memory.when_full": "fail"}), [loading_slowly()], clock)
+        await loading(a)
+        b = await start_shell(configure(machine, "b", **{"memory.when_full": "fail"}), [Script(HEALTHY)], clock)
+        try:
+            assert await b.exit_status() == EXIT_GAVE_UP
+            line = b.said(r"memory: gpu_memory_utilization 0\.5 .* does not fit beside the starts of")
+            assert line and f"{a.setup.config} ({SHARE}, " in line[0], b.own()
+            assert 'not waiting (memory.when_full = "fail")' in line[0] and "MemAvailable 117.00 GiB leaves" in line[0], line[0]
+            assert b.notify.statuses()[-1].startswith("failed: memory: ")
+            assert not b.launcher.argvs
+            await a.ready()
+        finally:
+            await finish(b)
+            await finish(a)
+
+    run_virtual(monkeypatch, main)
