@@ -83,6 +83,15 @@ def kv_cache_too_small(max_model_len: int, needed_gib: float | None, available_g
     )
 
 
+def extensible_kv_too_small(flag: str) -> str:
+    """vLLM 0.34's extensible KV cache, sized from the memory free after the load, came out too small."""
+    return (
+        "vLLM sized its extensible KV cache from the memory free after loading the model, where GB10 counts the page "
+        f"cache as used; restarting with {flag}, so that the KV cache comes out of gpu_memory_utilization, which vLLM "
+        "checks at the start"
+    )
+
+
 def no_kv_memory() -> str:
     """The weights left no memory for the KV cache."""
     return (

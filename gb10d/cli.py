@@ -160,7 +160,7 @@ def cmd_print_command(args: argparse.Namespace) -> int:
     needed = _print_ray_command(cluster, vllm) if cluster is not None else {}
     if cluster is not None and cluster.role == "worker":
         return EXIT_OK
-    argv = build_argv(vllm, cluster_flags=vllm_flags(cluster) if cluster else ())
+    argv = build_argv(vllm, cluster_flags=vllm_flags(cluster) if cluster else (), stop_timeout_s=loaded.config.daemon.stop_timeout_s)
     if vllm.image is not None:
         _print_container_command(loaded, argv, args.env)
     elif args.env:
@@ -261,7 +261,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Summarise the running daemon from its state file, or every instance from the memory ledger (exit 3 when not running)."""
-    from .status import front_state_file, show_all, show_status, state_file_path, status_config
+    from .status import front_state_file, programs_of, show_all, show_status, state_file_path, status_config
 
     if args.state_file and not args.all:
         config = None  # the state file is named: no config is read for it
@@ -271,7 +271,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.all:
         return show_all(config.memory if config is not None else MemorySection(), state_file, json_output=args.json,
                         front=front_state_file(_config_path(args)))
-    return show_status(state_file, json_output=args.json)
+    return show_status(state_file, json_output=args.json, record=programs_of(config))
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
@@ -279,12 +279,32 @@ def cmd_forget(args: argparse.Namespace) -> int:
     from .learnedfile import forget, load
 
     path = Path(args.learned_file) if args.learned_file else _load(args).config.daemon.learned_file
+    if args.candidate:
+        return _forget_candidate(path)
     state = load(path)
     if not forget(path):
         print(f"nothing was learned: {path} does not exist")
         return EXIT_OK
     what = f"forgot the settings {state.entry.describe()}" if state.entry else "it held nothing gb10d could use"
     print(f"removed {path}: {what}. The next start of gb10d begins from the config's values (now: systemctl restart gb10d)")
+    return EXIT_OK
+
+
+def _forget_candidate(learned_file: Path) -> int:
+    """Re-arm the rejected candidate program: the operator fixed it, so the config may run it again."""
+    from . import programs
+
+    path = programs.programs_file(learned_file)
+    record = programs.load(path)
+    if record.rejected is None:
+        print(f"no candidate was rejected ({path} names none)")
+        return EXIT_OK
+    try:
+        programs.save(path, programs.forget_candidate(record))
+    except OSError as exc:
+        raise Gb10dError(f"cannot change {path}: {exc.strerror or exc}; run as root or as the gb10d user") from None
+    print(f"forgot the rejection of {record.rejected.program.describe()} ({record.rejected.failure}); "
+          "the config may run it again: systemctl reload gb10d")
     return EXIT_OK
 
 
@@ -470,6 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
         "1 when the file cannot be removed (run as root or as the gb10d user).",
     )
     p.add_argument("--learned-file", metavar="PATH", help="remove this file instead of the config's learned_file")
+    p.add_argument(
+        "--candidate", action="store_true",
+        help="instead: forget that a changed vLLM program (venv, executable, image) failed its start, so it may run again",
+    )
     from .demo import SCENARIOS
 
     p = add(

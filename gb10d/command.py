@@ -55,7 +55,8 @@ class Tunables:
     `env` holds variables gb10d adds for a known failure (TRITON_PTXAS_PATH
     for Triton's ptxas, a PyTorch allocator setting after the driver ran out
     of memory); the config's own [vllm.env] and env_file win over them.
-    `without` names flags gb10d leaves out for one (`enable-flashinfer-autotune`).
+    `without` names flags gb10d leaves out for one (`enable-flashinfer-autotune`);
+    `flags` are words it adds for one (`--no-enable-extensible-kv-cache`).
     """
 
     gpu_memory_utilization: float
@@ -63,6 +64,7 @@ class Tunables:
     max_model_len: int | str | None = None
     env: tuple[tuple[str, str], ...] = ()
     without: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, vllm: VllmSection) -> Tunables:
@@ -82,6 +84,10 @@ class Tunables:
     def with_env(self, name: str, value: str) -> Tunables:
         """A copy that also sets the variable `name` for vLLM."""
         return replace(self, env=(*((k, v) for k, v in self.env if k != name), (name, value)))
+
+    def with_flag(self, word: str) -> Tunables:
+        """A copy that also passes `word` (a whole flag such as `--no-enable-extensible-kv-cache`) to vLLM."""
+        return self if word in self.flags else replace(self, flags=(*self.flags, word))
 
     def without_flag(self, flag: str) -> Tunables:
         """A copy that leaves the flag `flag` (either spelling) out of vLLM's command line."""
@@ -114,13 +120,45 @@ def _scalar(value: Any) -> str:
     return str(value)
 
 
-def build_argv(vllm: VllmSection, tunables: Tunables | None = None, cluster_flags: Sequence[str] = ()) -> list[str]:
-    """The exact argv gb10d executes for one attempt; `cluster_flags` come from gb10d.cluster on a Ray head."""
+def env_api_key(vllm: VllmSection) -> str | None:
+    """The `[vllm.args] api_key` that reaches vLLM as VLLM_API_KEY instead of on its command line, which every
+    user of the machine can read (`ps`, /proc). vLLM reads one key there: several stay flags."""
+    value = vllm.arg("api-key")
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    return value if isinstance(value, str) and value else None
+
+
+# What vLLM needs after its drain to stop its engine and its HTTP server, within gb10d's stop_timeout_s.
+DRAIN_MARGIN_S = 5.0
+
+
+def drain_flags(vllm: VllmSection, stop_timeout_s: float | None) -> list[str]:
+    """`--shutdown-timeout`: on SIGTERM vLLM finishes the requests it has for that long instead of aborting them
+    (its default, 0), leaving `DRAIN_MARGIN_S` of gb10d's `stop_timeout_s` to stop. None when the config sets it,
+    or when the stop is too short to drain."""
+    if stop_timeout_s is None or vllm.arg("shutdown-timeout") is not None or "shutdown-timeout" in _extra_flag_names(vllm):
+        return []
+    seconds = math.floor(stop_timeout_s - DRAIN_MARGIN_S)
+    return ["--shutdown-timeout", str(seconds)] if seconds >= 1 else []
+
+
+def _extra_flag_names(vllm: VllmSection) -> set[str]:
+    return {name for name in (_flag_name(word) for word in vllm.extra_args) if name is not None}
+
+
+def build_argv(
+    vllm: VllmSection, tunables: Tunables | None = None, cluster_flags: Sequence[str] = (), stop_timeout_s: float | None = None
+) -> list[str]:
+    """The exact argv gb10d executes for one attempt; `cluster_flags` come from gb10d.cluster on a Ray head;
+    `stop_timeout_s` (daemon.stop_timeout_s) sets how long vLLM drains its requests when stopped."""
     tunables = tunables or Tunables.from_config(vllm)
     argv = [str(vllm.program), "serve", vllm.model]
     if vllm.served_model_name is not None:
         argv += ["--served-model-name", *vllm.served_names]
     overridden = {"safetensors-load-strategy", "max-model-len", *tunables.without}
+    if env_api_key(vllm) is not None:
+        overridden.add("api-key")
     for key, value in vllm.args.items():
         if normalize_flag(key) in overridden:
             continue
@@ -131,6 +169,8 @@ def build_argv(vllm: VllmSection, tunables: Tunables | None = None, cluster_flag
     if tunables.load_strategy is not None:
         argv += ["--safetensors-load-strategy", tunables.load_strategy]
     argv += ["--host", vllm.host, "--port", str(vllm.port)]
+    argv += drain_flags(vllm, stop_timeout_s)
+    argv += tunables.flags
     argv += cluster_flags
     argv += [word for word in vllm.extra_args if _flag_name(word) not in tunables.without]
     return argv
@@ -169,7 +209,8 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 
 def env_additions(vllm: VllmSection) -> dict[str, str]:
-    """What gb10d sets on top of its own environment: defaults, VIRTUAL_ENV, env_file, then [vllm.env].
+    """What gb10d sets on top of its own environment: defaults, VIRTUAL_ENV, env_file, [vllm.env], then
+    `[vllm.args] api_key` as VLLM_API_KEY.
 
     PATH is left out: it is gb10d's own PATH with the venv's bin in front
     (see `build_env`), so it has no fixed value to show. In a container this
@@ -184,6 +225,9 @@ def env_additions(vllm: VllmSection) -> dict[str, str]:
     if vllm.env_file is not None:
         env.update(read_env_file(vllm.env_file))
     env.update(vllm.env)
+    key = env_api_key(vllm)
+    if key is not None:
+        env["VLLM_API_KEY"] = key  # as on the command line, the flag's key wins over the variable
     return env
 
 

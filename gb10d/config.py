@@ -243,6 +243,8 @@ class MemorySection(_Table):
     """`[memory]`: the unified-memory arithmetic of GB10."""
 
     meminfo_path: Path = Field(default=Path("/proc/meminfo"), strict=False)
+    # Where the kernel's free blocks by size are read, for the fragmentation of long uptimes.
+    buddyinfo_path: Path = Field(default=Path("/proc/buddyinfo"), strict=False)
     headroom_gib: float = Field(default=1.0, ge=0)
     min_gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
     preflight: bool = True

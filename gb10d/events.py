@@ -158,11 +158,14 @@ class KvCacheInsufficient(Failure):
     needed_gib: float | None  # None: the V0 engine's wording (before 0.8) counts tokens, not GiB
     available_gib: float | None
     estimated_max_model_len: int | None = None
+    extensible: bool = False  # vLLM 0.34's extensible KV cache, sized from what was free after the load, was too small
 
 
 @dataclass(frozen=True)
 class NoKvCacheMemory(Failure):
     """`No available memory for the cache blocks.`"""
+
+    extensible: bool = False  # vLLM 0.34's extensible KV cache: nothing was free after the load
 
 
 @dataclass(frozen=True)

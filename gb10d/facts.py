@@ -19,6 +19,8 @@ from .events import DriverOutOfMemory, Event, GpuXid
 from .image import PullProgress
 
 REFUSED = "connection refused"
+# vLLM's 503 for a request its admission limits refuse (--max-num-queued-reqs, --max-num-queued-tokens): busy, not dead.
+ADMISSION_REFUSED = "refused by vLLM's request queue limit"
 
 
 @dataclass(frozen=True)

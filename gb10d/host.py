@@ -38,10 +38,12 @@ class HostFacts:
     cma_total_kib: int | None = None
     cma_free_kib: int | None = None
     ptxas: str | None = None  # a ptxas that knows sm_121a, for TRITON_PTXAS_PATH
+    open_modules: bool | None = None  # the driver's kernel modules are NVIDIA's open ones (None: no driver loaded)
 
     def summary(self) -> str:
         """`kernel 6.17.0-1008-nvidia, NVIDIA driver 580.95.05, CMA 1024 MiB total, 992 MiB free, ptxas /usr/local/cuda/bin/ptxas`."""
-        parts = [f"kernel {self.kernel}", f"NVIDIA driver {self.driver}" if self.driver else "no NVIDIA driver loaded"]
+        modules = {True: " (open kernel modules)", False: " (proprietary kernel modules)", None: ""}[self.open_modules]
+        parts = [f"kernel {self.kernel}", f"NVIDIA driver {self.driver}{modules}" if self.driver else "no NVIDIA driver loaded"]
         if self.cma_total_kib is not None and self.cma_free_kib is not None:
             parts.append(f"CMA {self.cma_total_kib // 1024} MiB total, {self.cma_free_kib // 1024} MiB free")
         parts.append(f"ptxas {self.ptxas}" if self.ptxas else "no CUDA toolkit ptxas found")
@@ -71,12 +73,27 @@ KNOWN_BAD: tuple[KnownBad, ...] = (
         "NCCL between two machines fails (ibv_reg_mr_iova2 failed with error Cannot allocate memory)",
         "boot with kho=off (add it to GRUB_CMDLINE_LINUX in /etc/default/grub, run update-grub, reboot)",
     ),
+    KnownBad(
+        "proprietary_modules",
+        lambda facts: facts.open_modules is False,
+        "the NVIDIA driver runs its proprietary kernel modules; Blackwell GPUs such as GB10's need the open ones, and fail "
+        "to initialise with the others (Xid 169, RmInitAdapter failed)",
+        "install the open kernel modules of the same driver release (the -open driver package), then reboot",
+    ),
 )
 
 
 def warnings(facts: HostFacts) -> list[str]:
     """One sentence per known-bad combination this machine is in: the problem, then the fix."""
     return [f"{bad.problem}; {bad.fix}" for bad in KNOWN_BAD if bad.applies(facts)]
+
+
+def open_modules(text: str) -> bool | None:
+    """Whether /proc/driver/nvidia/version names the open kernel modules (`NVIDIA UNIX Open Kernel Module for ...`)
+    or the proprietary ones (`NVIDIA UNIX aarch64 Kernel Module ...`); None when it names neither."""
+    if "Open Kernel Module" in text:
+        return True
+    return False if "Kernel Module" in text else None
 
 
 def driver_version(text: str) -> str | None:
@@ -117,14 +134,15 @@ def ptxas_candidates(env: Mapping[str, str]) -> list[Path]:
 def read_host_facts(meminfo_path: Path, vllm_env: Mapping[str, str], driver_path: Path = DRIVER_VERSION) -> HostFacts:
     """This machine's facts now; a source that cannot be read leaves its fact None."""
     try:
-        driver = driver_version(driver_path.read_text(errors="replace"))
+        text = driver_path.read_text(errors="replace")
     except OSError:
-        driver = None
+        text = ""
+    driver = driver_version(text)
     try:
         total, free = cma(meminfo_path.read_text(errors="replace"))
     except OSError:
         total, free = None, None
-    return HostFacts(os.uname().release, driver, total, free, _find_ptxas(vllm_env))
+    return HostFacts(os.uname().release, driver, total, free, _find_ptxas(vllm_env), open_modules(text) if driver else None)
 
 
 def _find_ptxas(env: Mapping[str, str]) -> str | None:

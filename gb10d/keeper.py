@@ -4,17 +4,20 @@ A start uses the snapshot taken when gb10d started or last reloaded (the
 config and the env_file's contents as read then), never a file read again
 behind the operator's back; only a reload reads the files anew. The keeper
 also decides which settings a start begins from: the config's own, or what
-a corrected start learned for this very config.
+a corrected start learned for this very config; and which program: a
+candidate that failed before it served gives way to the last known good one
+(`programs`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from datetime import datetime, UTC
 from pathlib import Path
 from typing import Callable
 
-from . import learned
+from . import learned, programs
 from .command import Tunables
 from .config import Config, load_config
 from .errors import ConfigError
@@ -37,6 +40,8 @@ class ConfigKeeper:
         # The identity of the container image the current sequence of starts runs (None: not a container).
         self.image: str | None = None
         self._watcher: ConfigWatcher | None = None
+        # The snapshot that last served in this run: what a failed candidate gives way to.
+        self.served_snapshot: ConfigSnapshot | None = None
 
     @property
     def config(self) -> Config:
@@ -93,6 +98,17 @@ class ConfigKeeper:
                 PRIORITY_ERR,
             )
             return None
+        record = programs.load(self.programs_file)
+        if programs.is_rejected(new.config, record) and programs.program_path(new.config.vllm) != programs.program_path(self.config.vllm):
+            assert record.rejected is not None
+            say(
+                "reload_invalid",
+                f"config not applied: it runs the candidate {record.rejected.program.describe()}, which failed its start "
+                f"{record.rejected.at} ({record.rejected.failure}); keeping {programs.program_path(self.config.vllm)}; once it is "
+                "fixed: gb10d forget --candidate, then systemctl reload gb10d",
+                PRIORITY_ERR,
+            )
+            return None
         diff = diff_configs(self.snapshot, new)
         if not requested and not self.config.daemon.apply_on_change:
             if diff:
@@ -110,6 +126,69 @@ class ConfigKeeper:
         self.snapshot = new
         self.reporter.reconfigured(new.config)
         return diff
+
+    # --- the program: good, candidate, rejected ---------------------------------
+
+    @property
+    def programs_file(self) -> Path:
+        return programs.programs_file(self.config.daemon.learned_file)
+
+    def is_candidate(self) -> bool:
+        """Whether this start runs another program than the last known good one."""
+        return programs.is_candidate(self.config, programs.load(self.programs_file))
+
+    def avoid_rejected(self) -> None:
+        """At gb10d's start: a config that runs the rejected candidate starts the good program instead."""
+        record = programs.load(self.programs_file)
+        if record.good is None or record.rejected is None or not programs.is_rejected(self.config, record):
+            return
+        self.snapshot = replace(self.snapshot, config=programs.fall_back(self.config, record.good))
+        self.reporter.say(
+            "program_rolled_back",
+            f"the config runs the candidate {record.rejected.program.describe()}, which failed its start {record.rejected.at} "
+            f"({record.rejected.failure}); starting the last good {record.good.describe()} instead; once the candidate is "
+            "fixed: gb10d forget --candidate, then systemctl restart gb10d",
+            PRIORITY_WARNING,
+        )
+
+    def roll_back(self, failure: str, version: str | None) -> tuple[programs.Program, programs.Program]:
+        """The candidate failed before it served: keep why, and go back to the good program (the candidate, the good one).
+
+        The settings that served under the good program in this run come back
+        with it; after a restart of gb10d only the program changes.
+        """
+        record = programs.load(self.programs_file)
+        assert record.good is not None
+        candidate = programs.identify(self.config.vllm, version)
+        self._save(programs.reject(record, candidate, failure, _now()))
+        back = self.served_snapshot
+        if back is not None and programs.program_path(back.config.vllm) == record.good.path:
+            self.snapshot = back
+        else:
+            self.snapshot = replace(self.snapshot, config=programs.fall_back(self.config, record.good))
+        self.reporter.reconfigured(self.config)
+        return candidate, record.good
+
+    def _save(self, record: programs.Programs) -> None:
+        try:
+            programs.save(self.programs_file, record)
+        except OSError as exc:
+            self.reporter.say("learned_discarded", f"cannot keep the record of vLLM programs in {self.programs_file}: {exc}", PRIORITY_WARNING)
+
+    def served(self, tunables: Tunables, version: str | None) -> None:
+        """The start reached ready: keep what was learned, and its program as the good one (a candidate is accepted)."""
+        self.remember(tunables)
+        self.served_snapshot = self.snapshot
+        record = programs.load(self.programs_file)
+        now = programs.identify(self.config.vllm, version)
+        if record.good != now:
+            self._save(programs.served(record, now, _now()))
+        if record.good is not None and record.good.path != now.path:
+            self.reporter.say(
+                "program_accepted",
+                f"the candidate {now.describe()} served: it is the good program from now on (before: {record.good.describe()})",
+                PRIORITY_INFO,
+            )
 
     # --- learned settings -------------------------------------------------------
 
@@ -138,3 +217,7 @@ class ConfigKeeper:
             save(self.config.daemon.learned_file, learned.LearnedState(entry))
         except LearnedFileError as exc:
             self.reporter.say("learned_discarded", f"cannot keep the learned settings: {exc}", PRIORITY_WARNING)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")

@@ -58,6 +58,14 @@ XID_MEANINGS: dict[int, XidMeaning] = {
     95: XidMeaning("uncontained ECC error", "an uncorrectable memory error that every process on the GPU may have seen", "reboot the machine", True),
     119: XidMeaning("GSP RPC timeout", "the GPU's system processor stopped answering the driver", "reboot the machine", True),
     120: XidMeaning("GSP error", "the GPU's system processor reported an error", "reboot the machine", True),
+    # With `RmInitAdapter failed`: reported on Blackwell (GB10) under the proprietary kernel modules.
+    169: XidMeaning(
+        "GPU initialisation failed (RmInitAdapter)",
+        "the driver could not initialise the GPU; Blackwell GPUs such as GB10's need NVIDIA's open kernel modules, and the "
+        "proprietary ones fail this way",
+        "install the open kernel modules of the same driver release (the -open driver package), then reboot the machine",
+        True,
+    ),
 }
 
 

@@ -35,7 +35,7 @@ from .config import Config, normalize_flag
 from .reload import Change, canonical
 
 # The fields of Tunables that are learned, each on its own: None in an entry means "not learned".
-TUNABLE_NAMES = ("gpu_memory_utilization", "load_strategy", "max_model_len", "env", "without")
+TUNABLE_NAMES = ("gpu_memory_utilization", "load_strategy", "max_model_len", "env", "without", "flags")
 # The basis key of the image a container ran: its registry digest, else its local id (`ImageInfo.identity`).
 IMAGE_DIGEST = "image_digest"
 
@@ -53,6 +53,7 @@ class LearnedEntry:
     max_model_len: int | str | None = None
     env: tuple[tuple[str, str], ...] | None = None
     without: tuple[str, ...] | None = None
+    flags: tuple[str, ...] | None = None
 
     def values(self) -> str:
         """`gpu_memory_utilization 0.85, safetensors-load-strategy prefetch`."""
@@ -65,6 +66,7 @@ class LearnedEntry:
             parts.append(f"max-model-len {self.max_model_len}")
         parts.extend(f"{name}={value}" for name, value in self.env or ())
         parts.extend(f"without --{flag}" for flag in self.without or ())
+        parts.extend(self.flags or ())
         return ", ".join(parts)
 
     def describe(self) -> str:

@@ -39,6 +39,7 @@ class _StoredEntry(BaseModel):
     max_model_len: int | str | None = None
     env: dict[str, str] | None = None
     without: list[str] | None = None
+    flags: list[str] | None = None
     learned_at: str
     reason: str
     fingerprint: str
@@ -58,8 +59,9 @@ def _to_toml(entry: LearnedEntry | None) -> dict[str, Any]:
     values = learned_values(entry)
     if "env" in values:
         values["env"] = dict(values["env"])
-    if "without" in values:
-        values["without"] = list(values["without"])
+    for name in ("without", "flags"):
+        if name in values:
+            values[name] = list(values[name])
     table = values | {"learned_at": entry.learned_at, "reason": entry.reason, "fingerprint": entry.fingerprint, "for": dict(entry.learned_for)}
     return {"learned": table}
 
@@ -89,7 +91,8 @@ def load(path: Path) -> LearnedState:
         return LearnedState(problem=f"the learned settings {path} are damaged ({where}: {first['msg']}); {ignoring} (gb10d forget removes the file)")
     fields = stored.model_dump()
     fields["env"] = tuple(fields["env"].items()) if fields["env"] is not None else None
-    fields["without"] = tuple(fields["without"]) if fields["without"] is not None else None
+    for name in ("without", "flags"):
+        fields[name] = tuple(fields[name]) if fields[name] is not None else None
     return LearnedState(LearnedEntry(**fields))
 
 

@@ -35,7 +35,10 @@ from typing import Sequence, Union
 from .command import Tunables
 from .config import Config
 from .driveroom import DriverRoom, Found, calm, judge, not_answering, note, stall_deadline, stalled
-from .events import DriverOutOfMemory, EngineDied, Event, Failure, GpuXid, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged, TasksSupported
+from .events import (
+    DriverOutOfMemory, EngineDied, Event, Failure, GpuXid, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged, TasksSupported,
+    VersionSeen,
+)
 from .facts import AttemptFact, DriverLine, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Pulled, Tick
 from .kernel import describe as describe_kernel
 from .kernel import xid_meaning
@@ -175,6 +178,7 @@ class AttemptState:
     tasks: tuple[str, ...] | None = None  # what vLLM said the model serves (`Supported tasks`), once it did
     driver: DriverRoom = field(default_factory=DriverRoom)  # the driver's recent out-of-memory lines
     driver_said: DriverOutOfMemory | None = None  # the last of them
+    version: str | None = None  # the vLLM release its banner named
 
     @property
     def ready(self) -> bool:
@@ -277,6 +281,8 @@ def _on_event(state: AttemptState, event: Event, now: float, config: Config) -> 
     state = replace(state, startup=advance(before, event, now))
     if isinstance(event, (StatsLogged, SpecDecodingLogged)):
         actions.append(Observe(event))
+    if isinstance(event, VersionSeen):
+        state = replace(state, version=event.version)
     if isinstance(event, Failure):
         state = replace(state, failures=(*state.failures, event))
         if state.ready and state.exit_status is None and isinstance(event, EngineDied):
@@ -371,6 +377,8 @@ def _became_ready(state: AttemptState, detail: str, now: float) -> tuple[Attempt
     message = f"vLLM is ready after {startup_s:.1f} s: {detail}"
     if state.startup_complete_at is not None:
         message += f"; READY=1 {(now - state.startup_complete_at) * 1000:.0f} ms after 'Application startup complete.'"
+    if state.version is not None:
+        message += f"; vLLM version {state.version}"
     return state, [BecomeReady(message, startup_s)]
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Union
 
 from .config import LivenessSection
-from .facts import ProbeResult
+from .facts import ADMISSION_REFUSED, ProbeResult
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -194,7 +194,7 @@ def observe_probe(state: LivenessState, result: ProbeResult, now: float) -> Live
 
 def death(result: ProbeResult, what: str) -> str | None:
     """Why an answer proves the engine dead (503, or nothing listens), or None."""
-    if result.status == 503:
+    if result.status == 503 and result.reason != ADMISSION_REFUSED:
         return f"{what} answered 503 Service Unavailable: vLLM reports its engine dead"
     if result.refused:
         return f"{what} failed ({result.reason}): vLLM no longer listens on its port"

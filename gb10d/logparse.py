@@ -622,6 +622,8 @@ def _f(value: str) -> float:
 # not this failure and is never held back for a continuation.
 
 _COMPLETE, _PARTIAL, _MISMATCH = 2, 1, 0
+# Both of vLLM 0.34's hints for a KV cache sized from measured memory name it (`_more_kv_cache_memory_hint`).
+_EXTENSIBLE = "extensible KV cache"
 _CUT = "_cut"  # names the value a partial text ends in, which may be missing digits
 _NUM = r"-?\d+(?:\.\d+)?"
 
@@ -706,7 +708,7 @@ def _kv_insufficient(v: dict[str, str], complete: bool, msg: str) -> Failure | N
     needed, available, estimate = (whole.get(key) for key in ("needed", "available", "estimate"))
     return KvCacheInsufficient(
         int(whole["len"]), _f(needed) if needed else None, _f(available) if available else None,
-        int(estimate) if estimate else None,
+        int(estimate) if estimate else None, _EXTENSIBLE in msg,
     )
 
 
@@ -845,7 +847,7 @@ def _failures(msg: str) -> list[Event]:
         if m is not None:
             out.append(KvCacheInsufficient(int(m.group("len")), None, None, int(m.group("fit"))))
     if "No available memory for the cache blocks" in msg:
-        out.append(NoKvCacheMemory())
+        out.append(NoKvCacheMemory(_EXTENSIBLE in msg))
     if "ddress already in use" in msg:
         port = _port_in_use(msg)
         if port is not None:
@@ -969,7 +971,8 @@ def _spec(msg: str) -> SpecDecodingLogged | None:
 
 
 def _compile(msg: str) -> CompileProgressed | None:
-    if "torch.compile took" in msg and "in total" in msg:
+    # 0.34 without the AOT compile: `torch.compile and initial profiling/warmup run together took %.2f s in total`.
+    if "in total" in msg and ("torch.compile took" in msg or "torch.compile and initial profiling/warmup run together took" in msg):
         s = _SECONDS.search(msg)
         return CompileProgressed(True, _f(s.group("s")) if s else None)
     if ("Dynamo bytecode transform time" in msg or "Compiling a graph for" in msg or "from the cache, took" in msg

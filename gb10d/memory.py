@@ -192,6 +192,46 @@ def preflight(
     )
 
 
+# Blocks of this size or larger count as the large free memory that loads need (a huge page on 4 KiB pages).
+LARGE_BLOCK = 2 * 2**20
+# Below this share of free memory in large blocks, memory is fragmented (and only if this much is free at all).
+FRAGMENTED_SHARE = 0.1
+FRAGMENTED_MIN_FREE = 4 * GIB
+
+
+@dataclass(frozen=True)
+class Fragmentation:
+    """Free memory by block size, from /proc/buddyinfo: all of it, and what lies in blocks of LARGE_BLOCK or more."""
+
+    free: int
+    large: int
+
+    @property
+    def fragmented(self) -> bool:
+        return self.free >= FRAGMENTED_MIN_FREE and self.large < self.free * FRAGMENTED_SHARE
+
+    def describe(self) -> str:
+        return (
+            f"unified memory is fragmented: {self.free / GIB:.2f} GiB free, but only {self.large / GIB:.2f} GiB of it in blocks "
+            f"of {LARGE_BLOCK // 2**20} MiB or more (/proc/buddyinfo); after long uptimes loads stall or fail like this until "
+            "a reboot: reboot recommended"
+        )
+
+
+def parse_buddyinfo(text: str, page_size: int) -> Fragmentation:
+    """`Node 0, zone   Normal   4096   2048 ...`: free blocks of order 0, 1, ... (2**order pages each), every zone summed."""
+    free = large = 0
+    for line in text.splitlines():
+        _, _, counts = line.partition("zone")
+        words = counts.split()[1:]  # the zone's name first
+        for order, word in enumerate(words):
+            if word.isdigit():
+                size = page_size << order
+                free += int(word) * size
+                large += int(word) * size if size >= LARGE_BLOCK else 0
+    return Fragmentation(free, large)
+
+
 def memory_returned(baseline: MemInfo, now: MemInfo, tolerance_gib: float) -> bool:
     """Whether MemAvailable is back near its value before vLLM started."""
     return now.available >= baseline.available - tolerance_gib * GIB

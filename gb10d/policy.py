@@ -55,6 +55,8 @@ CONFIG_CAUSES = frozenset(
 TRITON_PTXAS_PATH = "TRITON_PTXAS_PATH"
 ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
 AUTOTUNE_FLAG = "enable-flashinfer-autotune"
+# vLLM 0.34's switch back to a KV cache sized from the utilization budget, checked at the start.
+NO_EXTENSIBLE_KV = "--no-enable-extensible-kv-cache"
 # How much lower the utilization goes after the driver ran out of memory or CUDA did.
 OOM_MARGIN = 0.05
 
@@ -190,21 +192,10 @@ def next_attempt(
         retry = _driver_oom(used, config)
         if isinstance(retry, GiveUp):
             return retry
-    elif outcome.cause is Cause.KV_CACHE:
-        failure = outcome.failure
-        assert isinstance(failure, KvCacheInsufficient)
-        estimate = failure.estimated_max_model_len
-        if config.startup.allow_max_model_len_reduction and estimate:
-            retry = Retry(
-                used.with_(max_model_len=estimate), 0.0, f"restarting with max_model_len {estimate} (vLLM's estimate)"
-            )
-        else:
-            return GiveUp(
-                advice.kv_cache_too_small(failure.max_model_len, failure.needed_gib, failure.available_gib, estimate),
-                EXIT_CONFIG,
-            )
-    elif outcome.cause is Cause.NO_KV_MEMORY:
-        return GiveUp(advice.no_kv_memory(), EXIT_CONFIG)
+    elif outcome.cause in (Cause.KV_CACHE, Cause.NO_KV_MEMORY):
+        retry = _kv_cache(outcome, used, config)
+        if isinstance(retry, GiveUp):
+            return retry
     elif outcome.cause is Cause.FREE_MEMORY:
         failure = outcome.failure
         assert isinstance(failure, FreeMemoryShort)
@@ -263,6 +254,35 @@ def next_attempt(
     if history.attempts >= config.restart.max_attempts:
         return GiveUp(advice.gave_up(history.attempts, describe(outcome)), EXIT_GAVE_UP)
     return retry
+
+
+def _kv_cache(outcome: Failed, used: Tunables, config: Config) -> Retry | GiveUp:
+    """The KV cache is too small for one request, or got nothing: 0.34's extensible cache is sized from the budget
+    instead (once); else vLLM's estimate of max_model_len, where allowed; else the operator must choose."""
+    if _extensible_kv_too_small(outcome, config):
+        return Retry(used.with_flag(NO_EXTENSIBLE_KV), 0.0, advice.extensible_kv_too_small(NO_EXTENSIBLE_KV))
+    failure = outcome.failure
+    if not isinstance(failure, KvCacheInsufficient):
+        return GiveUp(advice.no_kv_memory(), EXIT_CONFIG)
+    estimate = failure.estimated_max_model_len
+    if config.startup.allow_max_model_len_reduction and estimate:
+        return Retry(used.with_(max_model_len=estimate), 0.0, f"restarting with max_model_len {estimate} (vLLM's estimate)")
+    return GiveUp(advice.kv_cache_too_small(failure.max_model_len, failure.needed_gib, failure.available_gib, estimate), EXIT_CONFIG)
+
+
+def _extensible_kv_too_small(outcome: Failed, config: Config) -> bool:
+    """vLLM 0.34's extensible KV cache came out too small, and the operator did not ask for it by name.
+
+    It is sized from what is free once the model ran, and on GB10 the page
+    cache the load just filled counts as used there; the budget sizing of
+    0.33 and before is not, and vLLM checks it at the start, where gb10d
+    knows how to fit it.
+    """
+    failure = outcome.failure
+    chosen = config.vllm.arg("enable-extensible-kv-cache") is not None or any(
+        word.split("=", 1)[0].replace("_", "-") in ("--enable-extensible-kv-cache", NO_EXTENSIBLE_KV) for word in config.vllm.extra_args
+    )
+    return isinstance(failure, (KvCacheInsufficient, NoKvCacheMemory)) and failure.extensible and not chosen
 
 
 def _ptxas(used: Tunables, config: Config, host: HostFacts | None) -> Retry | GiveUp:

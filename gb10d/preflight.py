@@ -32,7 +32,9 @@ from .ledger import Booking
 from .levels import PRIORITY_INFO, PRIORITY_WARNING
 from .lifecycle import start_time_asked
 from .modelfit import share_warning_for
-from .memory import MemInfo, PreflightRefused, evict_page_cache, memory_returned, preflight, read_meminfo, safetensors_files
+from .memory import (
+    MemInfo, PreflightRefused, evict_page_cache, memory_returned, parse_buddyinfo, preflight, read_meminfo, safetensors_files,
+)
 from .service import unit_name
 from .phases import Phase
 from .reporter import Reporter
@@ -154,6 +156,7 @@ class Preflight:
         if not m.preflight:
             return tunables, ""
         self.reporter.metrics.set_phase(Phase.PREFLIGHT.value)
+        self._tell_fragmentation(m.buddyinfo_path)
         around = budget.neighbours(others)
         evicted = False
         while True:
@@ -199,6 +202,15 @@ class Preflight:
         warning = share_warning_for(config, self.keeper.env(), utilization, mem.total)
         if warning is not None:
             self.reporter.say("share_too_small", f"preflight: {warning}", PRIORITY_WARNING, gpu_memory_utilization=utilization)
+
+    def _tell_fragmentation(self, path: Path) -> None:
+        """Say when free memory lies only in small blocks: a reboot is the fix, which gb10d leaves to the operator."""
+        try:
+            found = parse_buddyinfo(path.read_text(encoding="ascii", errors="replace"), os.sysconf("SC_PAGE_SIZE"))
+        except OSError:
+            return
+        if found.fragmented:
+            self.reporter.say("memory_fragmented", f"preflight: {found.describe()}", PRIORITY_WARNING)
 
     def others(self) -> tuple[Reservation, ...]:
         """The other instances of the machine's memory ledger now (none without a ledger)."""

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from .facts import REFUSED, ProbeResult
+from .facts import ADMISSION_REFUSED, REFUSED, ProbeResult
 from .sleepmode import Call
 from .tasks import Probe
 
@@ -29,6 +29,10 @@ _OWN_ACCESS = re.compile(r':\d+ - "[A-Z]+ /[^ "?]*\?' + OWN_QUERY + r' HTTP/[\d.
 def own_access_line(message: str) -> bool:
     """Whether a line of vLLM's is uvicorn's access log entry for one of gb10d's own requests."""
     return OWN_QUERY in message and _OWN_ACCESS.search(message) is not None
+
+
+# The words of vLLM 0.34's 503s for requests its admission limits refuse (QueueOverflowError, MaxQueuedTokensError).
+_ADMISSION_WORDS = ("cannot accept new requests", "prefill token backlog limit")
 
 
 def base_url(host: str, port: int) -> str:
@@ -91,9 +95,15 @@ class Prober:
 
     async def send(self, probe: Probe, model: str, timeout_s: float) -> ProbeResult:
         """The model's tiny request (a one-token completion, a one-word embedding): proves the engine really
-        runs the model (and warms the JIT)."""
+        runs the model (and warms the JIT).
+
+        A 503 that vLLM's admission limits gave (its queue is full) is told
+        apart from a dead engine's by the words of its body.
+        """
         assert probe.route is not None, "a probe without a route sends nothing"
-        _, result = await self._request("POST", probe.route, timeout_s, json=probe.body(model))
+        response, result = await self._request("POST", probe.route, timeout_s, json=probe.body(model))
+        if response is not None and response.status_code == 503 and any(words in response.text for words in _ADMISSION_WORDS):
+            return ProbeResult(503, ADMISSION_REFUSED, result.seconds)
         return result
 
     async def call(self, call: Call, timeout_s: float) -> ProbeResult:

@@ -135,7 +135,7 @@ def _vllm_sees(snapshot: ConfigSnapshot) -> tuple[list[str], dict[str, str], str
     config = snapshot.config
     container = config.container.model_dump(mode="json") if config.vllm.image is not None else None
     # [on_demand]'s sleep mode is a flag and an environment variable of vLLM's: turning it on or off restarts vLLM.
-    return [*build_argv(config.vllm), *vllm_flags(config)], snapshot.env(base={}), config.vllm.image, container
+    return [*build_argv(config.vllm, stop_timeout_s=config.daemon.stop_timeout_s), *vllm_flags(config)], snapshot.env(base={}), config.vllm.image, container
 
 
 def _fields(config: Config) -> Iterator[tuple[str, Any]]:

@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from . import budget
+from . import budget, programs
 from .budget import Reservation, Stage
 from .config import Config, FrontSection, MemorySection, load_config, load_front
 from .errors import Gb10dError
 from .ledger import read_ledger
 from .memory import MemInfo, read_meminfo
+from .programs import Programs
 from .statefile import StateRecord, read_state
 
 EXIT_RUNNING = 0
@@ -168,7 +169,23 @@ def _header(state: StateRecord | None, alive: bool, now: float) -> str:
     return f"gb10d is not running ({reason}; last state: {name}{when})"
 
 
-def render(state: StateRecord | None, now: float, alive: bool) -> str:
+def programs_of(config: Config | None) -> Programs:
+    """The record of vLLM programs beside the config's learned settings; empty without a config."""
+    return programs.load(programs.programs_file(config.daemon.learned_file)) if config is not None else programs.NONE
+
+
+def _program_rows(record: Programs) -> list[tuple[str, str | None]]:
+    rows: list[tuple[str, str | None]] = []
+    if record.good is not None:
+        rows.append(("Good program", f"{record.good.describe()}, served {record.good_at}" if record.good_at else record.good.describe()))
+    if record.rejected is not None:
+        r = record.rejected
+        rows.append(("Rejected", f"{r.program.describe()} failed its start {r.at}: {r.failure}"))
+        rows.append(("", "once it is fixed: gb10d forget --candidate"))
+    return rows
+
+
+def render(state: StateRecord | None, now: float, alive: bool, record: Programs = programs.NONE) -> str:
     """The human summary, like `systemctl status`: one aligned `Label: value` line per known fact.
 
     Odd fields were left out when the file was read, so a state file from
@@ -213,6 +230,7 @@ def render(state: StateRecord | None, now: float, alive: bool) -> str:
         rows.append(("Last failure", f"{failure.cause}, {duration(now - failure.at)} ago"))
         rows.append(("", failure.message))
         rows.append(("Action", failure.action))
+    rows.extend(_program_rows(record))
     rows.append(("Status", state.status_text))
     rows.append(("Metrics", state.metrics_url))
     shown = [(label, value) for label, value in rows if value is not None]
@@ -244,17 +262,22 @@ def _cannot(message: str, where: dict[str, str | None], json_output: bool, out: 
     return status
 
 
-def show_status(path: Path, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Print the daemon's status from the state file at `path`; return the exit status."""
+def show_status(
+    path: Path, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr, record: Programs = programs.NONE
+) -> int:
+    """Print the daemon's status from the state file at `path` (and the `record` of vLLM programs); return the exit status."""
     try:
         state = read_state(path)
     except OSError as exc:
         return _cannot(f"cannot read the state file {path}: {exc.strerror or exc}", {"state_file": str(path)}, json_output, out, err)
     alive = state is not None and state.pid is not None and pid_alive(state.pid)
     if json_output:
-        out.write(json.dumps(as_json(state, path, alive), indent=2, sort_keys=True) + "\n")
+        shown = as_json(state, path, alive)
+        if record != programs.NONE:
+            shown["programs"] = programs.as_json(record)
+        out.write(json.dumps(shown, indent=2, sort_keys=True) + "\n")
     else:
-        out.write(render(state, time.time(), alive))
+        out.write(render(state, time.time(), alive, record))
     return EXIT_RUNNING if not_running_reason(state, alive) is None else EXIT_NOT_RUNNING
 
 

@@ -33,7 +33,7 @@ from .keeper import ConfigKeeper
 from .levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from .lifecycle import start_time_asked
 from .loop import FactLoop
-from .memory import ALONE
+from .memory import ALONE, MemInfo
 from .outcome import Cause, Ended, Failed, NodeLost, Reloaded, Stopped, WakeFailed
 from .pair import Pair
 from .parking import Parking
@@ -81,6 +81,7 @@ class Supervisor:
         tunables: Tunables | None = None  # None: a new sequence, which fetches its image and then picks its settings
         history = History()
         reason = "initial"
+        self.keeper.avoid_rejected()
         while True:
             if self.pair is not None and await self.pair.wait_whole(self._between):
                 return await self._stop()
@@ -128,6 +129,12 @@ class Supervisor:
                 self.reporter.metrics.restart(reason)
                 if await self.preflight.memory_back(baseline, self._pause):
                     return await self._stop()
+                continue
+            if not ended.was_ready and self.keeper.is_candidate():
+                # A changed program that never served is not retried: the last good one serves again (a counted start).
+                if await self._roll_back(ended, history, baseline):
+                    return await self._stop()
+                tunables, reason = None, "rollback"
                 continue
             around = budget.neighbours(self.preflight.others()) if ended.cause is Cause.FREE_MEMORY else ALONE
             history, decision = policy.after_failure(ended, tunables, history, self.keeper.config, self.host, around)
@@ -211,11 +218,11 @@ class Supervisor:
         """Start vLLM once and follow it until it ends."""
         config = self.keeper.config
         launcher = await self.launchers(config)
-        argv = build_argv(config.vllm, tunables, (*(vllm_flags(config.cluster) if config.cluster else ()), *sleepmode.vllm_flags(config)))
+        argv = build_argv(config.vllm, tunables, (*(vllm_flags(config.cluster) if config.cluster else ()), *sleepmode.vllm_flags(config)), config.daemon.stop_timeout_s)
         env = {**launcher.environment(self.keeper.snapshot.vllm, tunables.env), **(self.pair.env() if self.pair else {}), **sleepmode.vllm_env(config)}
         self._serial += 1
         start = Start(self._serial, number, tunables, argv, env, reason, self.preflight.meminfo(), self.pair.view if self.pair else None)
-        self.attempt = attempt = await Attempt.launch(start, launcher, config, self.reporter, self.loop.post, self.keeper.remember)
+        self.attempt = attempt = await Attempt.launch(start, launcher, config, self.reporter, self.loop.post, self._served)
         while True:
             fact = await self.loop.next(attempt.deadline())
             ended: Ended | None
@@ -283,6 +290,27 @@ class Supervisor:
         notifier.status("reloading: restarting vLLM with the new settings")
         await attempt.runtime.stop(self.keeper.config.daemon.stop_timeout_s, self._on_escalate)
         return Reloaded(changes=diff.describe())
+
+    def _served(self, tunables: Tunables) -> None:
+        """The attempt reached ready: what it learned and the program it ran are kept."""
+        self.keeper.served(tunables, self.attempt.state.version if self.attempt else None)
+
+    async def _roll_back(self, outcome: Failed, history: History, baseline: MemInfo | None) -> bool:
+        """One journal line (the candidate's failure, both programs, the way back), then the candidate is gone and its
+        memory back; True when a stop came meanwhile."""
+        cause = policy.describe(outcome)
+        candidate, good = self.keeper.roll_back(cause, self.attempt.state.version if self.attempt else None)
+        message = (
+            f"the candidate {candidate.describe()} failed its start: {cause}; going back to the last good "
+            f"{good.describe()} with the settings that served under it (attempt {history.attempts + 1}/"
+            f"{self.keeper.config.restart.max_attempts})"
+        )
+        self.reporter.failure(outcome.cause.value, cause, f"going back to {good.path}")
+        self.reporter.say("program_rolled_back", message, PRIORITY_ERR, attempt=history.attempts, cause=outcome.cause.value)
+        self.reporter.status(message)
+        self.reporter.metrics.restart("rollback")
+        await self.close()
+        return await self.preflight.memory_back(baseline, self._pause)
 
     def _tell_failure(self, outcome: Failed, decision: policy.Retry | policy.GiveUp, history: History) -> None:
         """One journal line with the cause, the numbers and the action; STATUS= and the state file follow."""

@@ -95,13 +95,15 @@ def test_shipped_config_without_its_venv_fails_check_config_naming_vllm_venv(cap
 def test_print_command_does_not_need_vllm_installed(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run(capsys, "print-command", "--config", str(SHIPPED))
     assert status == 0
-    assert shlex.split(out) == build_argv(load_config(SHIPPED).vllm)
+    shipped = load_config(SHIPPED)
+    assert shlex.split(out) == build_argv(shipped.vllm, stop_timeout_s=shipped.daemon.stop_timeout_s)
 
 
 def test_print_command_is_one_pasteable_line_of_the_exact_argv(shipped_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _, out, _ = run(capsys, "print-command", "--config", str(shipped_copy))
     assert out.count("\n") == 1
-    assert shlex.split(out) == build_argv(load_config(shipped_copy).vllm)
+    copied = load_config(shipped_copy)
+    assert shlex.split(out) == build_argv(copied.vllm, stop_timeout_s=copied.daemon.stop_timeout_s)
 
 
 def test_print_command_env_shows_what_gb10d_sets_with_secrets_masked(
@@ -348,7 +350,7 @@ def test_print_command_of_an_image_is_the_exact_run_line_and_names_the_pull_firs
     result = cli("print-command", "--config", str(config), "--env")
     assert result.returncode == 0, result.stderr
     loaded = load_config_explained(config)
-    expected = container_argv(loaded.config, config, Engine("docker", ("docker",)), build_argv(loaded.config.vllm), env_additions(loaded.config.vllm))
+    expected = container_argv(loaded.config, config, Engine("docker", ("docker",)), build_argv(loaded.config.vllm, stop_timeout_s=loaded.config.daemon.stop_timeout_s), env_additions(loaded.config.vllm))
     assert shlex.split(result.stdout) == ["HF_TOKEN=***", *expected]
     assert "hf_live" not in result.stdout + result.stderr
     assert result.stderr == 'gb10d: gb10d pulls the image when it is missing (container.pull = "missing"): docker pull nvcr.io/nvidia/vllm:26.05-py3\n'

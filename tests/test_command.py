@@ -94,7 +94,7 @@ def test_shell_line_pastes_back_to_the_same_argv() -> None:
 @pytest.mark.parametrize(
     ("fields", "secret"),
     [
-        ({"args": {"api-key": "sk-live-1"}}, "sk-live-1"),
+        ({"args": {"api-key": ["sk-live-1", "sk-live-0"]}}, "sk-live-1"),
         ({"args": {"hf_token": "hf_abc"}}, "hf_abc"),
         ({"extra_args": ["--api-key=sk-live-2"]}, "sk-live-2"),
         ({"extra_args": ["--api-key", "sk-live-3"]}, "sk-live-3"),
@@ -104,6 +104,14 @@ def test_secret_flag_values_are_masked_in_every_form(fields: dict[str, Any], sec
     line = shell_line(build_argv(vllm(**fields)))
     assert secret not in line
     assert "***" in line
+
+
+@pytest.mark.parametrize("key", ["sk-live-1", ["sk-live-1"]])
+def test_an_api_key_in_args_reaches_vllm_as_vllm_api_key_never_in_its_argv(key: str | list[str]) -> None:
+    section = vllm(args={"api_key": key}, env={"VLLM_API_KEY": "sk-older"})
+    assert not any("api" in word or "sk-live" in word for word in build_argv(section))
+    assert env_additions(section)["VLLM_API_KEY"] == "sk-live-1"
+    assert "sk-live-1" not in shell_line(build_argv(section), env_additions(section))
 
 
 def test_secret_environment_values_are_masked_and_others_shown() -> None:
@@ -268,3 +276,19 @@ def test_the_container_is_named_after_the_config(path: str, name: str) -> None:
 )
 def test_the_engine_is_reached_through_its_socket(kind: Any, socket: str | None, root: bool, client: tuple[str, ...]) -> None:
     assert engine_client(kind, Path(socket) if socket else None, root).client == client
+
+
+@pytest.mark.parametrize(
+    ("fields", "stop_timeout_s", "expected"),
+    [
+        ({}, 30.0, ["--shutdown-timeout", "25"]),
+        ({}, 5.5, []),  # too short to drain: vLLM aborts its requests, as by default
+        ({}, None, []),
+        ({"args": {"shutdown_timeout": 60}}, 30.0, ["--shutdown-timeout", "60"]),  # the config's own value, as written
+        ({"extra_args": ["--shutdown-timeout=0"]}, 30.0, ["--shutdown-timeout=0"]),
+    ],
+)
+def test_vllm_drains_its_requests_within_gb10ds_stop_timeout(fields: dict[str, Any], stop_timeout_s: float | None, expected: list[str]) -> None:
+    argv = build_argv(vllm(**fields), stop_timeout_s=stop_timeout_s)
+    found = [word for index, word in enumerate(argv) if word.startswith("--shutdown-timeout") or argv[index - 1] == "--shutdown-timeout"]
+    assert found == expected

@@ -256,6 +256,37 @@ def test_reload_with_a_new_image_tag_replaces_the_container(deployment: Containe
         remove_image(deployment.engine, tag)
 
 
+def test_a_candidate_image_that_cannot_start_gives_way_to_the_good_one_and_a_working_one_becomes_good(
+    deployment: ContainerSetup, notify: NotifySocket, daemons: list[Daemon], tmp_path: Path
+) -> None:
+    daemon = run(deployment, notify, daemons)
+    ready(notify)
+    good = deployment.image
+    empty = image_without_vllm(deployment.engine, tmp_path)
+    tag = f"{good.rpartition(':')[0]}:candidate-{os.getpid()}-{deployment.root.name[-12:]}"
+    engine_run(deployment.engine, "tag", good, tag)
+    try:
+        since = len(notify.messages)
+        deployment.image = empty
+        deployment.write_config()
+        os.kill(daemon.proc.pid, signal.SIGHUP)
+        daemon.wait_line(rf"gb10d: the candidate {re.escape(empty)} \(vLLM of unknown version\) failed its start: .*; going back to the last "
+                         rf"good {re.escape(good)} \(vLLM 0\.23\.0\) with the settings that served under it")
+        ready(notify, since)
+        assert f" {empty} vllm serve " in starts(daemon)[-2] and f" {good} vllm serve " in starts(daemon)[-1]
+        assert containers(deployment) == [deployment.name]
+        since = len(notify.messages)
+        deployment.image = tag
+        deployment.write_config()
+        os.kill(daemon.proc.pid, signal.SIGHUP)
+        ready(notify, since)
+        daemon.wait_line(rf"gb10d: the candidate {re.escape(tag)} \(vLLM 0\.23\.0\) served: it is the good program from now on")
+        stopped_and_nothing_left(daemon, deployment)
+    finally:
+        remove_image(deployment.engine, tag)
+        remove_image(deployment.engine, empty)
+
+
 # --- the clear errors ----------------------------------------------------------------------------------
 
 
@@ -314,8 +345,8 @@ def test_a_container_socket_that_is_not_there_is_a_config_error_not_a_restart_lo
     assert starts(daemon) == []
 
 
-def test_an_image_without_vllm_is_not_retried(deployment: ContainerSetup, notify: NotifySocket, daemons: list[Daemon], tmp_path: Path) -> None:
-    # An image whose only file is a note: the container's init (tini, catatonit) cannot run vllm and says so.
+def image_without_vllm(engine: Engine, tmp_path: Path) -> str:
+    """An image whose only file is a note: the container's init (tini, catatonit) cannot run vllm and says so."""
     root = tmp_path / "rootfs"
     root.mkdir()
     (root / "README").write_text("not a vLLM image\n")
@@ -323,7 +354,12 @@ def test_an_image_without_vllm_is_not_retried(deployment: ContainerSetup, notify
     with tarfile.open(archive, "w") as tar:
         tar.add(root, arcname=".")
     empty = f"localhost/gb10d-test/empty:{os.getpid()}-{tmp_path.name[-12:]}"
-    engine_run(deployment.engine, "import", str(archive), empty)
+    engine_run(engine, "import", str(archive), empty)
+    return empty
+
+
+def test_an_image_without_vllm_is_not_retried(deployment: ContainerSetup, notify: NotifySocket, daemons: list[Daemon], tmp_path: Path) -> None:
+    empty = image_without_vllm(deployment.engine, tmp_path)
     try:
         deployment.image = empty
         deployment.write_config()

@@ -9,6 +9,7 @@ from gb10d.config import Config
 from gb10d.errors import EXIT_CONFIG, EXIT_MEMORY_NOT_RETURNED
 from gb10d.events import DriverOutOfMemory, GpuXid, HiddenInitFailure, IpcRemoved, PtxasArchUnsupported, RdmaRegistrationFailed, UnsupportedBuild
 from gb10d.facts import Parsed
+from gb10d import host
 from gb10d.host import HostFacts, cma, driver_version, ptxas_candidates, ptxas_release, warnings
 from gb10d.kernellog import source_argv
 from gb10d.lifecycle import Finish, XidSeen, begin, step
@@ -182,6 +183,24 @@ def test_the_kexec_handover_regression_is_warned_about_with_its_fix(kernel: str,
     assert bool(found) is warned
     if warned:
         assert "kho=off" in found[0]
+
+
+@pytest.mark.parametrize(
+    ("version_file", "open_modules"),
+    [
+        ("NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  580.95.05  Release Build  (dvs-builder@U16)  Thu Sep 18", True),
+        ("NVRM version: NVIDIA UNIX aarch64 Kernel Module  580.95.05  Release Build  (dvs-builder@U16)  Thu Sep 18", False),
+        ("", None),
+    ],
+)
+def test_the_proprietary_kernel_modules_are_named_with_their_fix(version_file: str, open_modules: bool | None) -> None:
+    assert host.open_modules(version_file) is open_modules
+    facts = HostFacts("6.17.0-1008-nvidia", host.driver_version(version_file), open_modules=open_modules)
+    found = warnings(facts)
+    assert bool(found) is (open_modules is False)
+    if found:
+        assert "Xid 169" in found[0] and "open kernel modules" in found[0]
+        assert "(proprietary kernel modules)" in facts.summary()
 
 
 # --- leaked shared memory ----------------------------------------------------------------

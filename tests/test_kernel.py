@@ -36,7 +36,7 @@ def test_kernel_lines_give_their_driver_events(line: str, expected: DriverOutOfM
     ("xid", "reboot", "serious"),
     [(13, False, True), (31, False, True), (43, False, True), (45, False, False), (48, True, True), (61, True, True),
      (62, True, True), (63, False, False), (64, True, True), (68, False, True), (74, True, True), (79, True, True),
-     (92, False, False), (94, False, True), (95, True, True), (119, True, True), (120, True, True)],
+     (92, False, False), (94, False, True), (95, True, True), (119, True, True), (120, True, True), (169, True, True)],
 )
 def test_every_common_xid_has_a_meaning_and_says_whether_only_a_reboot_helps(xid: int, reboot: bool, serious: bool) -> None:
     meaning = xid_meaning(xid)
@@ -46,7 +46,14 @@ def test_every_common_xid_has_a_meaning_and_says_whether_only_a_reboot_helps(xid
 
 
 def test_the_table_holds_exactly_the_numbers_it_documents() -> None:
-    assert sorted(XID_MEANINGS) == [13, 31, 43, 45, 48, 61, 62, 63, 64, 68, 74, 79, 92, 94, 95, 119, 120]
+    assert sorted(XID_MEANINGS) == [13, 31, 43, 45, 48, 61, 62, 63, 64, 68, 74, 79, 92, 94, 95, 119, 120, 169]
+
+
+def test_xid_169_names_the_open_kernel_modules_blackwell_needs() -> None:
+    event = parse_kernel_line("NVRM: Xid (PCI:000f:01:00): 169, pid='<unknown>', name=<unknown>, RmInitAdapter failed! (0x24:0x72:1568)")
+    assert event == GpuXid(xid=169, pci="000f:01:00", detail="pid='<unknown>', name=<unknown>, RmInitAdapter failed! (0x24:0x72:1568)")
+    meaning = xid_meaning(169)
+    assert "open kernel modules" in meaning.meaning and "-open driver package" in meaning.action and meaning.reboot
 
 
 def test_an_unknown_xid_points_to_nvidias_catalog() -> None:

@@ -29,6 +29,7 @@ from gb10d.liveness import (
     start,
     verdict,
 )
+from gb10d.facts import ADMISSION_REFUSED
 from gb10d.probe import ProbeResult
 
 LIMITS = LivenessSection()  # progress_timeout_s 120, idle_probe_interval_s 60, probe_timeout_s 60
@@ -149,7 +150,8 @@ CASES = [
     pytest.param([M(0, 2, 100), H(10, None, "timed out"), M(20, 2, 140)], 20, Alive, None, [],
                  id="one_slow_health_answer_is_not_death"),
     pytest.param([M(0, 2, 100), H(10, 503, "Service Unavailable"), M(20, 2, 140)], 20, Dead, "health", [],
-                 id="death_is_not_forgotten_when_later_figures_look_fine"),
+                 id="death_is_not_forgotten_when_later_figures_look_fine"),    pytest.param([M(0, 0, 100), Sent(60), P(60.1, 503, ADMISSION_REFUSED, 0.01), M(70, 16, 180)], 70, Alive, None, [],
+                 id="a_probe_refused_by_a_full_request_queue_is_not_death"),
 ]
 
 

@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from gb10d.config import LivenessSection
-from gb10d.facts import ProbeKind
-from gb10d.liveness import Dead, Hung
+from gb10d.facts import ADMISSION_REFUSED, ProbeKind, ProbeResult
+from gb10d.liveness import Dead, Hung, death
 from gb10d.probing import watch_liveness
 from gb10d.probe import Prober
 from gb10d.tasks import COMPLETIONS, Probe
@@ -56,16 +56,19 @@ class Sim:
     root: Path
     scenario: str = "healthy"
     port: int = field(default_factory=free_port)
+    version: str = "0.23.0"
+    flags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GB10D_SIM_")}
         # One shard and no compile: the startup is not what these tests are about.
-        env.update(GB10D_SIM_SPEED=str(SPEED), GB10D_SIM_SCENARIO=self.scenario, GB10D_SIM_SHARDS="1", PYTHONUNBUFFERED="1")
+        env.update(GB10D_SIM_SPEED=str(SPEED), GB10D_SIM_SCENARIO=self.scenario, GB10D_SIM_SHARDS="1", PYTHONUNBUFFERED="1",
+                   GB10D_SIM_VERSION=self.version)
         self.log = self.root / "sim.log"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gb10d.sim", "serve", "tiny-llama", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--served-model-name", MODEL, "--enforce-eager"],
+                 "--served-model-name", MODEL, "--enforce-eager", *self.flags],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
         self.url = f"http://127.0.0.1:{self.port}"
@@ -266,3 +269,26 @@ def test_blocked_main_loop_stops_its_watchdog_pings(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGCONT)
         daemon.kill_everything()
         notify.close()
+
+
+def test_a_probe_refused_by_vllms_full_request_queue_is_told_from_a_dead_engine(tmp_path: Path, sims: list[Sim]) -> None:
+    # vLLM 0.34 answers 503 for a request beyond --max-num-queued-reqs, as /health does for a dead engine.
+    sim = Sim(tmp_path, version="0.34.0", flags=("--max-num-queued-reqs", "1"))
+    sims.append(sim)
+    sim.wait_healthy()
+    body = {"model": MODEL, "prompt": "Tell a long story", "max_tokens": 100_000, "stream": True}
+
+    async def main() -> tuple[ProbeResult, str]:
+        prober = Prober(sim.url, timeout_s=10.0)
+        async with httpx.AsyncClient(base_url=sim.url, timeout=httpx.Timeout(10.0, read=None), trust_env=False) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        break  # the one request the queue takes is in the engine
+                result = await prober.send(Probe(COMPLETIONS), MODEL, timeout_s=10.0)
+        await prober.close()
+        return result, (await asyncio.to_thread(httpx.get, sim.url + "/health")).reason_phrase
+
+    result, health = asyncio.run(main())
+    assert (result.status, result.reason) == (503, ADMISSION_REFUSED)
+    assert death(result, "the idle probe") is None and health == "OK"

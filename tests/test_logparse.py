@@ -351,6 +351,7 @@ PROGRESS_CASES = [
     ("Starting torch.compile", [CompileProgressed(False, None)]),
     ("torch.compile took 11.28 s in total", [CompileProgressed(True, 11.28)]),
     ("[backbone] torch.compile took 9.50 s in total", [CompileProgressed(True, 9.5)]),
+    ("[backbone] torch.compile and initial profiling/warmup run together took 14.25 s in total", [CompileProgressed(True, 14.25)]),
     ("Available KV cache memory: 41.58 GiB", [KvCacheSized(available_gib=41.58)]),
     ("GPU KV cache size: 10,900,144 tokens", [KvCacheSized(tokens=10900144)]),
     ("Maximum concurrency for 2,048 tokens per request: 5322.34x", [KvCacheSized(max_concurrency=5322.34)]),
@@ -447,6 +448,16 @@ FAILURE_CASES = [
      [KvCacheInsufficient(131072, None, None, 45000)]),
     ("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing",
      [NoKvCacheMemory()]),
+    # vLLM 0.34's extensible KV cache names itself in both of its hints.
+    ("ValueError: No available memory for the cache blocks. The KV cache gets what is left after the model and its "
+     "activations within `gpu_memory_utilization`=0.8; increase it (with the extensible KV cache it defaults to 1.0) or "
+     "decrease `max_model_len` or `max_num_seqs`. See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ "
+     "for more details.", [NoKvCacheMemory(extensible=True)]),
+    ("ValueError: To serve at least one request with the model's max seq len (131072), (16.0 GiB KV cache is needed, "
+     "which is larger than the available KV cache memory (5.12 GiB). The extensible KV cache already takes all device "
+     "memory left after the model and its activations; decrease `max_model_len` or `max_num_seqs`, or the model needs a "
+     "device with more memory. Decreasing `max_model_len` also reduces what is needed. See https://docs.vllm.ai/",
+     [KvCacheInsufficient(131072, 16.0, 5.12, None, extensible=True)]),
     ("OSError: [Errno 98] Address already in use", [PortInUse(None)]),
     ("ERROR:    [Errno 98] error while attempting to bind on address ('0.0.0.0', 8000): address already in use",
      [PortInUse(8000)]),

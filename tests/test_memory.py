@@ -15,6 +15,7 @@ from gb10d.memory import (
     Preflight,
     PreflightRefused,
     evict_page_cache,
+    parse_buddyinfo,
     fits,
     fitting_utilization,
     floor2,
@@ -139,3 +140,21 @@ def test_evict_page_cache_covers_the_files_it_could_open(tmp_path: Path) -> None
     shard = tmp_path / "a.safetensors"
     shard.write_bytes(os.urandom(4096))
     assert evict_page_cache([shard, tmp_path / "missing.safetensors"]) == 4096
+
+
+# 4 KiB pages; orders 0..10. A fresh machine has most of its free memory in 4 MiB blocks, a week-old one in 4 KiB pages.
+FRESH = ("Node 0, zone      DMA      1      1      0      0      2      1      1      0      1      1      3\n"
+         "Node 0, zone   Normal   1024    512    256    128     64     32     16      8      4      2  25000\n")
+WORN = ("Node 0, zone      DMA      1      1      0      0      2      1      1      0      1      1      3\n"
+        "Node 0, zone   Normal 20000000 1000000 50000  20000   3000    100     10      2      0      0      0\n")
+
+
+def test_buddyinfo_tells_free_memory_in_large_blocks_from_small_pages() -> None:
+    fresh = parse_buddyinfo(FRESH, 4096)
+    assert not fresh.fragmented and fresh.large > 0.99 * fresh.free
+    worn = parse_buddyinfo(WORN, 4096)
+    assert worn.fragmented
+    assert round(worn.free / GIB, 2) == 85.51 and round(worn.large / GIB, 3) == 0.014
+    assert worn.describe().startswith("unified memory is fragmented: 85.51 GiB free, but only 0.01 GiB of it in blocks of 2 MiB or more")
+    assert "reboot recommended" in worn.describe()
+    assert not parse_buddyinfo("Node 0, zone   Normal   100 0 0 0 0 0 0 0 0 0 0\n", 4096).fragmented, "too little free to judge"

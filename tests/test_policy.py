@@ -150,6 +150,22 @@ def test_kv_cache_too_small_uses_vllms_estimate_only_when_allowed() -> None:
     assert isinstance(allowed, Retry) and allowed.tunables.max_model_len == 40960
 
 
+@pytest.mark.parametrize("failure", [NoKvCacheMemory(extensible=True), KvCacheInsufficient(131072, 16.0, 5.0, 40960, extensible=True)])
+def test_a_too_small_extensible_kv_cache_is_retried_with_the_budget_sizing(failure: NoKvCacheMemory | KvCacheInsufficient) -> None:
+    cause = Cause.NO_KV_MEMORY if isinstance(failure, NoKvCacheMemory) else Cause.KV_CACHE
+    decision = next_attempt(Failed(cause=cause, failure=failure), Tunables(0.8), History(1), config(startup={"allow_max_model_len_reduction": True}))
+    assert isinstance(decision, Retry)
+    assert decision.tunables == Tunables(0.8, flags=("--no-enable-extensible-kv-cache",))
+    assert "restarting with --no-enable-extensible-kv-cache" in decision.message and "page cache" in decision.message
+
+
+@pytest.mark.parametrize("chosen", [{"args": {"enable_extensible_kv_cache": True}}, {"extra_args": ["--enable-extensible-kv-cache"]}])
+def test_an_extensible_kv_cache_the_operator_asked_for_is_kept(chosen: dict[str, object]) -> None:
+    cfg = config(vllm={"executable": "/usr/bin/vllm", "model": "m", "gpu_memory_utilization": 0.8, **chosen})
+    decision = next_attempt(Failed(cause=Cause.NO_KV_MEMORY, failure=NoKvCacheMemory(extensible=True)), Tunables(0.8), History(1), cfg)
+    assert isinstance(decision, GiveUp) and "no memory is left for the KV cache" in decision.message
+
+
 def test_cuda_oom_lowers_utilization_by_five_points() -> None:
     decision = next_attempt(Failed(cause=Cause.CUDA_OOM, failure=CudaOutOfMemory(1.71)), Tunables(0.8), History(1), config())
     assert isinstance(decision, Retry) and decision.tunables.gpu_memory_utilization == 0.75

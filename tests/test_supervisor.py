@@ -136,3 +136,50 @@ def test_hung_engine_is_found_by_liveness_and_restarted(tmp_path: Path, notify: 
     wait_until(lambda: notify.count("READY", "1") >= 2, 60, "READY=1 again after the hang")
     daemon.stop()
     assert_no_vllm_left(daemon)
+
+
+def test_an_api_key_in_args_is_never_on_vllms_command_line(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    setup = Setup(tmp_path, extra={"vllm.args.api_key": "sk-test-1"})
+    daemon = run(setup, notify, daemons)
+    ready(notify)  # the checks before READY=1 pass the key, as vLLM now demands it
+    pid = int(daemon.wait_line(r"started vLLM as pid (\d+)").group(1))
+    assert b"sk-test-1" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert b"VLLM_API_KEY=sk-test-1\0" in Path(f"/proc/{pid}/environ").read_bytes()
+    assert not any("sk-test-1" in line for line in daemon.lines)
+    models = f"http://127.0.0.1:{setup.port}/v1/models"
+    assert httpx.get(models).status_code == 401
+    assert httpx.get(models, headers={"Authorization": "Bearer sk-test-1"}).status_code == 200
+    assert daemon.stop() == 0
+
+
+def test_a_stop_lets_vllm_finish_the_requests_in_flight(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    # daemon.stop_timeout_s 10: vLLM gets --shutdown-timeout 5 and drains instead of aborting.
+    setup = Setup(tmp_path)
+    daemon = run(setup, notify, daemons)
+    ready(notify)
+    assert "--shutdown-timeout 5" in starts(daemon)[0]
+    body = {"model": "tiny", "prompt": "Tell a long story", "max_tokens": 2000, "stream": True}
+    chunks: list[dict[str, object]] = []
+    with httpx.stream("POST", f"http://127.0.0.1:{setup.port}/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=30.0)) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line.removeprefix("data: ")))
+                if len(chunks) == 1:
+                    daemon.child.terminate()  # SIGTERM to gb10d, as systemctl stop sends it
+    assert "choices" in chunks[-1], chunks[-3:]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]  # type: ignore[index]
+    assert daemon.wait_exit() == 0
+    daemon.wait_line(r"\[shutdown\] API server: stopping engine client mode=drain timeout=5s")
+
+
+def test_fragmented_memory_is_told_with_its_numbers_and_the_start_goes_on(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    # A week of uptime: 85 GiB free, nearly all in 4 KiB pages (order 0 of 11, 4 KiB pages).
+    buddyinfo = tmp_path / "buddyinfo"
+    buddyinfo.write_text("Node 0, zone   Normal 20000000 1000000 50000  20000   3000    100     10      2      0      0      0\n")
+    setup = Setup(tmp_path, extra={"memory.buddyinfo_path": str(buddyinfo)})
+    daemon = run(setup, notify, daemons)
+    ready(notify)
+    line = daemon.wait_line(r"gb10d: preflight: unified memory is fragmented: ([\d.]+) GiB free, but only ([\d.]+) GiB of it in blocks of 2 MiB or more")
+    assert "reboot recommended" in line.string and line.string.startswith("<4>")
+    assert len(starts(daemon)) == 1
+    assert daemon.stop() == 0

@@ -14,11 +14,19 @@ Knobs (environment):
 - `GB10D_SIM_ERA`: `0.30` (stream-wrapper tag on every physical line, as the
   recorded 0.23.0) or `0.31` (tag inside the log format only).
 - `GB10D_SIM_VERSION`: the version printed and served (default 0.23.0, or
-  0.31.0 with era 0.31); it selects the KV-cache and model-loading line forms.
+  0.31.0 with era 0.31); it selects the KV-cache and model-loading line forms,
+  and 0.34's extensible KV cache: on unless `--no-enable-extensible-kv-cache`
+  or `--kv-cache-memory-bytes`, it skips the free-memory check at the start
+  and sizes the KV cache from what is free after the load (MemFree), within
+  the utilization (default 1.0 with it), failing with 0.34's hints.
 - `GB10D_SIM_SCENARIO`: comma-separated `healthy`, `stall_at=K`,
   `slow_shards=S`, `cuda_oom_during=load|profile|graphs`, `kv_insufficient`,
   `engine_dies_after=S`, `hang_after=S`, `model_not_found`, `bad_parser`,
-  `leak_gib=G`. A port in use is found by really binding it. GB10's own
+  `leak_gib=G`, `page_cache_gib=G` (the load leaves G GiB of the checkpoint
+  in the page cache: MemFree falls, MemAvailable does not; allocations
+  reclaim it, and it is dropped when the engine ends, as gb10d's eviction
+  of the model's pages would before the next start). A port in use is
+  found by really binding it. GB10's own
   failures: `ptxas` (Triton's bundled ptxas does not know sm_121a: the start
   fails in torch.compile, or at the kernels' warm-up with --enforce-eager,
   unless TRITON_PTXAS_PATH names a ptxas that answers `--version` with its

@@ -348,6 +348,7 @@ class ServeConfig:
     utilization: float
     tasks: tuple[str, ...] = ("generate",)  # `Supported tasks`: which routes are open (`pooling.routes`)
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: the development endpoints exist
+    max_queued: int | None = None  # --max-num-queued-reqs (0.34): more in the engine are refused with 503
 
 
 _JSON = "application/json"
@@ -543,6 +544,9 @@ class Handler(BaseHTTPRequestHandler):
             wanted = int(body.get("max_tokens") or 16)
             natural_stop = False
         wanted = max(1, min(wanted, max(config.max_model_len - prompt_tokens, 1)))
+        if config.max_queued is not None and self.server.client.running() + 1 > config.max_queued:
+            self.error(503, "Service Unavailable", texts.QUEUE_FULL)  # QueueOverflowError, a GracefulHTTPError
+            return
         submitted = self.server.client.submit(json.dumps(text), prompt_tokens, wanted)
         if submitted is None:
             self.error(500, "InternalServerError", "EngineCore encountered an issue. See stack trace (above) for the root cause.")

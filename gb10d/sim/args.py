@@ -142,6 +142,7 @@ _ENGINE: list[tuple[str, str, Any, dict[str, Any]]] = [
     ("block-size", INT, None, {}),
     ("gpu-memory-utilization", FLOAT, 0.92, {}),
     ("kv-cache-memory-bytes", HINT, None, {}),
+    ("enable-extensible-kv-cache", BOOL, None, {"since": 34}),
     ("swap-space", FLOAT, 4, {}),
     ("kv-cache-dtype", STR, "auto", {"choices": ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla"]}),
     ("num-gpu-blocks-override", INT, None, {}),
@@ -154,6 +155,7 @@ _ENGINE: list[tuple[str, str, Any, dict[str, Any]]] = [
     ("mm-processor-kwargs", JSON, None, {}),
     ("mm-processor-cache-gb", FLOAT, 4, {}),
     ("max-num-batched-tokens", HINT, None, {}),
+    ("max-num-queued-reqs", INT, None, {"since": 34}),
     ("max-num-seqs", INT, None, {}),
     ("enable-chunked-prefill", BOOL, None, {}),
     ("scheduling-policy", STR, "fcfs", {}),
@@ -225,8 +227,14 @@ def build_parser(minor: int) -> ServeArgumentParser:
     parser = ServeArgumentParser(prog="vllm serve", usage=USAGE, add_help=True, allow_abbrev=False)
     parser.add_argument("model_tag", nargs="?", default=None)
     for flag, kind, default, extra in _FRONTEND + _ENGINE:
+        if minor < extra.get("since", 0):
+            continue
         names = [f"--{flag}", *extra.get("aliases", [])]
         options: dict[str, Any] = {"default": default, "dest": flag.replace("-", "_")}
+        if flag == "gpu-memory-utilization" and minor >= 34:
+            # 0.34: unset means "resolve it" (1.0 with the extensible KV cache), and a device-neutral alias.
+            names.append("--device-memory-utilization")
+            options["default"] = None
         if "choices" in extra:
             options["choices"] = extra["choices"]
         if flag == "safetensors-load-strategy" and minor >= 24:
@@ -247,6 +255,23 @@ def parse_serve_args(words: Sequence[str], minor: int) -> argparse.Namespace:
     if args.model_tag is not None:
         args.model = args.model_tag
     return args
+
+
+def extensible_kv_cache(args: argparse.Namespace, minor: int) -> bool:
+    """0.34's `_resolve_extensible_kv_cache` on CUDA: on unless turned off, or a fixed KV size (bytes, blocks) overrides it."""
+    if minor < 34:
+        return False
+    asked = getattr(args, "enable_extensible_kv_cache", None)
+    if asked is not None:
+        return bool(asked)
+    return args.kv_cache_memory_bytes is None and args.num_gpu_blocks_override is None
+
+
+def resolved_utilization(args: argparse.Namespace, minor: int) -> float:
+    """0.34's `resolved_gpu_memory_utilization`: the flag, else 1.0 with the extensible KV cache, else 0.92."""
+    if args.gpu_memory_utilization is not None:
+        return float(args.gpu_memory_utilization)
+    return 1.0 if extensible_kv_cache(args, minor) else 0.92
 
 
 def non_default_args(args: argparse.Namespace, minor: int) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Mapping, NoReturn, Protocol, Sequence
 
 from . import memory, texts
+from .args import extensible_kv_cache, resolved_utilization
 from .memory import Hold
 from .model import ModelFacts
 from .output import STDERR, STDOUT, Bar, Console, ConsoleStream
@@ -180,6 +181,9 @@ class EngineCore:
         self.hold: Hold | None = None
         self.sleep_mode: SleepMode | None = None  # --enable-sleep-mode, once serving
         self._sleep_after: dict[str, object] | None = None  # a /sleep?mode=wait waiting for the requests in flight
+        self.page_cache: Hold | None = None  # the page cache its load filled (scenario page_cache_gib)
+        self.requests: dict[str, _Request] = {}  # those in flight, once serving
+        self.stop_at: float | None = None  # once SIGTERM came: when the drain ends (--shutdown-timeout)
 
     # --- helpers -----------------------------------------------------------------
 
@@ -224,10 +228,18 @@ class EngineCore:
         if self.hold.take(max(total_bytes, before)) is not None:
             self.oom(kind, (total_bytes - before) / GIB)
 
+    def fill_page_cache(self) -> None:
+        """page_cache_gib: the checkpoint's pages stay in the page cache after the load, which CUDA counts as used on GB10."""
+        gib = self.settings.scenario.page_cache_gib
+        if gib and self.hold is not None and self.settings.meminfo is not None:
+            self.page_cache = Hold(self.settings.meminfo, page_cache=True)
+            self.page_cache.take(int(gib * GIB))
+
     def exit(self, status: int) -> NoReturn:
         """End this process, its memory given back first, as the kernel does at any exit."""
-        if self.hold is not None:
-            self.hold.release()
+        for held in (self.hold, self.page_cache):
+            if held is not None:
+                held.release()
         os._exit(status)
 
     def ptxas_fails(self) -> bool:
@@ -262,6 +274,7 @@ class EngineCore:
             self.executor.collective_rpc("load_model")
         except EngineFailure as failure:
             self.fail_with(failure.frames, failure.final)
+        self.fill_page_cache()
         if self.settings.scenario.hidden_init_failure:
             # vLLM 0.23: the engine dies before it can say why; the API server's `Failed core proc(s): {}` is all there is.
             self.trap_memory()
@@ -335,6 +348,8 @@ class EngineCore:
     def compile(self) -> float:
         """torch.compile's lines; returns the compile time it reports."""
         cache = os.environ.get("VLLM_CACHE_ROOT", os.path.expanduser("~/.cache/vllm"))
+        if self.settings.minor >= 34:
+            self.log("compilation/monitor.py:40", "Starting torch.compile")
         self.log("compilation/backends.py:1089", f"Using cache directory: {cache}/torch_compile_cache/a33744ddfd/rank_0_0/backbone for vLLM's torch.compile")
         self.settings.sleep(DYNAMO_S)
         self.log("compilation/backends.py:1148", f"Dynamo bytecode transform time: {DYNAMO_S * 0.38:.2f} s")
@@ -348,23 +363,35 @@ class EngineCore:
         return total
 
     def size_kv_cache(self) -> int:
-        """Available KV memory from the utilization budget; the KV failures of REFERENCE §3.2."""
+        """Available KV memory from the utilization budget; the KV failures of REFERENCE §3.2.
+
+        0.34's extensible KV cache is sized from what is free once the model
+        ran (what CUDA reports: MemFree on GB10, page cache counted as used),
+        within the budget; so a start short of memory fails here, not at its
+        start.
+        """
         self.settings.sleep(KV_SETUP_S)
-        budget = self.settings.memory().total_bytes * float(self.args.gpu_memory_utilization)
+        minor = self.settings.minor
+        utilization = resolved_utilization(self.args, minor)
+        extensible = extensible_kv_cache(self.args, minor)
+        budget = self.settings.memory().total_bytes * utilization
+        if extensible:
+            budget = min(budget, self.settings.memory().free_bytes + (self.hold.held if self.hold else 0))
         available = budget - (self.rank_model.weights_gib + ACTIVATION_GIB + (0 if self.enforce_eager else GRAPH_GIB)) * GIB
         self.log("v1/worker/gpu_worker.py:480", f"Available KV cache memory: {texts.format_gib(available)} GiB")
+        hint = texts.kv_memory_hint(minor, extensible, utilization)
         if available <= 0:
-            self.fail("no_blocks", "ValueError: " + texts.NO_KV_BLOCKS)
+            self.fail("no_blocks", "ValueError: " + texts.no_kv_blocks(minor, hint))
         per_token = self.rank_model.kv_bytes_per_token
         needed = self.model.max_model_len * per_token
         if self.settings.scenario.kv_insufficient:
             available = min(available, needed * 0.6)
         if needed > available:
             estimated = int(available // per_token) // BLOCK_SIZE * BLOCK_SIZE
-            self.fail("kv", "ValueError: " + texts.kv_insufficient_error(self.model.max_model_len, needed / GIB, available / GIB, estimated))
+            self.fail("kv", "ValueError: " + texts.kv_insufficient_error(self.model.max_model_len, needed / GIB, available / GIB, estimated, minor, hint))
         tokens = int(available // (per_token * BLOCK_SIZE)) * BLOCK_SIZE
         concurrency = tokens / self.model.max_model_len
-        if self.settings.minor >= 28:
+        if minor >= 28:
             self.log("v1/core/kv_cache_utils.py:1744", f"GPU KV cache size: {tokens:,} tokens, Maximum concurrency for {self.model.max_model_len:,} tokens per request: {concurrency:.2f}x")
         else:
             self.log("v1/core/kv_cache_utils.py:1744", f"GPU KV cache size: {tokens:,} tokens")
@@ -392,15 +419,22 @@ class EngineCore:
     # --- serving -----------------------------------------------------------------
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
-        """The shutdown lines, the executor let go, exit 0; a second SIGTERM (the API server's) changes nothing."""
+        """The shutdown begins: the requests in flight are aborted, or with --shutdown-timeout finished for up to
+        that long (the busy loop ends it); a second SIGTERM (the API server's) changes nothing."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for src, text in (
-            ("v1/engine/core.py:1178", "[shutdown] EngineCore: trigger received signal=SIGTERM"),
-            ("v1/engine/core.py:1297", "[shutdown] EngineCore: start mode=abort timeout=0s"),
-            ("v1/engine/core.py:1328", "[shutdown] EngineCore: request processing complete; starting resource teardown"),
-            ("v1/engine/core.py:1191", "[shutdown] EngineCore: exiting busy loop"),
-        ):
-            self.log(src, text)
+        timeout = self.args.shutdown_timeout
+        self.log("v1/engine/core.py:1178", "[shutdown] EngineCore: trigger received signal=SIGTERM")
+        self.log("v1/engine/core.py:1297", f"[shutdown] EngineCore: start mode={'drain' if timeout else 'abort'} timeout={timeout}s")
+        if self.requests:
+            word = f"draining in-flight requests count={len(self.requests)} timeout={timeout}s" if timeout else f"aborting in-flight requests count={len(self.requests)}"
+            self.log("v1/engine/core.py:1310", f"[shutdown] EngineCore: {word}")
+        if not timeout:
+            self.requests.clear()
+        self.stop_at = time.monotonic() + timeout
+
+    def _teardown(self) -> NoReturn:
+        self.log("v1/engine/core.py:1328", "[shutdown] EngineCore: request processing complete; starting resource teardown")
+        self.log("v1/engine/core.py:1191", "[shutdown] EngineCore: exiting busy loop")
         self.executor.shutdown()
         self.exit(0)
 
@@ -425,10 +459,12 @@ class EngineCore:
         step_s = self.settings.delay(1 / TOKENS_PER_S)
         health_s = self.executor.health_interval_s
         health_at = started + health_s if health_s is not None else None
-        requests: dict[str, _Request] = {}
+        requests = self.requests
         next_step = time.monotonic()
         while True:
             now = time.monotonic()
+            if self.stop_at is not None and (not requests or now >= self.stop_at):
+                self._teardown()
             if die_at is not None and now >= die_at:
                 self.trap_memory()
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -440,7 +476,7 @@ class EngineCore:
                     self.executor.check_health()
                 except EngineFailure as failure:
                     self.fail_with(failure.frames, failure.final, fatal=True)
-            deadlines = [d for d in (hang_at, die_at, health_at) if d is not None]
+            deadlines = [d for d in (hang_at, die_at, health_at, self.stop_at) if d is not None]
             if requests:
                 deadlines.append(max(next_step, min(r.ready_at for r in requests.values())))
             timeout = max(min(deadlines) - now, 0) if deadlines else None

@@ -28,20 +28,22 @@ from pathlib import Path
 from .settings import GIB, SettingsError, SimSettings, parse_meminfo
 
 KB = 1024
-# The fields a process's memory comes out of (the page cache is not given back).
-TAKEN_FROM = ("MemFree", "MemAvailable")
 
 
 def _lock_path(meminfo: Path) -> Path:
     return meminfo.with_name(f".{meminfo.name}.lock")
 
 
-def adjust(meminfo: Path, delta_bytes: int, need_bytes: int = 0) -> int | None:
+def adjust(meminfo: Path, delta_bytes: int, need_bytes: int = 0, page_cache: bool = False) -> int | None:
     """Add `delta_bytes` (negative: take memory) to MemFree and MemAvailable, never above MemTotal nor below 0.
 
-    With `need_bytes`, take only if MemAvailable has that much; returns
-    None when it did, else the MemAvailable that was short. Raises
-    SettingsError when the file cannot be changed.
+    A take larger than MemFree reclaims the page cache (Cached) for the
+    rest, as the kernel does. With `page_cache`, the delta is page cache
+    instead: taking fills it (MemFree falls, Cached grows, MemAvailable
+    stays), giving back drops it. With `need_bytes`, take only if
+    MemAvailable has that much; returns None when it did, else the
+    MemAvailable that was short. Raises SettingsError when the file cannot
+    be changed.
     """
     try:
         lock = os.open(_lock_path(meminfo), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
@@ -62,19 +64,38 @@ def adjust(meminfo: Path, delta_bytes: int, need_bytes: int = 0) -> int | None:
         values = parse_meminfo(text)
         if need_bytes and values.get("MemAvailable", 0) < need_bytes:
             return values.get("MemAvailable", 0)
-        total = values.get("MemTotal")
-        lines = []
-        for line in text.splitlines(keepends=True):
-            name, _, rest = line.partition(":")
-            words = rest.split()
-            if name in TAKEN_FROM and words and words[0].isdigit():
-                value = min(max(int(words[0]) + delta_bytes // KB, 0), total // KB if total else 1 << 62)
-                line = f"{name}:{' ' * max(1, 15 - len(name))}{value} kB\n"
-            lines.append(line)
-        _replace(meminfo, "".join(lines), mode)
+        _replace(meminfo, _changed(text, _new_values(values, delta_bytes, page_cache)), mode)
         return None
     finally:
         os.close(lock)
+
+
+def _new_values(values: dict[str, int], delta_bytes: int, page_cache: bool) -> dict[str, int]:
+    """The fields `adjust` changes, in kB, after adding `delta_bytes` (see there)."""
+    top = values.get("MemTotal", 1 << 72) // KB
+    free, available, cached = (values.get(name, 0) // KB for name in ("MemFree", "MemAvailable", "Cached"))
+    delta = delta_bytes // KB
+    if page_cache:
+        moved = max(delta, -free) if delta < 0 else min(delta, cached)
+        return {"MemFree": free + moved, "Cached": cached - moved}
+    reclaimed = min(max(-delta - free, 0), cached)
+    return {
+        "MemFree": min(max(free + delta, 0), top),
+        "MemAvailable": min(max(available + delta, 0), top),
+        "Cached": cached - reclaimed,
+    }
+
+
+def _changed(text: str, new: dict[str, int]) -> str:
+    """`text` with the fields in `new` replaced (fields it lacks stay lacking)."""
+    lines = []
+    for line in text.splitlines(keepends=True):
+        name, _, rest = line.partition(":")
+        words = rest.split()
+        if name in new and words and words[0].isdigit():
+            line = f"{name}:{' ' * max(1, 15 - len(name))}{new[name]} kB\n"
+        lines.append(line)
+    return "".join(lines)
 
 
 def _replace(meminfo: Path, text: str, mode: int) -> None:
@@ -94,9 +115,13 @@ def _replace(meminfo: Path, text: str, mode: int) -> None:
 
 
 class Hold:
-    """What this EngineCore holds of the simulated memory; given back when it ends, by itself or by its keeper."""
+    """What this EngineCore holds of the simulated memory; given back when it ends, by itself or by its keeper.
 
-    def __init__(self, meminfo: Path) -> None:
+    With `page_cache`, what it holds is page cache its load filled (`adjust`), dropped when it ends: the
+    checkpoint's pages, which a supervisor such as gb10d evicts before the next start.
+    """
+
+    def __init__(self, meminfo: Path, page_cache: bool = False) -> None:
         self.meminfo = meminfo
         self.held = 0
         asks_r, self._asks = os.pipe()
@@ -105,7 +130,7 @@ class Hold:
         if self._keeper == 0:
             os.close(self._asks)
             os.close(self._answers)
-            _keep(meminfo, asks_r, answers_w)
+            _keep(meminfo, asks_r, answers_w, page_cache)
         os.close(asks_r)
         os.close(answers_w)
 
@@ -138,7 +163,7 @@ class Hold:
             os.waitpid(self._keeper, 0)
 
 
-def _keep(meminfo: Path, asks: int, answers: int) -> None:
+def _keep(meminfo: Path, asks: int, answers: int, page_cache: bool) -> None:
     """The keeper: apply each new total the EngineCore asks for; at the end of the pipe give the rest back."""
     os.setsid()  # a signal to vLLM's process group must not end the kernel's part too
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -160,7 +185,7 @@ def _keep(meminfo: Path, asks: int, answers: int) -> None:
                 line, buffered = buffered.split(b"\n", 1)
                 wanted = int(line)
                 try:
-                    short = adjust(meminfo, held - wanted, need_bytes=wanted - held if wanted > held else 0)
+                    short = adjust(meminfo, held - wanted, 0 if page_cache else max(wanted - held, 0), page_cache)
                 except SettingsError as exc:
                     os.write(answers, f"error {exc}\n".encode())
                     continue
@@ -172,7 +197,7 @@ def _keep(meminfo: Path, asks: int, answers: int) -> None:
     finally:
         if held:
             try:
-                adjust(meminfo, held)
+                adjust(meminfo, held, page_cache=page_cache)
             except SettingsError:
                 pass
         os._exit(0)

@@ -22,14 +22,17 @@ import socket
 import sys
 import threading
 import time
-from typing import Iterator, NoReturn, Sequence
+from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
 
 from . import hub, texts
-from .args import DEFAULT_MODEL, non_default_args, parse_serve_args
+from .args import DEFAULT_MODEL, non_default_args, parse_serve_args, resolved_utilization
 from .engine import run_engine
 from .model import ModelFacts, describe_model
 from .output import STDERR, Console
 from .settings import SettingsError, SimSettings, from_environ
+
+if TYPE_CHECKING:
+    from .api import EngineClient  # imported when serving begins, as the routes are
 
 API_BOOT_S = 4.0
 CONFIG_S = 2.0
@@ -91,6 +94,7 @@ class ApiServer:
         self.model: ModelFacts = describe_model(args.model, args.max_model_len, settings.shards, args.runner, args.convert)
         self.engine_pid: int | None = None
         self.conn: socket.socket | None = None
+        self.client: EngineClient | None = None  # once serving
         self.events: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.stopping = threading.Event()
         # Held while a stats line is written, so none follows the shutdown lines.
@@ -256,13 +260,14 @@ class ApiServer:
         spec = args.speculative_config if isinstance(args.speculative_config, dict) else None
         spec_k = int(spec.get("num_speculative_tokens", 1) or 1) if spec else None
         client = EngineClient(self.conn, settings.speed, kv_tokens, spec_k, lambda: self.events.put("engine_dead"))
+        self.client = client
         keys = tuple(args.api_key or ()) or ((settings.api_key_env,) if settings.api_key_env else ())
         served = tuple(args.served_model_name or [args.model])
         config = ServeConfig(
             served_names=served, root=args.model, max_model_len=self.model.max_model_len, version=settings.version,
             minor=settings.minor, api_keys=keys, access_log=self.uvicorn_info and not args.disable_uvicorn_access_log,
-            utilization=float(args.gpu_memory_utilization), tasks=self.model.tasks,
-            dev_mode=settings.env.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"),
+            utilization=resolved_utilization(args, settings.minor), tasks=self.model.tasks,
+            dev_mode=settings.env.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"), max_queued=getattr(args, "max_num_queued_reqs", None),
         )
         self.settings.sleep(SERVE_SETUP_S)
         self.log("entrypoints/openai/api_server.py:579", f"Supported tasks: {list(self.model.tasks)}")
@@ -303,7 +308,13 @@ class ApiServer:
         with self._stats_lock:
             self.stopping.set()
         self.log("entrypoints/launcher.py:100", "[shutdown] API server: shutdown triggered")
-        self.log("entrypoints/launcher.py:116", f"[shutdown] API server: stopping engine client mode={'abort' if not self.args.shutdown_timeout else 'drain'} timeout={self.args.shutdown_timeout}s")
+        timeout = self.args.shutdown_timeout
+        self.log("entrypoints/launcher.py:116", f"[shutdown] API server: stopping engine client mode={'abort' if not timeout else 'drain'} timeout={timeout}s")
+        if timeout and self.client is not None:
+            # --shutdown-timeout: the requests in flight are finished (and still streamed) for up to that long.
+            deadline = time.monotonic() + timeout
+            while self.client.running() and time.monotonic() < deadline:
+                time.sleep(0.05)
         if self.engine_pid is not None:
             self.log("v1/engine/core_client.py:652", f"[shutdown] MPClient: start timeout={self.args.shutdown_timeout}s")
             self.log("v1/engine/core_client.py:654", "[shutdown] MPClient: stopping engine manager")

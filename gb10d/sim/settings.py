@@ -41,6 +41,7 @@ class Scenario:
     model_not_found: bool = False
     bad_parser: bool = False
     leak_gib: float = 0.0  # memory a failed engine leaves trapped (GB10's crashed-CUDA-process trap)
+    page_cache_gib: float = 0.0  # page cache the load leaves (the checkpoint's pages): MemFree falls, MemAvailable does not
     # GB10's own failures (REFERENCE §12):
     ptxas: bool = False  # Triton's bundled ptxas does not know sm_121a: compile or warm-up fails unless TRITON_PTXAS_PATH helps
     no_kernel_image: bool = False  # a build without kernels for this GPU: the first kernel after loading fails
@@ -53,7 +54,8 @@ def parse_scenario(text: str) -> Scenario:
     """Parse `healthy`, `stall_at=K`, `slow_shards=S`, ... separated by commas."""
     values: dict[str, object] = {}
     flags = {"kv_insufficient", "model_not_found", "bad_parser", "ptxas", "no_kernel_image", "hidden_init_failure", "ipc_removed", "bad_wake"}
-    numbers = {"slow_shards": "slow_shards_s", "engine_dies_after": "engine_dies_after_s", "hang_after": "hang_after_s", "leak_gib": "leak_gib"}
+    numbers = {"slow_shards": "slow_shards_s", "engine_dies_after": "engine_dies_after_s", "hang_after": "hang_after_s", "leak_gib": "leak_gib",
+               "page_cache_gib": "page_cache_gib"}
     for item in (part.strip() for part in text.split(",")):
         if not item or item == "healthy":
             continue
@@ -68,7 +70,7 @@ def parse_scenario(text: str) -> Scenario:
             values["cuda_oom_during"] = raw
         else:
             known = ("healthy, stall_at=K, slow_shards=S, cuda_oom_during=load|profile|graphs, kv_insufficient, engine_dies_after=S, "
-                     "hang_after=S, model_not_found, bad_parser, leak_gib=G, ptxas, no_kernel_image, hidden_init_failure, ipc_removed, bad_wake")
+                     "hang_after=S, model_not_found, bad_parser, leak_gib=G, page_cache_gib=G, ptxas, no_kernel_image, hidden_init_failure, ipc_removed, bad_wake")
             raise SettingsError(f"GB10D_SIM_SCENARIO: unknown item {item!r} (known: {known})")
     return Scenario(**values)  # type: ignore[arg-type]
 

@@ -32,27 +32,55 @@ def free_memory_error(free_bytes: int, total_bytes: int, utilization: float, req
     )
 
 
-def kv_insufficient_error(max_model_len: int, needed_gib: float, available_gib: float, estimated_max_len: int) -> str:
-    """check_enough_kv_cache_memory()'s ValueError (0.23-0.33)."""
+def kv_memory_hint(minor: int, extensible: bool, utilization: float) -> str:
+    """0.34's `_more_kv_cache_memory_hint` (before warm-up), which ends its KV failures; older releases word it in place."""
+    if not extensible:
+        return ("Try increasing `gpu_memory_utilization` when initializing the engine (this flag also controls CPU memory "
+                "reservation on the CPU backend, despite its name).")
+    used_by = "the model and its activations"
+    if utilization < 1.0:
+        return (f"The KV cache gets what is left after {used_by} within `gpu_memory_utilization`={utilization}; increase it "
+                "(with the extensible KV cache it defaults to 1.0) or decrease `max_model_len` or `max_num_seqs`.")
+    return (f"The extensible KV cache already takes all device memory left after {used_by}; decrease `max_model_len` or "
+            "`max_num_seqs`, or the model needs a device with more memory.")
+
+
+def kv_insufficient_error(max_model_len: int, needed_gib: float, available_gib: float, estimated_max_len: int, minor: int = 23, hint: str = "") -> str:
+    """check_enough_kv_cache_memory()'s ValueError: 0.23-0.33's tail, or 0.34's `hint` and its own."""
     estimated = (
         f"Based on the available memory, the estimated maximum model length is {estimated_max_len}. "
         if estimated_max_len > 0
         else ""
     )
-    return (
+    head = (
         f"To serve at least one request with the model's max seq len ({max_model_len}), "
         f"({needed_gib:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
-        f"({available_gib:.2f} GiB). {estimated}Try increasing `gpu_memory_utilization` (which also controls "
+        f"({available_gib:.2f} GiB). {estimated}"
+    )
+    if minor >= 34:
+        return f"{head}{hint} Decreasing `max_model_len` also reduces what is needed. See {CONSERVING_MEMORY} for more details."
+    return (
+        f"{head}Try increasing `gpu_memory_utilization` (which also controls "
         "CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. "
         f"See {CONSERVING_MEMORY} for more details."
     )
 
+
+# vLLM 0.34's QueueOverflowError (--max-num-queued-reqs), answered with 503.
+QUEUE_FULL = "The engine is currently busy and cannot accept new requests. Please try again later or on a different instance."
 
 NO_KV_BLOCKS = (
     "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the "
     "engine (this flag also controls CPU memory reservation on the CPU backend, despite its name). "
     f"See {CONSERVING_MEMORY} for more details."
 )
+
+
+def no_kv_blocks(minor: int, hint: str) -> str:
+    """`No available memory for the cache blocks.`: 0.23-0.33's fixed advice, 0.34's `hint`."""
+    if minor >= 34:
+        return f"No available memory for the cache blocks. {hint} See {CONSERVING_MEMORY} for more details."
+    return NO_KV_BLOCKS
 
 
 def cuda_oom_message(tried_gib: float, total_gib: float, free_gib: float, in_use_gib: float) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import hub, texts
+from .args import extensible_kv_cache, resolved_utilization
 from .model import ModelFacts
 from .output import Bar, Console
 from .memory import Hold
@@ -90,16 +91,17 @@ class GpuWorker:
         self.console.log(level, src, message)
 
     def init_device(self) -> None:
-        """Join the process group, then request_memory(): free >= ceil(total * utilization), read at this moment."""
+        """Join the process group, then request_memory(): free >= ceil(total * utilization), read at this moment
+        (0.34 skips the check with its extensible KV cache, which is sized later from what is free then)."""
         r = self.rank
         self.settings.sleep(DISTRIBUTED_INIT_S)
         self.log("distributed/parallel_state.py:1568", f"world_size={r.world_size} rank={r.rank} local_rank={r.local_rank} distributed_init_method={r.init_method} backend=nccl")
         tp, pp = r.rank % r.tensor_parallel_size, r.rank // r.tensor_parallel_size
         self.log("distributed/parallel_state.py:1903", f"rank {r.rank} in world size {r.world_size} is assigned as DP rank 0, PP rank {pp}, PCP rank 0, TP rank {tp}, EP rank N/A, EPLB rank N/A")
         memory = self.settings.memory()
-        utilization = float(self.args.gpu_memory_utilization)
+        utilization = resolved_utilization(self.args, self.settings.minor)
         requested = math.ceil(memory.total_bytes * utilization)
-        if memory.free_bytes < requested:
+        if memory.free_bytes < requested and not extensible_kv_cache(self.args, self.settings.minor):
             message = texts.free_memory_error(memory.free_bytes, memory.total_bytes, utilization, requested, f"cuda:{r.local_rank}")
             raise WorkerFailure("free_memory", "ValueError: " + message)
         self.log("v1/worker/gpu_worker.py:303", "Using V2 Model Runner")

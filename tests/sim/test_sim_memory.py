@@ -100,3 +100,33 @@ def test_memory_taken_by_another_process_during_the_load_fails_the_cache_allocat
     assert any("initialize_kv_cache" in line for line in physical_lines(bytes(s.stderr)))
     # What it held until it failed is back; the other process's 60 GiB are still taken.
     wait_until(lambda: taken(meminfo, (start.free, start.available)) == (60 * GIB, 60 * GIB), what="the failed start's memory given back")
+
+
+def kv_available(s) -> float:  # type: ignore[no-untyped-def]
+    found = [m for line in physical_lines(bytes(s.stdout)) if (m := re.search(r"Available KV cache memory: (-?[\d.]+) GiB", line))]
+    assert found, physical_lines(bytes(s.stdout))[-5:]
+    return float(found[-1].group(1))
+
+
+def test_034s_extensible_kv_cache_is_sized_from_memfree_after_the_load_where_the_page_cache_counts_as_used(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    meminfo = machine(tmp_path)  # 100 GiB free, 12 GiB of page cache
+    start = read_meminfo(meminfo)
+    env = {"GB10D_SIM_MEMINFO": str(meminfo), "GB10D_SIM_VERSION": "0.34.0", "GB10D_SIM_SCENARIO": "page_cache_gib=50"}
+    extensible = sim("m", "--gpu-memory-utilization", "0.5", env=env)
+    extensible.wait_ready()
+    extensible.process.send_signal(signal.SIGTERM)
+    assert extensible.wait_exit() == 0
+    extensible.drain()
+    # What was free after the load: 100 GiB less the 50 GiB the load left in the page cache, less its own use.
+    assert kv_available(extensible) == 19.59  # 100 - 50 - 27.32 - 2.48 - 0.61
+    wait_until(lambda: read_meminfo(meminfo).available == start.available, what="everything given back")
+    budget = sim("m", "--gpu-memory-utilization", "0.5", "--no-enable-extensible-kv-cache", env=env)
+    budget.wait_ready()
+    budget.process.send_signal(signal.SIGTERM)
+    assert budget.wait_exit() == 0
+    budget.drain()
+    # The budget's share less the weights, activations and graphs; the page cache was reclaimed for it.
+    assert kv_available(budget) == 30.43  # 0.5 x 121.69 - 27.32 - 2.48 - 0.61
+    wait_until(lambda: read_meminfo(meminfo).available == start.available, what="everything given back")
+    # The page cache the budget's allocation reclaimed stays free; the rest of it is dropped when it ends.
+    assert read_meminfo(meminfo).free >= start.free

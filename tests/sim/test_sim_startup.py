@@ -248,6 +248,21 @@ def test_newer_versions_print_the_one_line_kv_form_and_gib_memory(sim) -> None: 
     assert http(s.port, "/version").json() == {"version": "0.29.0"}
 
 
+def test_only_0_34_knows_the_extensible_kv_cache_and_there_a_short_start_passes_the_start(sim) -> None:  # type: ignore[no-untyped-def]
+    older = sim("m", "--no-enable-extensible-kv-cache", env={"GB10D_SIM_VERSION": "0.33.0"})
+    assert older.wait_exit() == 2
+    older.drain()
+    assert "unrecognized arguments: --no-enable-extensible-kv-cache" in bytes(older.stderr).decode()
+    # 5 GiB free would fail vLLM's check at 0.92 up to 0.33; 0.34 skips it and the KV cache finds nothing left.
+    short = sim("m", "--device-memory-utilization", "0.92", env={"GB10D_SIM_VERSION": "0.34.0", "GB10D_SIM_FREE_GIB": "5"})
+    assert short.wait_exit() == 1
+    short.drain()
+    found = messages(bytes(short.stdout))
+    assert not any("Free memory on device" in m for m in found)
+    assert any("ValueError: No available memory for the cache blocks. The KV cache gets what is left after the model and its "
+               "activations within `gpu_memory_utilization`=0.92;" in m for m in found), found[-3:]
+
+
 def test_a_local_model_folder_gives_its_shards_architecture_and_real_reads(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     model = tmp_path / "tiny"
     model.mkdir()
