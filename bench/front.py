@@ -36,7 +36,7 @@ from gb10d.front.lab import FrontChild
 from gb10d.lab import free_port
 from gb10d.statefile import read_state
 
-from .lab import Deployment, Gb10d, Workspace, wait_until
+from .lab import standalone, Deployment, Gb10d, Workspace, wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results" / "front.json"
 NGINX_CONF = """
@@ -266,15 +266,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    ws = Workspace()
-    try:
-        result = run(ws, "--quick" in sys.argv)
-    finally:
-        ws.close()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(markdown(result))
-    return 0
+    return standalone(run, markdown, RESULTS, sys.argv)
 
 
 if __name__ == "__main__":

@@ -237,3 +237,18 @@ def http_status(port: int, path: str, timeout_s: float = 2.0) -> int | None:
     finally:
         conn.close()
 
+
+def standalone(run: Callable[[Workspace, bool], dict[str, Any]], markdown: Callable[[dict[str, Any]], str], results: Path, argv: Sequence[str]) -> int:
+    """A benchmark run as its own program (`python -m bench.NAME [--quick]`): run it in a workspace that is
+    always cleaned up, keep its results as JSON in `results`, print its markdown."""
+    import json
+
+    ws = Workspace()
+    try:
+        result = run(ws, "--quick" in argv)
+    finally:
+        ws.close()
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(result, indent=2) + "\n")
+    print(markdown(result))
+    return 0

@@ -14,7 +14,6 @@ included). A swap parks A and brings B up, as the front does:
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from gb10d.memory import GIB, read_meminfo
 from gb10d.sleepmode import control_path
 from gb10d.statefile import read_state
 
-from .lab import Deployment, Gb10d, Workspace, wait_until
+from .lab import standalone, Deployment, Gb10d, Workspace, wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results" / "swap.json"
 SPEED = "0.05"
@@ -118,15 +117,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    ws = Workspace()
-    try:
-        result = run(ws, "--quick" in sys.argv)
-    finally:
-        ws.close()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(markdown(result))
-    return 0
+    return standalone(run, markdown, RESULTS, sys.argv)
 
 
 if __name__ == "__main__":
