@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import tomli_w
 
-from .command import CHILD_DEFAULTS, CONTAINER_CACHE_ENV
+from .command import CHILD_DEFAULTS, CONTAINER_CACHE_ENV, DRAIN_MARGIN_S
 from .config import normalize_flag
 from .errors import ConfigError, ConfigProblem
 
@@ -1148,6 +1148,15 @@ def import_script_result(result: _Import) -> Imported:
     data: dict[str, Any] = {"vllm": vllm}
     if result.container:
         data["container"] = result.container
+    drain = result.args.get("shutdown-timeout")
+    if isinstance(drain, (int, float)) and not isinstance(drain, bool) and drain >= 0:
+        # gb10d passes --shutdown-timeout itself, from the time it gives a stop: the drain asked becomes that time.
+        del result.args["shutdown-timeout"]
+        if not result.args:
+            vllm.pop("args", None)
+        data["daemon"] = {"stop_timeout_s": drain + DRAIN_MARGIN_S}
+        notes.append(f"--shutdown-timeout {drain} is daemon.stop_timeout_s = {drain + DRAIN_MARGIN_S:g}: gb10d gives vLLM "
+                     f"--shutdown-timeout of that less {DRAIN_MARGIN_S:g} s to finish its requests when it stops")
     return Imported(data, notes, list(dict.fromkeys(result.warnings)))
 
 

@@ -7,13 +7,16 @@ fits the stand-in fails there.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 import urllib.error
@@ -161,15 +164,29 @@ class Sim:
     changed: threading.Condition = field(default_factory=threading.Condition)
     pumps: list[threading.Thread] = field(default_factory=list)
 
+    reading: set[int] = field(default_factory=set)  # the pipes whose pump waits in read(), holding no chunk
+
     def _pump(self, pipe: Any, into: bytearray) -> None:
+        fd = pipe.fileno()
         while True:
-            chunk = os.read(pipe.fileno(), 65536)
             with self.changed:
+                self.reading.add(fd)
+            chunk = os.read(fd, 65536)
+            with self.changed:
+                self.reading.discard(fd)
                 if chunk:
                     into.extend(chunk)
                 self.changed.notify_all()
             if not chunk:
                 return
+
+    def _caught_up(self) -> bool:
+        """Whether everything the sim wrote to stdout so far is in `stdout`: the pipe holds nothing unread, and then
+        its pump waits in read() (a chunk it had read before is appended by then)."""
+        fd = self.process.stdout.fileno()  # type: ignore[union-attr]
+        unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        with self.changed:
+            return unread == 0 and fd in self.reading
 
     def start_pumps(self) -> None:
         for pipe, into in ((self.process.stdout, self.stdout), (self.process.stderr, self.stderr)):
@@ -195,11 +212,15 @@ class Sim:
     def wait_ready(self, timeout: float = DEADLINE_S) -> None:
         """Until /health answers 200 (retrying refusals: listen() follows the startup line).
 
-        Each pipe has a reader thread of its own, so stdout's earlier lines may
-        still be on their way: a test that reads them waits for them (wait_text).
         """
         self.wait_text("Application startup complete.", "stderr", timeout)
+        # stdout has a reader thread of its own: what the sim printed there before that line is in `stdout` once
+        # that thread caught up, which a test reading stdout after the start relies on.
         deadline = time.monotonic() + timeout
+        while not self._caught_up():
+            assert time.monotonic() < deadline, "the stdout reader did not catch up"
+            with self.changed:
+                self.changed.wait(0.01)
         while True:
             try:
                 if http(self.port, "/health", timeout=5).status == 200:

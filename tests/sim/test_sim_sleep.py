@@ -32,6 +32,7 @@ def test_without_dev_mode_the_sleep_endpoints_do_not_exist(sim) -> None:  # type
     s.wait_ready()
     assert http(s.port, "/sleep?level=2", {}).status == 404
     assert http(s.port, "/is_sleeping").status == 404
+    s.wait_text("Route: /v1/completions")  # stdout is read by a thread of its own: its start is all in once the routes are
     assert b"Enabling cumem allocator because sleep mode requires it." in s.stdout
     assert b"SECURITY WARNING" not in s.stdout
 
@@ -40,7 +41,7 @@ def test_level_2_sleep_gives_the_memory_back_and_the_tagged_wake_with_reload_ans
     meminfo = machine(tmp_path)
     s = sim("m", "--enable-sleep-mode", "--gpu-memory-utilization", "0.5", env={**DEV, "GB10D_SIM_MEMINFO": str(meminfo)})
     s.wait_ready()
-    assert b"SECURITY WARNING: Development endpoints are enabled! This should NOT be used in production!" in s.stdout
+    s.wait_text("SECURITY WARNING: Development endpoints are enabled! This should NOT be used in production!")
     before = complete(s.port)
     awake = read_meminfo(meminfo).available
     assert http(s.port, "/sleep?level=2&mode=wait", {}).status == 200
