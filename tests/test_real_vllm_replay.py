@@ -7,7 +7,9 @@ H100. Parser and decision core must read them as the live supervisor did:
 every phase, no false failure, the right cause and the right next setting.
 
 real-vllm-0.26.0-upgrade holds gb10d's journal of a reload from the 0.26.0
-venv to a candidate venv whose vLLM cannot import, and back.
+venv to a candidate venv whose vLLM cannot import, and back;
+real-vllm-0.23.0-to-0.26.0-upgrade the same from a 0.23.0 venv, then a
+reload to the 0.26.0 venv, a candidate that served and became the good one.
 
 real-vllm-0.23.0-ray holds one start with `--distributed-executor-backend ray`
 (tests/gpu/run-real-vllm-ray.sh): vLLM 0.23's default Ray executor (V2) runs
@@ -200,7 +202,29 @@ def test_the_real_ray_backed_run_named_the_lost_worker_and_served_again() -> Non
     assert len([line for line in own if "vLLM is ready after" in line]) == 2
 
 
-# --- an upgrade to a broken candidate, on the real 0.26.0 ------------------------------------
+# --- upgrades on the real releases -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UpgradeRun:
+    """One run of tests/gpu/real_vllm_upgrade.py: its fixtures, the good venv and its release, and what came after."""
+
+    fixtures: Path
+    good: str
+    version: str
+    # READY=1, RELOADING=1 and STOPPING=1 in the order systemd saw them
+    sequence: tuple[str, ...]
+
+
+UPGRADES = {
+    # The 0.26.0 venv, a broken candidate, back; the same candidate again is refused (RELOADING=1, READY=1, nothing started).
+    "0.26.0": UpgradeRun(UPGRADE_FIXTURES, "/opt/vllm-0.26.0", "0.26.0", ("READY", "RELOADING", "READY", "RELOADING", "READY", "STOPPING")),
+    # The same from 0.23.0, then a reload to the 0.26.0 venv, which serves and is the good program from then on.
+    "0.23.0-to-0.26.0": UpgradeRun(
+        Path(__file__).parent / "fixtures" / "real-vllm-0.23.0-to-0.26.0-upgrade", "/opt/vllm-0.23.0", "0.23.0",
+        ("READY", "RELOADING", "READY", "RELOADING", "READY", "RELOADING", "READY", "STOPPING"),
+    ),
+}
 
 
 def journal_entries(path: Path) -> list[str]:
@@ -208,8 +232,10 @@ def journal_entries(path: Path) -> list[str]:
     return [re.sub(r"^\s*[\d.]+ (<\d>)?", "", line) for line in path.read_text().splitlines()]
 
 
-def test_a_real_candidate_venv_that_cannot_import_vllm_gives_way_to_the_real_0_26_venv_in_one_line() -> None:
-    entries = journal_entries(UPGRADE_FIXTURES / "gb10d-journal.txt")
+@pytest.mark.parametrize("name", UPGRADES)
+def test_a_real_candidate_venv_that_cannot_import_vllm_gives_way_to_the_real_good_venv_in_one_line(name: str) -> None:
+    run = UPGRADES[name]
+    entries = journal_entries(run.fixtures / "gb10d-journal.txt")
     begin = next(i for i, e in enumerate(entries) if e.startswith("gb10d: started vLLM as pid") and "/opt/vllm-broken/bin/vllm serve" in e)
     end = next(i for i, e in enumerate(entries) if "going back to the last good" in e)
     scanner = EventScanner()
@@ -219,21 +245,31 @@ def test_a_real_candidate_venv_that_cannot_import_vllm_gives_way_to_the_real_0_2
     (line,) = [e for e in entries if "going back to the last good" in e]
     assert line == (
         f"gb10d: the candidate /opt/vllm-broken (vLLM of unknown version) failed its start: {describe(outcome)}; "
-        "going back to the last good /opt/vllm-0.26.0 (vLLM 0.26.0) with the settings that served under it (attempt 2/4)"
+        f"going back to the last good {run.good} (vLLM {run.version}) with the settings that served under it (attempt 2/4)"
     )
-    ready = [e for e in entries[end:] if e.startswith("gb10d: vLLM is ready after")]
-    assert len(ready) == 1 and ready[0].endswith("; vLLM version 0.26.0")
-    assert "/opt/vllm-0.26.0/bin/vllm serve" in next(e for e in entries[end:] if e.startswith("gb10d: started vLLM as pid"))
-    # READY=1 after the reload that went back; the second reload (the same candidate, refused) started nothing.
-    notify = json.loads((UPGRADE_FIXTURES / "notify.json").read_text())
-    sequence = [key for m in notify for key in ("READY", "RELOADING", "STOPPING") if key in m]
-    assert sequence == ["READY", "RELOADING", "READY", "RELOADING", "READY", "STOPPING"]
+    ready = next(e for e in entries[end:] if e.startswith("gb10d: vLLM is ready after"))
+    assert ready.endswith(f"; vLLM version {run.version}")
+    assert f"{run.good}/bin/vllm serve" in next(e for e in entries[end:] if e.startswith("gb10d: started vLLM as pid"))
+    notify = json.loads((run.fixtures / "notify.json").read_text())
+    assert tuple(key for m in notify for key in ("READY", "RELOADING", "STOPPING") if key in m) == run.sequence
 
 
-def test_the_real_upgrade_kept_the_0_26_venv_as_good_and_the_candidate_as_rejected() -> None:
-    record = programs.load(UPGRADE_FIXTURES / "programs.toml")
+@pytest.mark.parametrize("name", UPGRADES)
+def test_the_real_upgrade_kept_the_good_venv_and_the_rejected_candidate(name: str) -> None:
+    record = programs.load(UPGRADES[name].fixtures / "programs.toml")
     assert record.good is not None and record.rejected is not None
+    # After 0.23.0-to-0.26.0 the 0.26.0 venv is the good one: its package hash is the one the 0.26.0-only run recorded.
     assert (record.good.path, record.good.kind, record.good.vllm_version) == ("/opt/vllm-0.26.0", "venv", "0.26.0")
-    assert record.good.packages  # the hash of the venv's installed distributions
+    only = programs.load(UPGRADE_FIXTURES / "programs.toml").good
+    assert only is not None and record.good.packages == only.packages
     assert record.rejected.program.path == "/opt/vllm-broken" and record.rejected.program.vllm_version is None
     assert record.rejected.failure == "crash: ModuleNotFoundError: No module named 'vllm'"
+
+
+def test_a_real_0_26_candidate_after_0_23_served_and_became_the_good_program() -> None:
+    entries = journal_entries(UPGRADES["0.23.0-to-0.26.0"].fixtures / "gb10d-journal.txt")
+    reload = next(i for i, e in enumerate(entries) if e.startswith('gb10d: 1 key changed: vllm.venv "/opt/vllm-0.23.0" -> "/opt/vllm-0.26.0"'))
+    own = [e for e in entries[reload:] if e.startswith("gb10d: ")]
+    assert own[1].startswith("gb10d: started vLLM as pid") and "(attempt 1/4," in own[1] and "/opt/vllm-0.26.0/bin/vllm serve" in own[1]
+    assert own[2].startswith("gb10d: vLLM is ready after") and own[2].endswith("; vLLM version 0.26.0")
+    assert own[3] == "gb10d: the candidate /opt/vllm-0.26.0 (vLLM 0.26.0) served: it is the good program from now on (before: /opt/vllm-0.23.0 (vLLM 0.23.0))"
