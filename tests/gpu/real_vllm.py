@@ -145,14 +145,20 @@ class Run:
             f'exec {program} "$@"\n'
         )
         wrapper.chmod(0o755)
+        return self.write_program_config({"executable": str(wrapper)}, model, utilization, args, env)
+
+    def write_program_config(
+        self, program: dict[str, str], model: str, utilization: float, args: dict[str, Any], env: dict[str, str]
+    ) -> Path:
+        """The config running `program` (its [vllm] key: `executable` or `venv`), rewritten in place on each call."""
         config = self.work / "gb10d.toml"
         config.write_text(tomli_w.dumps({
             "vllm": {
-                "executable": str(wrapper), "model": model, "served_model_name": "tiny", "host": "127.0.0.1", "port": PORT,
+                **program, "model": model, "served_model_name": "tiny", "host": "127.0.0.1", "port": PORT,
                 "gpu_memory_utilization": utilization, "args": args, "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0", **env},
             },
             "startup": {"stall_timeout_s": 180.0, "ready_timeout_s": 600.0},
-            # Host /proc/meminfo says nothing about an H200's own memory: only vLLM's error can.
+            # Host /proc/meminfo says nothing about a discrete GPU's own memory: only vLLM's error can.
             "memory": {"preflight": False, "recovery_timeout_s": 30.0, "min_gpu_memory_utilization": 0.1},
             "restart": {"max_attempts": 4, "backoff_initial_s": 1.0, "backoff_max_s": 5.0},
             "liveness": {"health_interval_s": 1.0},
