@@ -442,13 +442,21 @@ def _kill(nspawn: subprocess.Popen[bytes], init_pid: int | None) -> None:
 
 
 if __name__ == "__main__":
-    # `python3 tests/systemd/systemd_harness.py`: make the cached roots now (.ci/run does,
-    # beside the install and the pure tests); the tests that boot them wait on their locks.
+    # `python3 tests/systemd/systemd_harness.py`: make the cached roots now, side by side (.ci/run does, before
+    # the tests that boot them: a cold root takes minutes, more than a test's timeout).
     import sys
+    import threading
 
-    for debian in (DEBIAN_12_AMD64, DEBIAN_13_ARM64):
-        if emulation_missing(debian) is None:
-            started = time.monotonic()
-            print(f"{debian.name}: {cached_root(debian)} ({time.monotonic() - started:.0f} s)", flush=True)
-        else:
-            print(f"{debian.name}: not built: {emulation_missing(debian)}", file=sys.stderr)
+    def make(debian: Debian) -> None:
+        reason = emulation_missing(debian)
+        if reason is not None:
+            print(f"{debian.name}: not built: {reason}", file=sys.stderr, flush=True)
+            return
+        started = time.monotonic()
+        print(f"{debian.name}: {cached_root(debian)} ({time.monotonic() - started:.0f} s)", flush=True)
+
+    builders = [threading.Thread(target=make, args=(debian,)) for debian in (DEBIAN_12_AMD64, DEBIAN_13_ARM64)]
+    for builder in builders:
+        builder.start()
+    for builder in builders:
+        builder.join()
