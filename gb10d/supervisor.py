@@ -41,6 +41,7 @@ from .policy import History
 from .preflight import Preflight
 from .pull import Pull
 from .reporter import STATUS_MAX, Reporter
+from .statefile import DaemonState
 from .runtime import Launcher
 
 # How vLLM runs for a config (a local process, a container through an engine), as daemon.py picks it.
@@ -287,7 +288,9 @@ class Supervisor:
             f"{diff.describe()}; vLLM's command line changes: stopping vLLM ({attempt.runtime.label}) and starting it with the new settings",
             PRIORITY_INFO,
         )
-        notifier.status("reloading: restarting vLLM with the new settings")
+        # Said in the state file too, before vLLM is stopped: the front holds new requests from now on instead of
+        # sending them to a vLLM that is stopping, and gb10d status no longer says serving.
+        self.reporter.status("reloading: restarting vLLM with the new settings", DaemonState.RESTARTING)
         await attempt.runtime.stop(self.keeper.config.daemon.stop_timeout_s, self._on_escalate)
         return Reloaded(changes=diff.describe())
 

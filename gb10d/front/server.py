@@ -169,10 +169,9 @@ class Front:
         """Wait until the instance serves (None), or the answer that refuses the request."""
         watched = self.watched[instance.name]
         started = watched.active_at = time.monotonic()
-        # The last read may be up to STATE_POLL_S old: a refusal is decided on a fresh one, and so is a request for
-        # an instance that parks, which may have begun to fall asleep since.
-        if not watched.ready.serving or watched.known.control is not None:
-            self._refresh(watched)
+        # The last read may be up to STATE_POLL_S old: every request is decided on a fresh one (a refusal, an
+        # instance that has begun to fall asleep, or one whose gb10d has begun to stop vLLM for a reload).
+        self._refresh(watched)
         decision = admit(instance, watched.ready, watched.held, self.settings.queue_limit, 0.0, self.settings.hold_timeout_s, True)
         if isinstance(decision, Wait):
             if watched.held == 0:
@@ -272,6 +271,11 @@ class Front:
                     if not reused:  # a kept connection vLLM closed meanwhile says nothing about vLLM
                         self.refused(instance)
                     continue
+                if response.status_code in (500, 503) and self._stopping(watched):
+                    # vLLM refused it as its gb10d began to stop it (a reload that restarts vLLM): it generated
+                    # nothing, and the restart is only a wait for the client, as for a request held before it.
+                    say(f"{instance.name} answered {response.status_code} while its gb10d stops vLLM; the request waits for the restart")
+                    continue
                 kept = await _pump(peer, upstream, response, request.method == b"HEAD", instance)
                 answered = True
                 return kept
@@ -279,6 +283,11 @@ class Front:
                 self._release(instance, upstream, answered)
                 watched.in_flight -= 1
                 watched.active_at = time.monotonic()
+
+    def _stopping(self, watched: Watched) -> bool:
+        """Whether the instance's gb10d now says vLLM is on its way down but coming back (read afresh)."""
+        self._refresh(watched)
+        return not watched.ready.serving and watched.ready.coming and not watched.ready.asleep
 
     async def _upstream(self, instance: Instance) -> tuple[Peer, bool]:
         """A connection to the instance, kept from an earlier request when one is open (True), else a new one."""
