@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gb10d.command import Engine, EngineKind, engine_client
-from gb10d.container import probe
+from gb10d.base.command import Engine, EngineKind, engine_client
+from gb10d.launch.container import probe
 
 from .lab import Deployment, Gb10d, Workspace, summary
 

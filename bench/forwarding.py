@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from gb10d.journal import Journal
-from gb10d.logparse import BarCollapser, Classifier, EventScanner, LineFramer
+from gb10d.machine.journal import Journal
+from gb10d.vllm.logparse import BarCollapser, Classifier, EventScanner, LineFramer
 
 from .flood import END_MARKER
 from .lab import Deployment, Gb10d, Workspace, summary, wait_until

@@ -6,7 +6,7 @@ datagram socket as systemd's NOTIFY_SOCKET. Each line gb10d writes and each
 datagram it sends is stamped with `time.monotonic()` the moment the bench
 receives it, so both ends of a latency are read on one clock. CLOCK_MONOTONIC
 is system-wide on Linux, so children (the flood program) can report
-timestamps on the same clock. The parts are gb10d.lab's, shared with the
+timestamps on the same clock. The parts are gb10d.daemon.lab's, shared with the
 tests and `gb10d demo`; this module adds the bench's deployments and its
 readings of them (a time, or None when a run never got there).
 """
@@ -25,8 +25,8 @@ from typing import Any
 
 import tomli_w
 
-from gb10d import lab
-from gb10d.lab import (
+from gb10d.daemon import lab
+from gb10d.daemon.lab import (
     DEADLINE_S, GB10_TOTAL_GIB, LineReader, carries, clean_env, free_port, kill_group, with_overrides, write_meminfo,
 )
 
@@ -159,7 +159,7 @@ class Deployment:
 
 
 class NotifyReceiver(lab.NotifyReceiver):
-    """gb10d.lab's sd_notify receiver, read as the bench reads it: when did a message arrive."""
+    """gb10d.daemon.lab's sd_notify receiver, read as the bench reads it: when did a message arrive."""
 
     def wait_for(self, key: str, value: str | None = None, timeout: float = DEADLINE_S) -> float | None:
         """Arrival time of the first message carrying `key` (with `value`), or None after `timeout`."""
@@ -218,7 +218,7 @@ class Sim:
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, step_s: float = 0.002) -> float | None:
-    """`gb10d.lab.wait_until`, polling every 2 ms: what the bench waits for is what it times."""
+    """`gb10d.daemon.lab.wait_until`, polling every 2 ms: what the bench waits for is what it times."""
     return lab.wait_until(predicate, timeout, step_s)
 
 

@@ -16,7 +16,7 @@ import signal
 import time
 from typing import Any
 
-from gb10d.process import group_alive
+from gb10d.launch.process import group_alive
 
 from .lab import Deployment, Gb10d, Sim, Workspace, summary, wait_until
 

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gb10d.control import ask
-from gb10d.memory import GIB, read_meminfo
-from gb10d.sleepmode import control_path
-from gb10d.statefile import read_state
+from gb10d.daemon.control import ask
+from gb10d.core.memory import GIB, read_meminfo
+from gb10d.vllm.sleepmode import control_path
+from gb10d.core.statefile import read_state
 
 from .lab import standalone, Deployment, Gb10d, Workspace, wait_until
 

@@ -33,8 +33,8 @@ from typing import Iterator
 
 import pytest
 
-from gb10d.command import Engine, EngineKind, engine_client
-from gb10d.container import probe
+from gb10d.base.command import Engine, EngineKind, engine_client
+from gb10d.launch.container import probe
 from harness import free_port
 
 ROOT = Path(__file__).parent.parent

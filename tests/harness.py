@@ -3,7 +3,7 @@
 Nothing here imitates gb10d: the daemon is the real `python -m gb10d run`,
 vLLM is the real stand-in program, systemd's notify socket is a real
 AF_UNIX datagram socket. Waits are for observable facts (a datagram, a
-journal line, a port) with generous deadlines. The parts are gb10d.lab's,
+journal line, a port) with generous deadlines. The parts are gb10d.daemon.lab's,
 shared with the benchmarks and `gb10d demo`; what this module adds is the
 test's verdict: a wait that runs out fails the test with what gb10d said.
 """
@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import tomli_w
 
-from gb10d import lab
-from gb10d.lab import (
+from gb10d.daemon import lab
+from gb10d.daemon.lab import (
     DEADLINE_S, GIB_KB, Gb10d, NotifyReceiver, carries, free_port, live_pids, meminfo_text, ray_processes, with_overrides,
     write_meminfo,
 )
@@ -30,7 +30,7 @@ __all__ = [
 
 
 class NotifySocket(NotifyReceiver):
-    """gb10d.lab's sd_notify receiver, whose waits fail the test.
+    """gb10d.daemon.lab's sd_notify receiver, whose waits fail the test.
 
     `on_message` runs in the receiving thread the moment a datagram arrives,
     before anything else is recorded: what it observes is what a program
@@ -128,7 +128,7 @@ class Setup:
 
 
 class Daemon:
-    """`gb10d run` as a real child process (gb10d.lab's), with its stdout (the journal stream) collected."""
+    """`gb10d run` as a real child process (gb10d.daemon.lab's), with its stdout (the journal stream) collected."""
 
     def __init__(
         self, setup: Setup, notify: NotifySocket | None, env: dict[str, str] | None = None, netns: str | None = None, wrapper: Sequence[str] = ()

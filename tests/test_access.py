@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.access import (
+from gb10d.machine.access import (
     ACL_GROUP,
     ACL_GROUP_OBJ,
     ACL_MASK,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.alerting import AlertSender, alert_for, expand, render
-from gb10d.command import url_shown
-from gb10d.config import AlertsSection, Webhook
+from gb10d.daemon.alerting import AlertSender, alert_for, expand, render
+from gb10d.base.command import url_shown
+from gb10d.base.config import AlertsSection, Webhook
 
 from harness import Daemon, NotifySocket, Setup, wait_until
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gb10d.budget import (
+from gb10d.core.budget import (
     Admit,
     Refuse,
     Reservation,
@@ -20,7 +20,7 @@ from gb10d.budget import (
     share_bytes,
     taken_since,
 )
-from gb10d.memory import GIB, MemInfo
+from gb10d.core.memory import GIB, MemInfo
 
 TOTAL = int(121.69 * GIB)
 MEM = MemInfo(total=TOTAL, free=int(100 * GIB), available=int(110 * GIB), cached=int(10 * GIB))

@@ -14,10 +14,10 @@ from typing import Any, get_args
 import pytest
 
 from containers import dead_socket, engine_or_skip, ensure_sim_image, sim_image_tag
-from gb10d.cli import main
-from gb10d.command import Engine, build_argv, container_argv, env_additions
-from gb10d.config import Config, load_config, load_config_explained
-from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP
+from gb10d.cmdline.cli import main
+from gb10d.base.command import Engine, build_argv, container_argv, env_additions
+from gb10d.base.config import Config, load_config, load_config_explained
+from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP
 
 ROOT = Path(__file__).parent.parent
 SHIPPED = ROOT / "etc" / "gb10d.toml"

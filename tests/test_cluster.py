@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.statefile import StateRecord
-from gb10d.cluster import (
+from gb10d.core.statefile import StateRecord
+from gb10d.core.cluster import (
     INTERFACE_VARIABLES,
     Node,
     View,
@@ -36,9 +36,9 @@ from gb10d.cluster import (
     waiting_text,
     watcher_argv,
 )
-from gb10d.command import build_argv
-from gb10d.config import Config, parse_config
-from gb10d.errors import ConfigError
+from gb10d.base.command import build_argv
+from gb10d.base.config import Config, parse_config
+from gb10d.base.errors import ConfigError
 
 
 def config(role: str = "head", **cluster: object) -> Config:
@@ -282,7 +282,7 @@ def test_the_watcher_runs_in_rays_own_python_isolated_from_gb10d() -> None:
     assert interpreter("#!/bin/sh\n'''exec' \"/very/long/venv/bin/python3\" \"$0\" \"$@\"\n", ray) == Path("/opt/vllm/bin/python3")
     assert interpreter("#!/usr/bin/env python3\n", ray) == Path("/opt/vllm/bin/python3")
     argv = watcher_argv(Path("/opt/vllm/bin/python3"), cluster)
-    assert argv[:2] == ["/opt/vllm/bin/python3", "-I"] and argv[2].endswith("gb10d/raywatch.py") and argv[3] == "10.0.0.1:6379"
+    assert argv[:2] == ["/opt/vllm/bin/python3", "-I"] and argv[2].endswith("gb10d/launch/raywatch.py") and argv[3] == "10.0.0.1:6379"
 
 
 def test_the_wait_for_rays_verdict_on_a_machine_follows_its_health_check_settings() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gb10d.command import (
+from gb10d.base.command import (
     CHILD_DEFAULTS,
     CONTAINER_CACHE_ENV,
     Engine,
@@ -25,8 +25,8 @@ from gb10d.command import (
     redact_setting,
     shell_line,
 )
-from gb10d.config import Config, VllmSection
-from gb10d.errors import ConfigError
+from gb10d.base.config import Config, VllmSection
+from gb10d.base.errors import ConfigError
 
 
 def vllm(**fields: Any) -> VllmSection:

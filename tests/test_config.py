@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.config import (
+from gb10d.base.config import (
     Config,
     dropin_dir_for,
     load_config,
     load_config_explained,
     normalize_flag,
 )
-from gb10d.errors import EXIT_CONFIG, ConfigError
+from gb10d.base.errors import EXIT_CONFIG, ConfigError
 
 
 @pytest.fixture
@@ -192,7 +192,7 @@ def test_unreadable_file_is_explained(tmp_path: Path, vllm_exe: Path) -> None:
         # Permission bits do not stop root, so run the check as nobody, which is what a
         # mis-owned file does to the gb10d service user.
         try:
-            usable = subprocess.run([sys.executable, "-c", "import gb10d.cli"], user=65534, capture_output=True, timeout=60).returncode == 0
+            usable = subprocess.run([sys.executable, "-c", "import gb10d.cmdline.cli"], user=65534, capture_output=True, timeout=60).returncode == 0
         except OSError:
             usable = False
         if not usable:

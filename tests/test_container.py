@@ -37,9 +37,9 @@ from containers import (
     sigterm_ignoring_program,
     start_registry,
 )
-from gb10d.command import Engine, EngineKind, build_argv
-from gb10d.config import Config
-from gb10d.container import (
+from gb10d.base.command import Engine, EngineKind, build_argv
+from gb10d.base.config import Config
+from gb10d.launch.container import (
     ContainerCgroup,
     ContainerLauncher,
     EngineUnavailable,
@@ -52,9 +52,9 @@ from gb10d.container import (
     signal_status,
     unreachable_advice,
 )
-from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP, SpawnError
-from gb10d.image import PullFailed, PullProgress
-from gb10d.runtime import Launcher, Runtime
+from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP, SpawnError
+from gb10d.base.image import PullFailed, PullProgress
+from gb10d.launch.runtime import Launcher, Runtime
 from harness import DEADLINE_S, free_port, live_pids, wait_until
 
 pytestmark = pytest.mark.timeout(240)

@@ -14,20 +14,20 @@ from typing import Any
 
 import pytest
 
-from gb10d.advice import status_of_give_up
-from gb10d.command import Tunables, container_mounts, host_path, model_on_host
-from gb10d.config import Config
-from gb10d.container import unreachable_status
-from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP
-from gb10d.events import PtxasArchUnsupported, ProgramNotRun
-from gb10d.learned import LearnedState, applicable, remember
-from gb10d.logparse import parse_line
-from gb10d.outcome import Cause, Failed
-from gb10d.reporter import STATUS_MAX
-from gb10d.policy import GiveUp, History, Retry, after_failure, classify, event_kind, failure_line, next_attempt
-from gb10d.reload import ConfigSnapshot, diff_configs
-from gb10d.statefile import StateRecord
-from gb10d.status import render
+from gb10d.core.advice import status_of_give_up
+from gb10d.base.command import Tunables, container_mounts, host_path, model_on_host
+from gb10d.base.config import Config
+from gb10d.launch.container import unreachable_status
+from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP
+from gb10d.vllm.events import PtxasArchUnsupported, ProgramNotRun
+from gb10d.core.learned import LearnedState, applicable, remember
+from gb10d.vllm.logparse import parse_line
+from gb10d.core.outcome import Cause, Failed
+from gb10d.daemon.reporter import STATUS_MAX
+from gb10d.core.policy import GiveUp, History, Retry, after_failure, classify, event_kind, failure_line, next_attempt
+from gb10d.core.reload import ConfigSnapshot, diff_configs
+from gb10d.core.statefile import StateRecord
+from gb10d.daemon.status import render
 
 IMAGE = "nvcr.io/nvidia/vllm:26.05-py3"
 OLD = "sha256:" + "a" * 64
@@ -110,7 +110,7 @@ def test_a_stalled_pull_is_pulled_again_after_the_back_off_and_counted() -> None
 
 
 def test_ptxas_in_an_image_is_not_pointed_at_the_hosts_toolkit() -> None:
-    from gb10d.host import HostFacts
+    from gb10d.core.host import HostFacts
 
     outcome = Failed(cause=Cause.PTXAS, failure=PtxasArchUnsupported("sm_121a"))
     decision = next_attempt(outcome, Tunables(0.8), History(1), config(), HostFacts("6.17.0", ptxas="/usr/local/cuda/bin/ptxas"))

@@ -41,8 +41,8 @@ from containers import (
     remove_image,
     run_args_for,
 )
-from gb10d.command import CONTAINER_LABEL, Engine, EngineKind
-from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP
+from gb10d.base.command import CONTAINER_LABEL, Engine, EngineKind
+from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP
 from harness import Daemon, NotifySocket, Setup, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

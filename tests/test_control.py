@@ -7,8 +7,8 @@ import asyncio
 import stat
 from pathlib import Path
 
-from gb10d.control import ControlSocket, ask
-from gb10d.facts import Fact, ParkAsked, WakeAsked
+from gb10d.daemon.control import ControlSocket, ask
+from gb10d.core.facts import Fact, ParkAsked, WakeAsked
 
 
 def test_park_and_wake_are_posted_and_anything_else_is_answered_with_what_is_understood(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.lab import Gb10d
+from gb10d.daemon.lab import Gb10d
 from harness import NotifySocket
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.devices import (
+from gb10d.machine.devices import (
     NVIDIA_DEVICE_ALLOW,
     DeviceGroup,
     NodeAccess,
@@ -21,7 +21,7 @@ from gb10d.devices import (
     matches,
     parse_proc_devices,
 )
-from gb10d.service import unit_name
+from gb10d.machine.service import unit_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -176,7 +176,7 @@ def test_a_node_the_kernels_device_cgroup_denies_is_reported_as_the_device_polic
             "import os, sys\n"
             f"open({str(cgroup / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
             "from pathlib import Path\n"
-            "from gb10d.devices import check_gpu_access\n"
+            "from gb10d.machine.devices import check_gpu_access\n"
             f"print(check_gpu_access('gb10d', paths=(Path({str(node)!r}),), proc_devices=Path('/proc/devices')))\n"
         )
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)

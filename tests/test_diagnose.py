@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.command import Tunables
-from gb10d.config import Config
-from gb10d.diagnose import VERDICTS, diagnose, read_lines
-from gb10d.events import FreeMemoryShort
-from gb10d.outcome import Cause, Failed
-from gb10d.policy import History, Retry, next_attempt
+from gb10d.base.command import Tunables
+from gb10d.base.config import Config
+from gb10d.core.diagnose import VERDICTS, diagnose, read_lines
+from gb10d.vllm.events import FreeMemoryShort
+from gb10d.core.outcome import Cause, Failed
+from gb10d.core.policy import History, Retry, next_attempt
 
 CORPUS = Path(__file__).parent / "corpus"
 EXPECTED: dict[str, dict[str, object]] = json.loads((CORPUS / "expected.json").read_text())

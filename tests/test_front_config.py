@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.cli import main
+from gb10d.cmdline.cli import main
 
 
 def write_instance(directory: Path, name: str, port: int, served: str) -> None:

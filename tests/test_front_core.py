@@ -10,7 +10,7 @@ import pytest
 from gb10d.front.core import (
     Answer, ApiKey, Forward, Go, Instance, Readiness, Wait, admit, authorized, forwarded_headers, model_of, readiness_of, route, sse_error_event,
 )
-from gb10d.statefile import DaemonState, Progress, StateRecord
+from gb10d.core.statefile import DaemonState, Progress, StateRecord
 
 QWEN = Instance("qwen", ("qwen", "qwen-fast"), "127.0.0.1", 8101)
 LLAMA = Instance("llama", ("llama",), "127.0.0.1", 8102)

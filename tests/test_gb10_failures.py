@@ -20,11 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gb10d.errors import EXIT_CONFIG, EXIT_MEMORY_NOT_RETURNED
-from gb10d.memory import GIB, read_meminfo
-from gb10d.process import group_alive
+from gb10d.base.errors import EXIT_CONFIG, EXIT_MEMORY_NOT_RETURNED
+from gb10d.core.memory import GIB, read_meminfo
+from gb10d.launch.process import group_alive
 from gb10d.sim.memory import adjust
-from gb10d.statefile import read_state
+from gb10d.core.statefile import read_state
 
 from harness import Daemon, NotifySocket, Setup, free_port, vllm_groups, wait_until
 

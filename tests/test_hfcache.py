@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.hfcache import cached_snapshot, hub_cache, is_repo_id, offline, repo_folder
+from gb10d.base.hfcache import cached_snapshot, hub_cache, is_repo_id, offline, repo_folder
 from gb10d.sim import hub as sim_hub
 from hub_support import COMMIT, populate_hub
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP
-from gb10d.image import ImageInfo, PullState, advance_pull, digest_change, image_info, parse_reference, pull_failure, pull_lines
+from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP
+from gb10d.base.image import ImageInfo, PullState, advance_pull, digest_change, image_info, parse_reference, pull_failure, pull_lines
 
 DIGEST = "sha256:" + "ab" * 32
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from gb10d.command import build_argv
-from gb10d.config import load_config, normalize_flag
-from gb10d.errors import ConfigError
-from gb10d.importscript import ScriptOwner, import_script, import_script_file, render
+from gb10d.base.command import build_argv
+from gb10d.base.config import load_config, normalize_flag
+from gb10d.base.errors import ConfigError
+from gb10d.vllm.importscript import ScriptOwner, import_script, import_script_file, render
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.config import Config
-from gb10d.errors import EXIT_CONFIG
-from gb10d.instance import clashes, derived_defaults, fill_defaults, holds, instance_of, metrics_port
+from gb10d.base.config import Config
+from gb10d.base.errors import EXIT_CONFIG
+from gb10d.base.instance import clashes, derived_defaults, fill_defaults, holds, instance_of, metrics_port
 
 from harness import Daemon, NotifySocket, Setup, free_port
 

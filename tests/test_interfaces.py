@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from gb10d.errors import EXIT_CONFIG, Gb10dError
-from gb10d.interfaces import Choice, Interface, InterfaceError, choose
+from gb10d.base.errors import EXIT_CONFIG, Gb10dError
+from gb10d.launch.interfaces import Choice, Interface, InterfaceError, choose
 
 HEAD = IPv4Address("10.0.0.1")
 SLOW = "; it is not a ConnectX-7 port (a virtual device with no driver), so NCCL traffic between the machines will be slow"
@@ -324,7 +324,7 @@ NEEDS_ROOT_AND_IP = pytest.mark.skipif(
 IN_NAMESPACE = """
 import json, sys
 from ipaddress import IPv4Address
-from gb10d.interfaces import InterfaceError, find, read_interfaces
+from gb10d.launch.interfaces import InterfaceError, find, read_interfaces
 if sys.argv[1] == "read":
     print(json.dumps([{"name": i.name, "addresses": [str(a) for a in i.addresses], "up": i.up,
                        "driver": i.driver, "speed_mbps": i.speed_mbps, "loopback": i.loopback}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.journal import MAX_FIELD_BYTES, MESSAGE_IDS, Journal, field_name
+from gb10d.machine.journal import MAX_FIELD_BYTES, MESSAGE_IDS, Journal, field_name
 
 REPO = Path(__file__).resolve().parent.parent
 CATALOG = REPO / "packaging" / "gb10d.catalog"
@@ -350,7 +350,7 @@ RECORDED = REPO / "tests" / "fixtures" / "real-vllm-0.23.0"
 
 def forward_recording(name: str) -> list[str]:
     """Push a recorded vLLM stream through framing, bar collapsing, classification and the journal into a pipe."""
-    from gb10d.logparse import BarCollapser, Classifier, LineFramer
+    from gb10d.vllm.logparse import BarCollapser, Classifier, LineFramer
 
     read_fd, write_fd = os.pipe()
     collected: list[str] = []
@@ -412,7 +412,7 @@ def test_progress_bars_reach_the_journal_once_per_step() -> None:
 
 
 def test_connected_to_journal_only_when_journal_stream_names_the_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gb10d.journal import connected_to_journal
+    from gb10d.machine.journal import connected_to_journal
 
     read_fd, write_fd = os.pipe()
     with os.fdopen(write_fd, "w") as stream:

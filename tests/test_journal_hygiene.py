@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gb10d.probe import own_access_line
+from gb10d.daemon.probe import own_access_line
 
 from harness import Daemon, NotifySocket, Setup, free_port
 

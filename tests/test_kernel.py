@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gb10d.events import DriverOutOfMemory, GpuXid
-from gb10d.kernel import XID_MEANINGS, describe, parse_kernel_line, xid_meaning
+from gb10d.vllm.events import DriverOutOfMemory, GpuXid
+from gb10d.vllm.kernel import XID_MEANINGS, describe, parse_kernel_line, xid_meaning
 
 OOM = ("NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051) returned from "
        "_memdescAllocInternal(pMemDesc) @ mem_desc.c:1359")

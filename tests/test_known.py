@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gb10d import advice
-from gb10d.events import (
+from gb10d.core import advice
+from gb10d.vllm.events import (
     BadArgument,
     DriverOutOfMemory,
     EngineDied,
@@ -18,7 +18,7 @@ from gb10d.events import (
     RdmaRegistrationFailed,
     UnsupportedBuild,
 )
-from gb10d.known import ISSUES, NEEDLES, by_name, issue_for, match
+from gb10d.vllm.known import ISSUES, NEEDLES, by_name, issue_for, match
 
 PTXAS = "ptxas fatal   : Value 'sm_121a' is not defined for option 'gpu-name'"
 

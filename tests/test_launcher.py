@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.errors import EXIT_CONFIG
+from gb10d.base.errors import EXIT_CONFIG
 
 LAUNCHER = Path(__file__).resolve().parent.parent / "packaging" / "gb10d-launcher"
 SYSTEM_PYTHON = Path("/usr/bin/python3")

@@ -19,10 +19,10 @@ from typing import Any, Callable
 import pytest
 import tomli_w
 
-from gb10d.command import Tunables
-from gb10d.config import Config, parse_config
-from gb10d.learned import LearnedEntry, LearnedState, applicable, fingerprint, merge, remember
-from gb10d.learnedfile import LearnedFileError, forget, load, save
+from gb10d.base.command import Tunables
+from gb10d.base.config import Config, parse_config
+from gb10d.core.learned import LearnedEntry, LearnedState, applicable, fingerprint, merge, remember
+from gb10d.daemon.learnedfile import LearnedFileError, forget, load, save
 
 AT = datetime(2026, 12, 2, 3, 14, 15, tzinfo=UTC)
 WHY = "free memory 103.45 of 121.69 GiB below 0.92 requested"

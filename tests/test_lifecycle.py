@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from gb10d.command import Tunables
-from gb10d.config import Config
-from gb10d.events import (
+from gb10d.base.command import Tunables
+from gb10d.base.config import Config
+from gb10d.vllm.events import (
     CompileProgressed,
     EngineDied,
     FreeMemoryShort,
@@ -24,10 +24,10 @@ from gb10d.events import (
     StartupCompleted,
     StatsLogged,
 )
-from gb10d.facts import AttemptFact, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Pulled, Tick
-from gb10d.image import PullProgress
-from gb10d.levels import PRIORITY_ERR
-from gb10d.lifecycle import (
+from gb10d.core.facts import AttemptFact, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Pulled, Tick
+from gb10d.base.image import PullProgress
+from gb10d.base.levels import PRIORITY_ERR
+from gb10d.core.lifecycle import (
     EXIT_GRACE_S,
     IO_PROGRESS_MIN_BYTES,
     Action,
@@ -48,7 +48,7 @@ from gb10d.lifecycle import (
     start_time_asked,
     step,
 )
-from gb10d.outcome import Cause, Failed
+from gb10d.core.outcome import Cause, Failed
 
 T0 = 1000.0
 STALL_S = 300.0

@@ -12,8 +12,8 @@ from typing import Callable, Union
 
 import pytest
 
-from gb10d.config import LivenessSection
-from gb10d.liveness import (
+from gb10d.base.config import LivenessSection
+from gb10d.core.liveness import (
     Alive,
     Dead,
     Hung,
@@ -29,8 +29,8 @@ from gb10d.liveness import (
     start,
     verdict,
 )
-from gb10d.facts import ADMISSION_REFUSED
-from gb10d.probe import ProbeResult
+from gb10d.core.facts import ADMISSION_REFUSED
+from gb10d.daemon.probe import ProbeResult
 
 LIMITS = LivenessSection()  # progress_timeout_s 120, idle_probe_interval_s 60, probe_timeout_s 60
 

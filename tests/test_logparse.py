@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.events import (
+from gb10d.vllm.events import (
     ArgsSeen,
     BadArgument,
     CompileProgressed,
@@ -40,7 +40,7 @@ from gb10d.events import (
     VersionSeen,
     WeightsLoaded,
 )
-from gb10d.logparse import (
+from gb10d.vllm.logparse import (
     MAX_LINE_BYTES,
     BarCollapser,
     Classifier,

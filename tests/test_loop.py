@@ -9,9 +9,9 @@ import os
 import signal
 import time
 
-from gb10d.facts import Edited, Reload, Stop
-from gb10d.loop import FactLoop
-from gb10d.notify import Notifier
+from gb10d.core.facts import Edited, Reload, Stop
+from gb10d.daemon.loop import FactLoop
+from gb10d.machine.notify import Notifier
 
 from harness import NotifySocket
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.memory import (
+from gb10d.core.memory import (
     GIB,
     MemInfo,
     MemInfoError,

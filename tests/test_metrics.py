@@ -13,8 +13,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gb10d.events import ShardsProgressed, SpecDecodingLogged, StatsLogged
-from gb10d.metrics import PHASES, Metrics, vllm_families
+from gb10d.vllm.events import ShardsProgressed, SpecDecodingLogged, StatsLogged
+from gb10d.daemon.metrics import PHASES, Metrics, vllm_families
 
 from harness import GIB_KB, Daemon, NotifySocket, Setup, free_port, wait_until
 

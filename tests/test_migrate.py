@@ -10,9 +10,9 @@ import sys
 import tomllib
 from pathlib import Path
 
-from gb10d.access import WayOut
-from gb10d.importscript import Imported
-from gb10d.migrate import Surroundings, for_the_service, merge
+from gb10d.machine.access import WayOut
+from gb10d.vllm.importscript import Imported
+from gb10d.cmdline.migrate import Surroundings, for_the_service, merge
 from hub_support import populate_hub
 
 MODEL = "Qwen/Qwen3.6-27B-FP8"

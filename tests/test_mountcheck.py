@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gb10d.command import env_additions
-from gb10d.config import parse_config
-from gb10d.mountcheck import Unseen, unseen_in_container
+from gb10d.base.command import env_additions
+from gb10d.base.config import parse_config
+from gb10d.machine.mountcheck import Unseen, unseen_in_container
 from hub_support import populate_hub
 
 IMAGE = "nvcr.io/nvidia/vllm:26.05-py3"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.events import (
+from gb10d.vllm.events import (
     ArgsSeen,
     CompileProgressed,
     CudaOutOfMemory,
@@ -25,8 +25,8 @@ from gb10d.events import (
     VersionSeen,
     WeightsLoaded,
 )
-from gb10d.logparse import LineFramer, parse_line
-from gb10d.phases import (
+from gb10d.vllm.logparse import LineFramer, parse_line
+from gb10d.core.phases import (
     Phase,
     StartupState,
     advance,

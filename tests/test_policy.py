@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gb10d.command import Tunables
-from gb10d.config import Config
-from gb10d.errors import EXIT_CONFIG, EXIT_GAVE_UP
-from gb10d.events import (
+from gb10d.base.command import Tunables
+from gb10d.base.config import Config
+from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP
+from gb10d.vllm.events import (
     BadArgument,
     CudaOutOfMemory,
     EngineDied,
@@ -20,9 +20,9 @@ from gb10d.events import (
     PortInUse,
     RayWorkerLost,
 )
-from gb10d.memory import GIB, Neighbours
-from gb10d.outcome import Cause, Failed
-from gb10d.policy import (
+from gb10d.core.memory import GIB, Neighbours
+from gb10d.core.outcome import Cause, Failed
+from gb10d.core.policy import (
     GiveUp,
     History,
     Retry,

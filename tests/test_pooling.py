@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.config import load_config
-from gb10d.errors import ConfigError
-from gb10d.events import TasksSupported
-from gb10d.logparse import parse_line
-from gb10d.probe import OWN_QUERY
-from gb10d.tasks import COMPLETIONS, Probe, choose
+from gb10d.base.config import load_config
+from gb10d.base.errors import ConfigError
+from gb10d.vllm.events import TasksSupported
+from gb10d.vllm.logparse import parse_line
+from gb10d.daemon.probe import OWN_QUERY
+from gb10d.base.tasks import COMPLETIONS, Probe, choose
 
 from harness import Daemon, NotifySocket, Setup, wait_until
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gb10d import programs
-from gb10d.config import Config
-from gb10d.programs import Program, Programs, Rejected
+from gb10d.core import programs
+from gb10d.base.config import Config
+from gb10d.core.programs import Program, Programs, Rejected
 
 
 def config(**vllm: object) -> Config:

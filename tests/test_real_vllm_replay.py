@@ -26,13 +26,13 @@ from pathlib import Path
 
 import pytest
 
-from gb10d import programs
-from gb10d.command import Tunables
-from gb10d.config import Config
-from gb10d.events import EngineDied, Event, Failure, FreeMemoryShort, RayWorkerLost, StartupCompleted
-from gb10d.logparse import Classifier, EventScanner, Kind, LineFramer
-from gb10d.phases import Phase, advance, start
-from gb10d.policy import Cause, History, Retry, classify, describe, next_attempt
+from gb10d.core import programs
+from gb10d.base.command import Tunables
+from gb10d.base.config import Config
+from gb10d.vllm.events import EngineDied, Event, Failure, FreeMemoryShort, RayWorkerLost, StartupCompleted
+from gb10d.vllm.logparse import Classifier, EventScanner, Kind, LineFramer
+from gb10d.core.phases import Phase, advance, start
+from gb10d.core.policy import Cause, History, Retry, classify, describe, next_attempt
 
 FIXTURES = Path(__file__).parent / "fixtures" / "real-vllm-0.23.0-gb10d"
 RAY_FIXTURES = Path(__file__).parent / "fixtures" / "real-vllm-0.23.0-ray"

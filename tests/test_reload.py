@@ -16,9 +16,9 @@ from typing import Any, Awaitable, Callable
 
 import pytest
 
-from gb10d.config import Config, load_config, parse_config
-from gb10d.reload import ConfigDiff, ConfigSnapshot, diff_configs
-from gb10d.watcher import ConfigWatcher, WatchUnavailable
+from gb10d.base.config import Config, load_config, parse_config
+from gb10d.core.reload import ConfigDiff, ConfigSnapshot, diff_configs
+from gb10d.daemon.watcher import ConfigWatcher, WatchUnavailable
 
 DEADLINE_S = 30.0
 DEBOUNCE_S = 1.0

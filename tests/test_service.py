@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.access import Principal
-from gb10d.service import (
+from gb10d.machine.access import Principal
+from gb10d.machine.service import (
     Sandbox,
     context_from_show,
     ipc_warning,

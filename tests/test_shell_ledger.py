@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.errors import EXIT_GAVE_UP, EXIT_OK
-from gb10d.lab import meminfo_text
+from gb10d.base.errors import EXIT_GAVE_UP, EXIT_OK
+from gb10d.daemon.lab import meminfo_text
 
 from harness import Setup
 from shell_support import LINE_GAP_S, Script, Shell, VirtualClock, finish, healthy_start, run_virtual, start_shell

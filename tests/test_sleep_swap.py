@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gb10d.memory import GIB, read_meminfo
+from gb10d.core.memory import GIB, read_meminfo
 from gb10d.sim.memory import adjust
-from gb10d.statefile import read_state
+from gb10d.core.statefile import read_state
 from harness import vllm_groups
 from test_front import Deployment, completion
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.config import load_config
-from gb10d.errors import ConfigError
-from gb10d.reload import ConfigSnapshot, diff_configs
+from gb10d.base.config import load_config
+from gb10d.base.errors import ConfigError
+from gb10d.core.reload import ConfigSnapshot, diff_configs
 from gb10d.front.core import Readiness, readiness_of, should_park, should_wake
-from gb10d.sleepmode import GIB, PARK, WAKE, check_failure, control_path, sleep_freed, vllm_env, vllm_flags, wake_refusal
-from gb10d.statefile import DaemonState, StateRecord
+from gb10d.vllm.sleepmode import GIB, PARK, WAKE, check_failure, control_path, sleep_freed, vllm_env, vllm_flags, wake_refusal
+from gb10d.core.statefile import DaemonState, StateRecord
 
 
 def test_park_is_level_2_in_the_query_and_the_wake_reloads_the_weights_between_its_two_tags() -> None:
@@ -135,7 +135,7 @@ def test_the_front_parks_only_an_idle_serving_on_demand_instance(
 def test_the_sleep_state_metric_names_one_state_at_a_time_and_none_without_vllm() -> None:
     from prometheus_client import generate_latest
 
-    from gb10d.metrics import Metrics
+    from gb10d.daemon.metrics import Metrics
 
     metrics = Metrics()
     metrics.set_sleep_state("asleep")

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from gb10d.statefile import StateRecord, read_state, write_state
-from gb10d.errors import ConfigError
-from gb10d.status import DEFAULT_STATE_FILE, duration, render, state_file_path, status_config
+from gb10d.core.statefile import StateRecord, read_state, write_state
+from gb10d.base.errors import ConfigError
+from gb10d.daemon.status import DEFAULT_STATE_FILE, duration, render, state_file_path, status_config
 
 from harness import Daemon, NotifySocket, Setup, wait_until
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from gb10d.budget import Reservation, Stage
-from gb10d.memory import GIB, MemInfo
-from gb10d.statefile import DaemonState, StateRecord, write_state
-from gb10d.status import render, render_all
+from gb10d.core.budget import Reservation, Stage
+from gb10d.core.memory import GIB, MemInfo
+from gb10d.core.statefile import DaemonState, StateRecord, write_state
+from gb10d.daemon.status import render, render_all
 
 from harness import meminfo_text
 
@@ -73,9 +73,9 @@ HOLD = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from gb10d.budget import Stage
-    from gb10d.ledger import Booking
-    from gb10d.memory import read_meminfo
+    from gb10d.core.budget import Stage
+    from gb10d.machine.ledger import Booking
+    from gb10d.core.memory import read_meminfo
 
     directory, name, utilization, meminfo = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), Path(sys.argv[4])
     booking = Booking.open(directory, name, "/etc/gb10d/" + name + ".toml", print)

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gb10d.errors import EXIT_CONFIG
-from gb10d.process import group_alive, group_members
+from gb10d.base.errors import EXIT_CONFIG
+from gb10d.launch.process import group_alive, group_members
 
 from harness import Daemon, NotifySocket, Setup, vllm_groups, wait_until
 

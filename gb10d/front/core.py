@@ -12,8 +12,8 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..statefile import DaemonState, StateRecord
-from ..status import not_running_reason
+from ..core.statefile import DaemonState, StateRecord
+from ..daemon.status import not_running_reason
 
 # RFC 9110 §7.6.1: meaningful for one connection only; a proxy never forwards them. `Connection` may name more.
 HOP_BY_HOP = frozenset({

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import API_KEY_FORM, Config, FrontSection, api_key_problem, load_config, read_toml
-from ..errors import ConfigError, ConfigProblem
-from ..sleepmode import control_path, sleeps
+from ..base.config import API_KEY_FORM, Config, FrontSection, api_key_problem, load_config, read_toml
+from ..base.errors import ConfigError, ConfigProblem
+from ..vllm.sleepmode import control_path, sleeps
 from .core import ApiKey, Instance
 
 # An instance bound to every address is reached on the loopback one.

@@ -1,4 +1,4 @@
-"""`gb10d front` as a real child process, for the tests and the benchmark (as gb10d.lab runs `gb10d run`)."""
+"""`gb10d front` as a real child process, for the tests and the benchmark (as gb10d.daemon.lab runs `gb10d run`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Self
 
-from ..lab import DEADLINE_S, LineReader, clean_env, kill_group
+from ..daemon.lab import DEADLINE_S, LineReader, clean_env, kill_group
 
 
 class FrontChild:

@@ -19,10 +19,10 @@ from http import HTTPStatus
 
 import h11
 
-from ..config import FrontSection
-from ..control import ask
-from ..statefile import read_state
-from ..status import pid_alive
+from ..base.config import FrontSection
+from ..daemon.control import ask
+from ..core.statefile import read_state
+from ..daemon.status import pid_alive
 from .core import (
     Answer, ApiKey, Instance, Readiness, Wait, admit, authorized, error, forwarded_headers, readiness_of, route, should_park, should_wake,
     sse_error_event,

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..statefile import write_atomically
-from ..status import duration
+from ..core.statefile import write_atomically
+from ..daemon.status import duration
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ huggingface_hub resolves them, or `--download-dir` for the weights:
   the way a model vLLM cannot find fails it.
 
 The cache's layout is read here from huggingface_hub's own rules
-(constants.py, `try_to_load_from_cache`), not through gb10d.hfcache: the
+(constants.py, `try_to_load_from_cache`), not through gb10d.base.hfcache: the
 stand-in is the other side of every cache test, and a mistake shared by
 both sides would pass them all.
 

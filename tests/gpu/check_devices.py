@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gb10d.devices import NVIDIA_NODES, check_gpu_access, matches, parse_proc_devices, probe_nodes
-from gb10d.host import read_host_facts
+from gb10d.machine.devices import NVIDIA_NODES, check_gpu_access, matches, parse_proc_devices, probe_nodes
+from gb10d.core.host import read_host_facts
 
 UNITS = Path(__file__).resolve().parents[2] / "units"
 
@@ -30,7 +30,7 @@ def main(out: Path) -> int:
     report["check_as_root"] = check_gpu_access("gb10d")
     nobody = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
-         "import sys; sys.path.insert(0, '.'); from gb10d.devices import check_gpu_access; print(repr(check_gpu_access('gb10d')))"],
+         "import sys; sys.path.insert(0, '.'); from gb10d.machine.devices import check_gpu_access; print(repr(check_gpu_access('gb10d')))"],
         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2],
     )
     report["check_as_nobody"] = nobody.stdout.strip() or nobody.stderr.strip()

@@ -29,15 +29,15 @@ sys.path.insert(0, str(HERE.parent))
 
 from harness import NotifySocket, wait_until  # noqa: E402
 
-from gb10d.events import Failure  # noqa: E402
-from gb10d.lab import Gb10d, LineReader  # noqa: E402
-from gb10d.logparse import Classifier, EventScanner, Kind, LineFramer  # noqa: E402
-from gb10d.phases import advance, start  # noqa: E402
-from gb10d.process import group_alive, group_members  # noqa: E402
+from gb10d.vllm.events import Failure  # noqa: E402
+from gb10d.daemon.lab import Gb10d, LineReader  # noqa: E402
+from gb10d.vllm.logparse import Classifier, EventScanner, Kind, LineFramer  # noqa: E402
+from gb10d.core.phases import advance, start  # noqa: E402
+from gb10d.launch.process import group_alive, group_members  # noqa: E402
 
 
 class Journal:
-    """A child's stdout (gb10d.lab's reader), each line stamped on arrival with the same clock as the notify socket."""
+    """A child's stdout (gb10d.daemon.lab's reader), each line stamped on arrival with the same clock as the notify socket."""
 
     def __init__(self, reader: LineReader) -> None:
         self._reader = reader

@@ -30,8 +30,8 @@ import httpx
 
 from real_vllm import PORT, Journal, Run, driver_arguments, gpu_processes
 
-from gb10d.lab import LineReader
-from gb10d.process import group_alive
+from gb10d.daemon.lab import LineReader
+from gb10d.launch.process import group_alive
 
 RAY_MARKERS = ("RayWorkerProc", "RayWorkerWrapper", "ActorDiedError", "RayActorError", "ActorUnavailableError", "RayTaskError", "ray.exceptions")
 

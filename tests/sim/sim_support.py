@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from gb10d.lab import free_port, live_pids
+from gb10d.daemon.lab import free_port, live_pids
 
 DEADLINE_S = 30.0
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "real-vllm-0.23.0"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.diagnose import diagnose
+from gb10d.core.diagnose import diagnose
 from sim_support import RECORD, messages, physical_lines
 
 ENGINE_FAILED = "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"

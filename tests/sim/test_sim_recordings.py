@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from gb10d.logparse import EventScanner, LineFramer
+from gb10d.vllm.logparse import EventScanner, LineFramer
 from sim_support import FIXTURES, RECORD, STARTUP_ORDER, STATS, THIRD_PARTY, Sim, http, kind_of, messages, physical_lines
 
 RECORDED_FLAGS = ["/srv/models/tiny-llama", "--served-model-name", "tiny", "--max-model-len", "2048", "--gpu-memory-utilization", "0.30"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.lab import write_meminfo
+from gb10d.daemon.lab import write_meminfo
 
 from harness import wait_until
 from sim_support import BLANK_TAGGED, RECORD, SHARD_BAR, TRACEBACK, messages, physical_lines

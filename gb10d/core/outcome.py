@@ -1,0 +1,106 @@
+"""How an attempt ended: failed with a cause, reloaded, a machine of the pair lost, or stopped.
+
+Only a failure is vLLM's fault and spends the restart budget; the other
+endings are the operator's doing (a reload, a stop) or the cluster's (a
+machine left), and each leads the supervisor somewhere else. They are
+different types so that no code can mistake one for a failure.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass
+from typing import Union
+
+from ..vllm.events import Failure
+
+
+class Cause(enum.Enum):
+    """Why an attempt failed; the value is the metrics label and the journal word."""
+
+    FREE_MEMORY = "free_memory"
+    STALL = "stall"
+    CUDA_OOM = "cuda_oom"
+    KV_CACHE = "kv_cache"
+    NO_KV_MEMORY = "no_kv_memory"
+    PORT_IN_USE = "port_in_use"
+    MODEL_NOT_FOUND = "model_not_found"
+    MODEL_GATED = "model_gated"
+    BAD_ARGUMENT = "bad_argument"
+    SERVED_NAME = "served_name_mismatch"
+    ENGINE_DEAD = "engine_dead"
+    ENGINE_HUNG = "engine_hung"
+    START_TIMEOUT = "start_timeout"
+    CRASH = "crash"
+    WORKER_LOST = "ray_worker_lost"  # one of vLLM's Ray workers died; on a pair, its machine may have left
+    INTERNAL_PORT = "internal_port_in_use"  # one of vLLM's own sockets (ZMQ, torch.distributed) found its port taken
+    # GB10's own failures (gb10d.vllm.known): their names are the known issues' names.
+    PTXAS = "ptxas_sm121a"
+    UNSUPPORTED_BUILD = "unsupported_build"
+    DRIVER_OOM = "driver_oom"
+    NCCL_KHO = "nccl_kho"
+    IPC_REMOVED = "ipc_removed"
+    HIDDEN_INIT = "hidden_init_failure"
+    # vLLM from a container image.
+    NO_PROGRAM = "image_without_vllm"  # the container's init could not run the image's vllm
+    PULL_STALLED = "pull_stalled"  # the image's pull made no progress for startup.stall_timeout_s
+
+
+@dataclass(frozen=True)
+class Failed:
+    """vLLM failed: it exited, stalled, timed out, or its engine died or hung."""
+
+    cause: Cause
+    failure: Failure | None = None
+    exit_status: int | None = None
+    was_ready: bool = False
+    detail: str = ""
+    served_s: float = 0.0  # how long it served before it failed (0 if it never became ready)
+
+
+@dataclass(frozen=True)
+class Reloaded:
+    """The operator changed what vLLM runs with; vLLM was stopped to start with the new settings."""
+
+    changes: str
+
+
+@dataclass(frozen=True)
+class WakeFailed:
+    """A wake from sleep could not be trusted (no memory for it, or its check generation failed); vLLM was stopped
+    to start cold."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    """A machine of the Ray pair left; not vLLM's failure, so it starts again uncounted once the cluster is whole."""
+
+    why: str
+    was_ready: bool = False
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """A stop signal came; the supervisor runs its stop ladder and exits."""
+
+    signame: str
+
+
+Ended = Union[Failed, Reloaded, WakeFailed, NodeLost, Stopped]
+
+
+def describe_exit(status: int | None) -> str:
+    """`exited with status 1` / `was killed by SIGKILL (out of memory? ...)`, for the journal."""
+    if status is None:
+        return "is still running"
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        hint = " (out of memory? see journalctl -k)" if -status == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with status {status}"

@@ -1,0 +1,136 @@
+"""`gb10d run`: the daemon assembled from its parts, and what every run does before and after them.
+
+The parts are small objects with one job each: the fact loop (`loop`),
+the reporter (`reporter`), the config keeper (`keeper`), the checks around
+a start (`preflight`), how vLLM runs (`runtime`: a local process group, or
+a container through docker or podman, picked here by `EngineChoice`), this
+machine's part in a pair (`pair`), and the two kinds of daemon: the
+`Supervisor`, which runs vLLM, and the `WorkerDaemon` of a pair's second
+machine, which runs only Ray. This module wires them together, and gives every run the same frame:
+signals and the watchdog, the metrics listener, the config watcher, the
+GPU device check, a give-up reported the same way everywhere, and nothing
+left running afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from ..base.command import Engine
+from ..vllm import sleepmode
+from ..base.config import Config, load_config
+from .control import ControlSocket
+from ..launch.container import ContainerLauncher, choose_engine
+from ..base.errors import GiveUp
+from ..core.facts import Edited
+from ..machine.journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal
+from .keeper import ConfigKeeper
+from ..machine.kernellog import KernelLog
+from ..base.instance import holds
+from ..machine.ledger import instance_name, open_booking
+from ..base.levels import PRIORITY_ERR, PRIORITY_WARNING
+from .loop import FactLoop
+from .metrics import Metrics
+from ..machine.notify import Notifier
+from .pair import Pair
+from .preflight import Preflight
+from ..launch.process import become_subreaper
+from ..core.reload import ConfigSnapshot
+from .reporter import STATUS_MAX, Reporter
+from ..launch.runtime import Launcher, LocalLauncher
+from .supervisor import Supervisor
+from .worker import WorkerDaemon
+
+
+class EngineChoice:
+    """How vLLM runs for a config: a local process group, or a container through the engine chosen once.
+
+    `container.engine = "auto"` asks which engine answers; the answer holds
+    until a reload changes the engine or its socket, so every start of a
+    run uses the same engine. An engine that cannot be reached is a GiveUp
+    with what to do about it.
+    """
+
+    def __init__(self, config_path: Path) -> None:
+        # The container's label names the config absolutely, as `gb10d cleanup` and print-command name it.
+        self._config_path = config_path.absolute()
+        self._chosen: tuple[object, Engine] | None = None
+
+    async def __call__(self, config: Config) -> Launcher:
+        if config.vllm.image is None:
+            return LocalLauncher()
+        asked = (config.container.engine, config.container.socket)
+        if self._chosen is None or self._chosen[0] != asked:
+            # The engine's client answers in milliseconds, or within ENGINE_TIMEOUT_S when its daemon hangs.
+            engine, problem = await asyncio.to_thread(choose_engine, config.container)
+            if problem is not None:
+                raise GiveUp(str(problem), problem.exit_status)
+            self._chosen = (asked, engine)
+        return ContainerLauncher(config, self._config_path, self._chosen[1])
+
+
+async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier: Notifier, metrics: Metrics) -> int:
+    """Run the daemon the config asks for until it stops (0) or gives up (its exit status)."""
+    config = snapshot.config
+    reporter = Reporter(config, journal, notifier, metrics)
+    try:
+        # First, before the state file or the metrics port is touched: they may be another living instance's.
+        booking = open_booking(
+            config.memory.ledger_path, instance_name(path), str(path),
+            lambda text: reporter.say("memory_ledger", text, PRIORITY_WARNING), holds(config, path),
+        )
+    except GiveUp as exc:
+        reporter.say("gave_up", exc.reason, PRIORITY_ERR, exit_status=exc.exit_status)
+        notifier.status(f"failed: {exc.reason}"[:STATUS_MAX])
+        reporter.close()
+        return exc.exit_status
+    keeper = ConfigKeeper(path, snapshot, reporter)
+    loop = FactLoop(notifier)
+    pair = Pair(keeper, reporter, loop) if config.cluster is not None else None
+    preflight = Preflight(keeper, reporter)
+    supervisor: Supervisor | None = None
+    control: ControlSocket | None = None
+    kernel = KernelLog(config.daemon.kernel_log, loop.post, lambda text: reporter.say("kernel_log", text, PRIORITY_WARNING))
+    loop.install()
+    reporter.serve_metrics()
+    keeper.watch(asyncio.get_running_loop(), lambda: loop.post(Edited()))
+    kernel.start()
+    try:
+        preflight.gpu()
+        host = preflight.host()
+        if pair is not None and pair.cluster.role == "worker":
+            return await WorkerDaemon(keeper, reporter, loop, pair).serve()
+        # vLLM runs here: its share of the machine's memory is booked in the ledger the instances share.
+        reporter.booking = preflight.booking = booking
+        if sleepmode.sleeps(config):
+            control = ControlSocket(sleepmode.control_path(config.daemon.state_file), loop.post)
+            await control.start()
+        supervisor = Supervisor(keeper, reporter, loop, preflight, EngineChoice(path), pair, host)
+        return await supervisor.supervise()
+    except GiveUp as exc:
+        reporter.gave_up(exc.reason, exc.exit_status, exc.told)
+        return exc.exit_status
+    finally:
+        keeper.close()
+        await kernel.close()
+        if supervisor is not None:
+            await supervisor.close()
+        if pair is not None:
+            await pair.close()
+        await loop.remove()
+        if booking is not None:
+            booking.close()
+        if control is not None:
+            await control.close()
+        reporter.close()
+
+
+def run_daemon(config_path: Path) -> int:
+    """Load the config and supervise; the body of `gb10d run`."""
+    snapshot = ConfigSnapshot.take(load_config(config_path))
+    journal = Journal(sys.stdout, socket_path=DEFAULT_SOCKET_PATH if connected_to_journal(sys.stdout) else None)
+    notifier = Notifier(on_error=lambda message: journal.event("watchdog", message, PRIORITY_ERR))
+    become_subreaper()
+    return asyncio.run(serve(config_path, snapshot, journal, notifier, Metrics()))
