@@ -36,6 +36,7 @@ from ..core.modelfit import share_warning_for
 from ..core.memory import (
     MemInfo, PreflightRefused, evict_page_cache, memory_returned, parse_buddyinfo, preflight, read_meminfo, safetensors_files,
 )
+from ..machine.procs import processes
 from ..machine.service import unit_name
 from ..core.phases import Phase
 from .reporter import Reporter
@@ -249,17 +250,15 @@ class Preflight:
 def top_memory_users(count: int = 3) -> str:
     """The largest processes by resident memory, for messages about memory that is not free."""
     users: list[tuple[int, int, str]] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, directory in processes():
         try:
-            status = Path(f"/proc/{entry}/status").read_text()
+            status = directory.joinpath("status").read_text()
         except OSError:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         rss = fields.get("VmRSS", "0 kB").split()
         if rss and rss[0].isdigit():
-            users.append((int(rss[0]) * 1024, int(entry), fields.get("Name", "?").strip()))
+            users.append((int(rss[0]) * 1024, pid, fields.get("Name", "?").strip()))
     users.sort(reverse=True)
     shown = ", ".join(f"{name} (pid {pid}) {rss / 2**30:.1f} GiB" for rss, pid, name in users[:count])
     return f"largest processes: {shown}" if shown else "no process information available"
