@@ -34,7 +34,7 @@ from ..base.levels import PRIORITY_INFO, PRIORITY_WARNING
 from ..core.lifecycle import start_time_asked
 from ..core.modelfit import share_warning_for
 from ..core.memory import (
-    MemInfo, PreflightRefused, evict_page_cache, memory_returned, parse_buddyinfo, preflight, read_meminfo, safetensors_files,
+    MemInfo, MemoryNotReturned, PreflightRefused, evict_page_cache, memory_return, parse_buddyinfo, preflight, read_meminfo, safetensors_files,
 )
 from ..machine.procs import processes
 from ..machine.service import unit_name
@@ -226,23 +226,14 @@ class Preflight:
         if baseline is None:
             return False
         m = self.keeper.config.memory
-        deadline = time.monotonic() + m.recovery_timeout_s
+        started = time.monotonic()
         while True:
-            now_mem = self.meminfo()
-            # Other instances' starts since then took memory that is not this one's to give back.
             taken = budget.taken_since(self.booking.admitted_beside, self.booking.others()) if self.booking is not None else 0
-            expected = baseline.less(taken)
-            if now_mem is None or memory_returned(expected, now_mem, m.recovery_tolerance_gib):
+            verdict = memory_return(baseline, taken, self.meminfo(), m.recovery_tolerance_gib, time.monotonic() - started, m.recovery_timeout_s)
+            if verdict is True:
                 return False
-            if time.monotonic() >= deadline:
-                lost = (expected.available - now_mem.available) / 2**30
-                others = f", less {taken / 2**30:.2f} GiB other gb10d instances' starts took meanwhile" if taken else ""
-                raise GiveUp(
-                    f"memory was not returned after vLLM exited: MemAvailable is {now_mem.available_gib:.2f} GiB, "
-                    f"was {baseline.available_gib:.2f} GiB before it started{others} ({lost:.2f} GiB missing) and no vLLM "
-                    f"process is left; not retrying. A reboot may be needed ({top_memory_users()})",
-                    EXIT_MEMORY_NOT_RETURNED,
-                )
+            if isinstance(verdict, MemoryNotReturned):
+                raise GiveUp(f"{verdict.describe()}; not retrying. A reboot may be needed ({top_memory_users()})", EXIT_MEMORY_NOT_RETURNED)
             if await pause(MEMORY_POLL_S):
                 return True
 
