@@ -23,7 +23,7 @@ from ..base.config import Config, load_config
 from ..base.errors import ConfigError
 from .learnedfile import LearnedFileError, load, save
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
-from ..core.reload import ConfigDiff, ConfigSnapshot, diff_configs
+from ..core.reload import ConfigDiff, ConfigSnapshot, OnlyReported, ReloadRefused, judge_reload
 from .reporter import Reporter
 from .watcher import ConfigWatcher, WatchUnavailable
 
@@ -90,35 +90,13 @@ class ConfigKeeper:
                 PRIORITY_ERR,
             )
             return None
-        if new.config.cluster != self.config.cluster:
-            say(
-                "reload_invalid",
-                "config not applied: [cluster] changed, and this machine's part in a Ray cluster changes only at a start; "
-                "keeping the running configuration; apply it with: systemctl restart gb10d",
-                PRIORITY_ERR,
-            )
+        diff = judge_reload(str(self.path), self.snapshot, new, programs.load(self.programs_file), requested)
+        if isinstance(diff, ReloadRefused):
+            for line in diff.lines:
+                say("reload_invalid", line, PRIORITY_ERR)
             return None
-        record = programs.load(self.programs_file)
-        if programs.is_rejected(new.config, record) and programs.program_path(new.config.vllm) != programs.program_path(self.config.vllm):
-            assert record.rejected is not None
-            say(
-                "reload_invalid",
-                f"config not applied: it runs the candidate {record.rejected.program.describe()}, which failed its start "
-                f"{record.rejected.at} ({record.rejected.failure}); keeping {programs.program_path(self.config.vllm)}; once it is "
-                "fixed: gb10d forget --candidate, then systemctl reload gb10d",
-                PRIORITY_ERR,
-            )
-            return None
-        diff = diff_configs(self.snapshot, new)
-        if not requested and not self.config.daemon.apply_on_change:
-            if diff:
-                say(
-                    "config_changed_on_disk",
-                    f"{self.path} changed on disk, not applied ({diff.describe()}); apply it with: systemctl reload gb10d",
-                    PRIORITY_INFO,
-                )
-            else:
-                say("config_changed_on_disk", f"{self.path} changed on disk; it is valid and nothing gb10d uses differs", PRIORITY_INFO)
+        if isinstance(diff, OnlyReported):
+            say("config_changed_on_disk", diff.line, PRIORITY_INFO)
             return None
         if not diff:
             say("reload_applied", "config re-read: nothing changed", PRIORITY_INFO)

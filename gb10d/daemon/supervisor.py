@@ -39,6 +39,7 @@ from ..core.outcome import Cause, Ended, Failed, NodeLost, Reloaded, Stopped, Wa
 from .pair import Pair
 from .parking import Parking
 from ..core.policy import History
+from ..core.reload import tells_systemd
 from .preflight import Preflight
 from .pull import Pull
 from .reporter import STATUS_MAX, Reporter
@@ -271,7 +272,7 @@ class Supervisor:
         start the next READY=1 is the start's own.
         """
         notifier = self.reporter.notifier
-        tell_systemd = attempt.ready and (requested or self.keeper.config.daemon.apply_on_change)
+        tell_systemd = tells_systemd(attempt.ready, requested, self.keeper.config.daemon.apply_on_change)
         if tell_systemd:
             notifier.reloading()
         diff = self.keeper.take(requested)
