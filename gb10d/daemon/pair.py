@@ -15,6 +15,7 @@ from typing import Callable
 
 from ..core import policy
 from ..core.cluster import (
+    LINK_WAIT_S,
     View,
     cluster_env,
     death_notice_s,
@@ -27,6 +28,7 @@ from ..core.cluster import (
     view_state,
     view_text,
     waiting_text,
+    waits_for_link,
     watcher_argv,
 )
 from ..base.config import ClusterSection
@@ -43,8 +45,6 @@ from ..core.statefile import DaemonState
 
 # While a machine of a pair waits for the other, it asks systemd for this much more start time, a third of it at a time.
 CLUSTER_EXTEND_S = 90.0
-# How long a machine of a pair waits for its link interface to come up at boot before refusing the config.
-LINK_WAIT_S = 120.0
 # No event tells of an address appearing on an interface: look again this often.
 LINK_POLL_S = 2.0
 
@@ -79,13 +79,13 @@ class Pair:
         the refusal stands and gb10d exits 78.
         """
         cluster = self.cluster
-        deadline = time.monotonic() + LINK_WAIT_S
+        started = time.monotonic()
         while True:
             try:
                 self.link = find(cluster.role, cluster.head_address, cluster.interface)
                 break
             except InterfaceError as exc:
-                if time.monotonic() >= deadline:
+                if not waits_for_link(time.monotonic() - started):
                     raise
                 if self.reporter.state is not DaemonState.WAITING_FOR_LINK:
                     self.reporter.say("cluster_waiting", f"waiting up to {LINK_WAIT_S:g} s for the link: {exc}", PRIORITY_WARNING)
