@@ -36,7 +36,6 @@ class ConfigKeeper:
         self.snapshot = snapshot
         self.reporter = reporter
         # Why the settings now in use differ from the config's, for the learned-settings file.
-        self.correction = ""
         # The identity of the container image the current sequence of starts runs (None: not a container).
         self.image: str | None = None
         self._watcher: ConfigWatcher | None = None
@@ -173,22 +172,21 @@ class ConfigKeeper:
     def starting_tunables(self, image: str | None = None) -> Tunables:
         """The config's settings, or what a corrected start learned for this very config (and container `image`)."""
         base = Tunables.from_config(self.config.vllm)
-        self.correction, self.image = "", image
+        self.image = image
         state = load(self.config.daemon.learned_file)
         if state.problem:
             self.reporter.say("learned_discarded", f"{state.problem}; starting from the config's values", PRIORITY_WARNING)
         verdict = learned.applicable(state, self.config, image)
         if verdict.entry is not None:
             self.reporter.say("learned_applied", verdict.reason, PRIORITY_INFO, gpu_memory_utilization=verdict.entry.gpu_memory_utilization)
-            self.correction = verdict.entry.reason
-            return learned.merge(base, verdict.entry)
+            return learned.merge(base, verdict.entry).with_(why=verdict.entry.reason)
         if verdict.reason:
             self.reporter.say("learned_discarded", verdict.reason, PRIORITY_INFO)
         return base
 
     def remember(self, tunables: Tunables) -> None:
         """After a corrected start reached ready, keep what worked for the next boot."""
-        entry = learned.remember(self.config, tunables, self.correction or "a corrected start", datetime.now(UTC), self.image)
+        entry = learned.remember(self.config, tunables, tunables.why or "a corrected start", datetime.now(UTC), self.image)
         if entry is None:
             return
         try:

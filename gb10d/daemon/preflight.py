@@ -146,17 +146,16 @@ class Preflight:
             if await pause(LEDGER_POLL_S):
                 return None
 
-    def fit(self, tunables: Tunables, others: Sequence[Reservation] = ()) -> tuple[Tunables, str]:
+    def fit(self, tunables: Tunables, others: Sequence[Reservation] = ()) -> Tunables:
         """Lower the utilization (or evict the model's page cache) so vLLM's free-memory check passes first time.
 
-        What the starts of `others` reserved is never counted as free.
-        Returns the settings to start with and, when they were lowered, why
-        (the correction the learned-settings file keeps).
+        What the starts of `others` reserved is never counted as free. The settings to start with come back;
+        lowered ones say why (`Tunables.why`, the correction the learned-settings file keeps).
         """
         config = self.keeper.config
         m = config.memory
         if not m.preflight:
-            return tunables, ""
+            return tunables
         self.reporter.metrics.set_phase(Phase.PREFLIGHT.value)
         self._tell_fragmentation(m.buddyinfo_path)
         around = budget.neighbours(others)
@@ -164,7 +163,7 @@ class Preflight:
         while True:
             mem = self.meminfo()
             if mem is None:
-                return tunables, ""
+                return tunables
             located = model_on_host(config, self.keeper.env()) if m.evict_page_cache else None
             files = safetensors_files(*located) if located is not None else []
             decision = preflight(
@@ -185,7 +184,7 @@ class Preflight:
                 continue
             self._warn_share(config, decision.utilization, mem)
             if decision.utilization == tunables.gpu_memory_utilization:
-                return tunables, ""
+                return tunables
             self.reporter.say(
                 "preflight_lowered",
                 f"preflight: {decision.reason} ({mem.summary()})",
@@ -197,7 +196,7 @@ class Preflight:
             if self.booking is not None:
                 # A smaller share leaves more room to the others at once.
                 self.booking.update(utilization=decision.utilization, bytes=budget.share_bytes(decision.utilization, mem.total, m.headroom_gib))
-            return tunables.with_(gpu_memory_utilization=decision.utilization), f"preflight: {decision.reason}"
+            return tunables.with_(gpu_memory_utilization=decision.utilization, why=f"preflight: {decision.reason}")
 
     def _warn_share(self, config: Config, utilization: float, mem: MemInfo) -> None:
         """Warn, without refusing, when the share cannot hold the weights plus one max_model_len sequence's KV cache."""

@@ -104,9 +104,7 @@ class Supervisor:
                 return await self._stop()
             if self._fresh_start:
                 continue  # a reload changed what vLLM runs with while the start waited: ask again with it
-            tunables, correction = self.preflight.fit(tunables, others)
-            if correction:
-                self.keeper.correction = correction
+            tunables = self.preflight.fit(tunables, others)
             history = History(history.attempts + 1, history.backoffs)
             ended = await self._run_attempt(tunables, history.attempts, reason)
             if isinstance(ended, Stopped):
@@ -323,7 +321,6 @@ class Supervisor:
         message = policy.failure_line(outcome, decision, history, self.keeper.config)
         cause = policy.describe(outcome)
         self.reporter.failure(outcome.cause.value, cause, decision.message)
-        self.keeper.correction = cause
         self.reporter.say(
             policy.event_kind(outcome.cause),
             message,
