@@ -136,7 +136,7 @@ class Pair:
     def seen(self, view: View) -> None:
         """Take in a new node table; while waiting, STATUS= and the state file follow it."""
         self.previous_view, self.view = self.view, view
-        self.reporter.metrics.set_cluster_nodes(len(view.serving_nodes()))
+        self.reporter.cluster_nodes(len(view.serving_nodes()))
         self.reporter.cluster = view_state(view, self.cluster, self.address, self.link.interface.name if self.link else "")
         if self.reporter.state in (DaemonState.WAITING, DaemonState.JOINING):
             self.reporter.status(waiting_text(view, self.cluster))
@@ -155,7 +155,7 @@ class Pair:
         self.reporter.status(text, DaemonState.WAITING)
         while not is_whole(self.view, cluster):
             # The wait may be long (the other machine is off): systemd's start timeout must not end it.
-            self.reporter.notifier.extend_timeout(CLUSTER_EXTEND_S)
+            self.reporter.extend(CLUSTER_EXTEND_S)
             if await self.loop.pause(CLUSTER_EXTEND_S / 3, handle, until=lambda: is_whole(self.view, cluster)):
                 return True
         self.reporter.say("cluster_whole", f"the Ray cluster is whole ({view_text(self.view, cluster)}); starting vLLM", PRIORITY_INFO)
@@ -185,7 +185,7 @@ class Pair:
             f"{self.cluster.nodes} machines; it starts again once the cluster is whole (not counted as a failed attempt)",
             PRIORITY_ERR,
         )
-        self.reporter.notifier.status(f"node lost: {why}"[:200])
+        self.reporter.status(f"node lost: {why}")
         return NodeLost(why=why, was_ready=ready)
 
     def explain_exit(self, outcome: Failed, start_view: View | None, pid: int) -> Failed | NodeLost:

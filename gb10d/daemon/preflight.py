@@ -38,7 +38,6 @@ from ..core.memory import (
 )
 from ..machine.procs import processes
 from ..machine.service import unit_name
-from ..core.phases import Phase
 from .reporter import Reporter
 
 # /proc/meminfo offers no change notification: while memory comes back, it is looked at this often.
@@ -156,7 +155,7 @@ class Preflight:
         m = config.memory
         if not m.preflight:
             return tunables
-        self.reporter.metrics.set_phase(Phase.PREFLIGHT.value)
+        self.reporter.preflight_begins()
         self._tell_fragmentation(m.buddyinfo_path)
         around = budget.neighbours(others)
         evicted = False
