@@ -489,6 +489,65 @@ def test_two_instances_started_at_once_both_serve_without_a_memory_failure(super
         supervisor.run("systemctl", "reset-failed", *units, check=False)
 
 
+def http_post(box: Container, url: str, body: dict[str, object], timeout_s: float = 120.0) -> tuple[int, str]:
+    """Status and body of a JSON POST from inside the container; a request held by the front simply takes longer."""
+    script = (
+        "import json, sys, urllib.request, urllib.error\n"
+        "request = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode(), headers={'Content-Type': 'application/json'})\n"
+        "try:\n"
+        "    r = urllib.request.urlopen(request, timeout=float(sys.argv[3]))\n"
+        "    print(r.status); print(r.read().decode())\n"
+        "except urllib.error.HTTPError as e:\n"
+        "    print(e.code); print(e.read().decode())\n"
+    )
+    out = box.run("python3", "-c", script, url, json.dumps(body), str(timeout_s), timeout=timeout_s + 30).stdout
+    status, _, text = out.partition("\n")
+    return int(status), text
+
+
+def test_the_front_swaps_two_on_demand_instances_and_systemctl_tells_the_story(supervisor: Container) -> None:
+    # The front owns one address for both models; each gb10d@ instance parks its vLLM after a few idle seconds and
+    # the front wakes it for the next request. What an operator sees is in systemctl and in each unit's journal.
+    models = {"alpha": 8101, "beta": 8102}
+    units = [f"gb10d@{name}.service" for name in models]
+    set_memory(supervisor, total_gib=121.69, free_gib=115.0)
+    # The front serves every /etc/gb10d/*.toml: the earlier tests' instances (all serving qwen-test) go first.
+    supervisor.run("sh", "-c", "rm -f /etc/gb10d/*.toml")
+    supervisor.write("/etc/gb10d.toml", '[front]\nlisten = "127.0.0.1:8090"\nhold_timeout_s = 120.0\n')
+    for name, port in models.items():
+        config = sim_config(utilization=0.3, port=port, extra='\n[vllm.args]\nmax_model_len = 4096\n\n[on_demand]\npark = "sleep"\nidle_timeout_s = 2.0\n'
+                            '\n[metrics]\nlisten = ""\n')
+        supervisor.write(f"/etc/gb10d/{name}.toml", config.replace('served_model_name = "qwen-test"', f'served_model_name = "{name}"'))
+    mark = supervisor.journal_mark()
+    try:
+        supervisor.run("systemctl", "start", *units, timeout=300)
+        supervisor.run("systemctl", "start", "gb10d-front.service")
+
+        def parked(name: str) -> bool:
+            return supervisor.show(f"gb10d@{name}.service", "StatusText")["StatusText"].startswith("asleep")
+
+        for name in ("alpha", "beta", "alpha"):  # each request finds its model parked: three wakes
+            supervisor.wait_for(f"{name} to be parked", lambda name=name: parked(name), 120)
+            status, body = http_post(supervisor, "http://127.0.0.1:8090/v1/completions", {"model": name, "prompt": "Hello", "max_tokens": 4})
+            assert status == 200 and json.loads(body)["model"] == name, (name, status, body)
+        supervisor.wait_for("alpha's second wake in its journal", lambda: supervisor.messages("gb10d@alpha.service", mark).count("\nwoke vLLM in") == 2)
+        alpha = supervisor.messages("gb10d@alpha.service", mark)
+        assert "checked it with a 16-token generation" in alpha and "vLLM sleeps (level 2) after" in alpha, alpha[-3000:]
+        front = supervisor.messages("gb10d-front.service", mark)
+        for name in models:
+            assert f"parking {name}: no request for" in front, front
+            assert f"waking {name}: 1 request(s) wait for it" in front, front
+        for unit in units:
+            shown = supervisor.show(unit, "ActiveState", "NRestarts")
+            assert shown == {"ActiveState": "active", "NRestarts": "0"}, (unit, shown)
+        status_text = supervisor.run("systemctl", "status", "--no-pager", "-n", "0", "gb10d@beta.service", check=False).stdout
+        assert re.search(r"Status: \"(serving beta|asleep: parked)", status_text), status_text
+    finally:
+        supervisor.run("systemctl", "stop", "gb10d-front.service", *units, check=False)
+        supervisor.run("systemctl", "reset-failed", "gb10d-front.service", *units, check=False)
+        supervisor.run("rm", "-f", "/etc/gb10d/alpha.toml", "/etc/gb10d/beta.toml")
+
+
 def repacked(deb: Path, version: str, out: Path) -> Path:
     """The same package under a newer version: what an upgrade installs."""
     tree = out / "tree"
