@@ -184,69 +184,10 @@ def next_attempt(
     """
     if outcome.cause in CONFIG_CAUSES:
         return GiveUp(_config_advice(outcome, config), EXIT_CONFIG)
-    if outcome.cause is Cause.PTXAS:
-        retry: Retry | GiveUp = _ptxas(used, config, host)
-        if isinstance(retry, GiveUp):
-            return retry
-    elif outcome.cause is Cause.DRIVER_OOM:
-        retry = _driver_oom(used, config)
-        if isinstance(retry, GiveUp):
-            return retry
-    elif outcome.cause in (Cause.KV_CACHE, Cause.NO_KV_MEMORY):
-        retry = _kv_cache(outcome, used, config)
-        if isinstance(retry, GiveUp):
-            return retry
-    elif outcome.cause is Cause.FREE_MEMORY:
-        failure = outcome.failure
-        assert isinstance(failure, FreeMemoryShort)
-        # Another machine's memory (a pair's worker) is not this machine's ledger's.
-        around = ALONE if failure.node else neighbours
-        target = fitting_utilization(failure.free_gib - around.reserved / GIB, failure.total_gib, config.memory.headroom_gib)
-        retry = _lower_utilization(
-            used.gpu_memory_utilization,
-            target,
-            config,
-            describe(outcome) + around.less() + around.beside(),
-            failure.node,
-        )
-        if isinstance(retry, Retry):
-            new = retry.tunables.gpu_memory_utilization
-            spared = f", leaving{around.less().removeprefix(' less')} alone" if around.reserved else ""
-            retry = Retry(used.with_(gpu_memory_utilization=new), 0.0, f"restarting with {new:g}{spared}")
-    elif outcome.cause is Cause.CUDA_OOM:
-        retry = _lower_utilization(
-            used.gpu_memory_utilization, used.gpu_memory_utilization - OOM_MARGIN, config, "CUDA ran out of memory"
-        )
-        if isinstance(retry, Retry):
-            retry = Retry(used.with_(gpu_memory_utilization=retry.tunables.gpu_memory_utilization), 0.0, retry.message)
-    elif outcome.cause is Cause.PULL_STALLED:
-        # The network or the registry may recover; the pull starts over, paced by the back-off.
-        retry = Retry(used, backoff_delay(config, history.backoffs), "pulling again")
-    elif outcome.cause is Cause.STALL:
-        ladder = config.startup.load_strategy_ladder
-        following = ladder[ladder.index(used.load_strategy) + 1 :] if used.load_strategy in ladder else ladder
-        if following:
-            retry = Retry(
-                used.with_(load_strategy=following[0]),
-                0.0,
-                f"restarting with --safetensors-load-strategy {following[0]}",
-            )
-        else:
-            retry = Retry(used, backoff_delay(config, history.backoffs), "retrying with the same settings")
-    elif starts_new_count(outcome, config) or outcome.cause is Cause.ENGINE_HUNG:
-        # It served a good while (or hung, which keeps counting): a fresh start is the fix,
-        # and a full start is slow enough to pace itself.
-        retry = Retry(used, 0.0, "restarting with the same settings")
-    elif outcome.was_ready:
-        retry = Retry(
-            used,
-            backoff_delay(config, history.backoffs),
-            f"it served only {outcome.served_s:.0f} s (less than restart.reset_after_s "
-            f"{config.restart.reset_after_s:g}), so this counts as a failed start; restarting with the same settings",
-        )
-    else:
-        retry = Retry(used, backoff_delay(config, history.backoffs), "restarting with the same settings")
-
+    fix = _fix(outcome, used, config, host)
+    if isinstance(fix, GiveUp):
+        return fix
+    retry = fix if fix is not None else _retry(outcome, used, history, config, neighbours)
     issue = issue_for(outcome.failure) if outcome.failure is not None else None
     if issue is not None and issue.retry_helps and outcome.failure is not None and isinstance(retry, Retry):
         # A retry may get past it, but the operator should know the lasting fix.
@@ -254,6 +195,86 @@ def next_attempt(
     if history.attempts >= config.restart.max_attempts:
         return GiveUp(advice.gave_up(history.attempts, describe(outcome)), EXIT_GAVE_UP)
     return retry
+
+
+def _fix(outcome: Failed, used: Tunables, config: Config, host: HostFacts | None) -> Retry | GiveUp | None:
+    """The one change a GB10 failure or a KV cache too small calls for, or why it cannot be made; None for other causes.
+
+    Its give-up is final whatever the count of attempts: the same start
+    again would fail the same way.
+    """
+    if outcome.cause is Cause.PTXAS:
+        return _ptxas(used, config, host)
+    if outcome.cause is Cause.DRIVER_OOM:
+        return _driver_oom(used, config)
+    if outcome.cause in (Cause.KV_CACHE, Cause.NO_KV_MEMORY):
+        return _kv_cache(outcome, used, config)
+    return None
+
+
+def _retry(outcome: Failed, used: Tunables, history: History, config: Config, neighbours: Neighbours) -> Retry | GiveUp:
+    """The retry for the other causes: a lower utilization where memory ran short (or why it cannot go lower),
+    the next load strategy after a stall, else the same settings, paced by the back-off where they failed to start."""
+    if outcome.cause is Cause.FREE_MEMORY:
+        return _free_memory(outcome, used, config, neighbours)
+    if outcome.cause is Cause.CUDA_OOM:
+        retry = _lower_utilization(
+            used.gpu_memory_utilization, used.gpu_memory_utilization - OOM_MARGIN, config, "CUDA ran out of memory"
+        )
+        if isinstance(retry, Retry):
+            retry = Retry(used.with_(gpu_memory_utilization=retry.tunables.gpu_memory_utilization), 0.0, retry.message)
+        return retry
+    if outcome.cause is Cause.PULL_STALLED:
+        # The network or the registry may recover; the pull starts over, paced by the back-off.
+        return Retry(used, backoff_delay(config, history.backoffs), "pulling again")
+    if outcome.cause is Cause.STALL:
+        return _next_load_strategy(used, history, config)
+    if starts_new_count(outcome, config) or outcome.cause is Cause.ENGINE_HUNG:
+        # It served a good while (or hung, which keeps counting): a fresh start is the fix,
+        # and a full start is slow enough to pace itself.
+        return Retry(used, 0.0, "restarting with the same settings")
+    if outcome.was_ready:
+        return Retry(
+            used,
+            backoff_delay(config, history.backoffs),
+            f"it served only {outcome.served_s:.0f} s (less than restart.reset_after_s "
+            f"{config.restart.reset_after_s:g}), so this counts as a failed start; restarting with the same settings",
+        )
+    return Retry(used, backoff_delay(config, history.backoffs), "restarting with the same settings")
+
+
+def _free_memory(outcome: Failed, used: Tunables, config: Config, neighbours: Neighbours) -> Retry | GiveUp:
+    """Too little free memory at the start: the utilization that fits what is free, less what neighbours reserved."""
+    failure = outcome.failure
+    assert isinstance(failure, FreeMemoryShort)
+    # Another machine's memory (a pair's worker) is not this machine's ledger's.
+    around = ALONE if failure.node else neighbours
+    target = fitting_utilization(failure.free_gib - around.reserved / GIB, failure.total_gib, config.memory.headroom_gib)
+    retry = _lower_utilization(
+        used.gpu_memory_utilization,
+        target,
+        config,
+        describe(outcome) + around.less() + around.beside(),
+        failure.node,
+    )
+    if isinstance(retry, Retry):
+        new = retry.tunables.gpu_memory_utilization
+        spared = f", leaving{around.less().removeprefix(' less')} alone" if around.reserved else ""
+        retry = Retry(used.with_(gpu_memory_utilization=new), 0.0, f"restarting with {new:g}{spared}")
+    return retry
+
+
+def _next_load_strategy(used: Tunables, history: History, config: Config) -> Retry:
+    """A load that stalled: the next strategy of `startup.load_strategy_ladder`, else the same settings after a back-off."""
+    ladder = config.startup.load_strategy_ladder
+    following = ladder[ladder.index(used.load_strategy) + 1 :] if used.load_strategy in ladder else ladder
+    if following:
+        return Retry(
+            used.with_(load_strategy=following[0]),
+            0.0,
+            f"restarting with --safetensors-load-strategy {following[0]}",
+        )
+    return Retry(used, backoff_delay(config, history.backoffs), "retrying with the same settings")
 
 
 def _kv_cache(outcome: Failed, used: Tunables, config: Config) -> Retry | GiveUp:
