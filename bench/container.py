@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gb10d.base.command import Engine, EngineKind, engine_client
-from gb10d.launch.container import probe
+from gb10d.launch.engine import probe
 
 from .lab import Deployment, Gb10d, Workspace, summary
 

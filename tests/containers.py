@@ -34,7 +34,7 @@ from typing import Iterator
 import pytest
 
 from gb10d.base.command import Engine, EngineKind, engine_client
-from gb10d.launch.container import probe
+from gb10d.launch.engine import probe
 from harness import free_port
 
 ROOT = Path(__file__).parent.parent

@@ -17,7 +17,7 @@ import pytest
 from gb10d.core.advice import status_of_give_up
 from gb10d.base.command import Tunables, container_mounts, host_path, model_on_host
 from gb10d.base.config import Config
-from gb10d.launch.container import unreachable_status
+from gb10d.launch.engine import unreachable_status
 from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP
 from gb10d.vllm.events import PtxasArchUnsupported, ProgramNotRun
 from gb10d.core.learned import LearnedState, applicable, remember

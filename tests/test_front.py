@@ -27,7 +27,7 @@ import pytest
 from gb10d.front.lab import FrontChild
 from gb10d.front.wire import READ_SIZE
 from gb10d.daemon.lab import wait_until
-from gb10d.sim.api import token_text
+from gb10d.sim.tokens import token_text
 from gb10d.base.config import MemorySection
 from gb10d.core.statefile import read_state
 from gb10d.daemon.status import show_all

@@ -89,7 +89,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     v = loaded.config.vllm
     using = f"using {v.program}"
     if v.image is not None:
-        from ..launch.container import engine_problems
+        from ..launch.engine import engine_problems
 
         engine, problems = engine_problems(loaded)
         if problems:
@@ -174,7 +174,7 @@ def cmd_print_command(args: argparse.Namespace) -> int:
 
 def _print_container_command(loaded: LoadedConfig, argv: list[str], with_env: bool) -> None:
     """Print the `docker run` / `podman run` line; which engine and the pull gb10d does first go to stderr."""
-    from ..launch.container import choose_engine
+    from ..launch.engine import choose_engine
 
     config = loaded.config
     assert config.vllm.image is not None
@@ -236,7 +236,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     """Remove the container a gb10d of this config left behind when it died (the unit's ExecStopPost=); nothing for a venv."""
     import asyncio
 
-    from ..launch.container import ContainerLauncher, choose_engine
+    from ..launch.container import ContainerLauncher
+    from ..launch.engine import choose_engine
     from ..core.statefile import read_state
     from ..daemon.status import pid_alive
 

@@ -22,7 +22,8 @@ from ..base.command import Engine
 from ..vllm import sleepmode
 from ..base.config import Config
 from .control import ControlSocket
-from ..launch.container import ContainerLauncher, choose_engine
+from ..launch.container import ContainerLauncher
+from ..launch.engine import choose_engine
 from ..base.errors import GiveUp
 from ..core.facts import Edited
 from ..machine.journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal

@@ -20,7 +20,7 @@ from typing import Callable
 from ..core import lifecycle
 from ..base.command import Tunables
 from ..base.config import Config
-from ..launch.container import EngineUnavailable
+from ..launch.engine import EngineUnavailable
 from ..base.errors import GiveUp
 from ..core.facts import Fact, PullEnded, Pulled, Tick
 from ..base.image import PreparedImage, PullFailed

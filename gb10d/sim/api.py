@@ -4,35 +4,28 @@ Request threads never generate anything themselves: they hand the request
 to the EngineCore over the socket and wait for its tokens, so a dead or
 deadlocked engine shows through HTTP exactly as in vLLM (503 on /health
 once dead; completions that never finish while /health stays 200 when hung).
+The engine's side of that socket is coreclient's, the `vllm:` metrics are
+metrics', the words of every answer tokens'.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import queue
 import socket
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable
 
 from . import texts
-from .devapi import DEV_ROUTES, SLEEP_STATES, dev_route
+from .coreclient import EngineClient, Pending
+from .devapi import DEV_ROUTES, dev_route
+from .metrics import render_metrics
 from .output import STDOUT, Console
 from .pooling import pool, routes
-
-WORDS = ("The", "stand-in", "engine", "answers", "every", "prompt", "with", "this", "same", "short", "calm", "sentence", ".")
-CHAT_ANSWER_TOKENS = len(WORDS)
-TEMPLATE_TOKENS = 10
-
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+from .tokens import CHAT_ANSWER_TOKENS, TEMPLATE_TOKENS, count_prompt_tokens, token_text
 
 ROUTES = [
     ("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/docs/oauth2-redirect", "HEAD, GET"), ("/redoc", "HEAD, GET"),
@@ -44,294 +37,6 @@ ROUTES = [
     ("/inference/v1/generate", "POST"), ("/scale_elastic_ep", "POST"), ("/is_scaling_elastic_ep", "POST"),
     ("/v1/chat/completions/render", "POST"), ("/v1/completions/render", "POST"),
 ]
-
-def token_text(index: int) -> str:
-    """The deterministic text of generated token number `index`."""
-    return " " + WORDS[index % len(WORDS)]
-
-
-def count_prompt_tokens(prompt: Any) -> int:
-    """A stable stand-in for tokenization: one token per word, plus BOS."""
-    if isinstance(prompt, list):
-        return sum(count_prompt_tokens(p) if isinstance(p, str) else 1 for p in prompt) or 1
-    return len(str(prompt or "").split()) + 1
-
-
-class Histogram:
-    """A Prometheus histogram (cumulative buckets, sum, count)."""
-
-    def __init__(self, buckets: Iterable[float]) -> None:
-        self.buckets = tuple(float(b) for b in buckets)
-        self.counts = [0] * len(self.buckets)
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        for index, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[index] += 1
-        self.total += value
-        self.count += 1
-
-
-@dataclass
-class Metrics:
-    """vLLM's `vllm:` metrics of REFERENCE §4, for one engine."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    success: dict[str, int] = field(default_factory=lambda: {r: 0 for r in FINISHED_REASONS})
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted: int = 0
-    spec_per_pos: list[int] = field(default_factory=list)
-    ttft: Histogram = field(default_factory=lambda: Histogram(_TTFT_BUCKETS))
-    itl: Histogram = field(default_factory=lambda: Histogram(_ITL_BUCKETS))
-    e2e: Histogram = field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))
-    queue_time: Histogram = field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))
-    prefill: Histogram = field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))
-    decode: Histogram = field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))
-    iteration: Histogram = field(default_factory=lambda: Histogram(_ITERATION_BUCKETS))
-    created: float = field(default_factory=time.time)
-
-
-def _labels(values: dict[str, str]) -> str:
-    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(values.items())) + "}"
-
-
-def render_metrics(m: Metrics, model_name: str, running: int, kv_usage: float, spec_k: int | None, utilization: float, sleep_level: int = 0) -> str:
-    """The Prometheus text exposition of the vllm: metrics (labels sorted, as the recording shows)."""
-    base = {"engine": "0", "model_name": model_name}
-    out: list[str] = []
-
-    def family(name: str, kind: str, help_text: str, samples: Sequence[tuple[str, dict[str, str], float]]) -> None:
-        # prometheus_client names a counter family after its _total sample and
-        # exposes the _created samples as a gauge family of their own.
-        head = f"{name}_total" if kind == "counter" else name
-        out.append(f"# HELP {head} {help_text}")
-        out.append(f"# TYPE {head} {kind}")
-        created = [s for s in samples if s[0] == "_created"]
-        for suffix, extra, value in samples:
-            if suffix != "_created":
-                out.append(f"{name}{suffix}{_labels({**base, **extra})} {float(value)!r}")
-        if created:
-            out.append(f"# HELP {name}_created {help_text}")
-            out.append(f"# TYPE {name}_created gauge")
-            out.extend([f"{name}_created{_labels({**base, **extra})} {float(value)!r}" for _, extra, value in created])
-
-    def counter(value: float) -> list[tuple[str, dict[str, str], float]]:
-        return [("_total", {}, value), ("_created", {}, m.created)]
-
-    def histogram(name: str, help_text: str, h: Histogram) -> None:
-        samples: list[tuple[str, dict[str, str], float]] = [("_bucket", {"le": repr(b)}, c) for b, c in zip(h.buckets, h.counts)]
-        samples += [("_bucket", {"le": "+Inf"}, h.count), ("_count", {}, h.count), ("_sum", {}, h.total), ("_created", {}, m.created)]
-        family(name, "histogram", help_text, samples)
-
-    family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", [("", {}, running)])
-    family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", [("", {}, 0)])
-    family("vllm:num_requests_waiting_by_reason", "gauge", "Number of requests waiting, by reason.", [("", {"reason": r}, 0) for r in ("capacity", "deferred")])
-    family("vllm:engine_sleep_state", "gauge", "Engine sleep state; awake = 0 means engine is sleeping.", [("", {"sleep_state": s}, int(s == SLEEP_STATES[sleep_level])) for s in SLEEP_STATES])
-    family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", [("", {}, kv_usage)])
-    family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", [("", {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True", "gpu_memory_utilization": repr(utilization)}, 1)])
-    family("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.", counter(m.prefix_queries))
-    family("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.", counter(m.prefix_hits))
-    family("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.", counter(0))
-    family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", counter(m.prompt_tokens))
-    family("vllm:generation_tokens", "counter", "Number of generation tokens processed.", counter(m.generation_tokens))
-    success: list[tuple[str, dict[str, str], float]] = []
-    for reason in FINISHED_REASONS:
-        success += [("_total", {"finished_reason": reason}, m.success[reason])]
-    success += [("_created", {"finished_reason": reason}, m.created) for reason in FINISHED_REASONS]
-    family("vllm:request_success", "counter", "Count of successfully processed requests.", success)
-    histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", m.iteration)
-    histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m.ttft)
-    histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl)
-    histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", m.e2e)
-    histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", m.queue_time)
-    histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", m.prefill)
-    histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", m.decode)
-    if spec_k:
-        family("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.", counter(m.spec_drafts))
-        family("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.", counter(m.spec_draft_tokens))
-        family("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.", counter(m.spec_accepted))
-        per_pos = [("_total", {"position": str(p)}, m.spec_per_pos[p] if p < len(m.spec_per_pos) else 0) for p in range(spec_k)]
-        family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.", per_pos)
-    return "\n".join(out) + "\n"
-
-
-@dataclass
-class _Pending:
-    """One request waiting for the engine's tokens."""
-
-    prompt_tokens: int
-    max_tokens: int
-    started: float
-    events: queue.SimpleQueue[tuple[int, bool] | None] = field(default_factory=queue.SimpleQueue)
-    produced: int = 0
-    first_at: float | None = None
-    last_at: float | None = None
-    pooling: bool = False  # a pooling request: its one engine pass generates no token
-    empty: bool = False  # the weights were woken without reload_weights: tokens come, text does not
-
-
-class EngineClient:
-    """The API server's view of the EngineCore: sends requests, routes tokens, keeps the metrics."""
-
-    def __init__(self, conn: socket.socket, speed: float, kv_tokens: int, spec_k: int | None, on_death: Callable[[], None]) -> None:
-        self.conn = conn
-        self.speed = speed
-        self.kv_tokens = max(kv_tokens, 1)
-        self.spec_k = spec_k
-        self.metrics = Metrics()
-        self.lock = threading.Lock()
-        self.pending: dict[str, _Pending] = {}
-        self.dead = False
-        self._on_death = on_death
-        self._seen_prompts: set[str] = set()
-        self._counter = 0
-        self._controls: dict[str, queue.SimpleQueue[dict[str, Any] | None]] = {}
-        self.sleep_level = 0
-
-    def start(self) -> None:
-        threading.Thread(target=self._read, name="engine-output", daemon=True).start()
-
-    def _sim(self, wall_seconds: float) -> float:
-        """Durations are reported in simulated seconds, like every other figure."""
-        return wall_seconds / self.speed if self.speed > 0 else wall_seconds
-
-    def submit(self, prompt_key: str, prompt_tokens: int, max_tokens: int, pooling: bool = False) -> tuple[str, _Pending] | None:
-        """Queue a request on the engine; None if the engine is dead."""
-        with self.lock:
-            if self.dead:
-                return None
-            self._counter += 1
-            rid = f"{self._counter:x}"
-            pending = _Pending(prompt_tokens, max_tokens, time.monotonic(), pooling=pooling)
-            self.pending[rid] = pending
-            self.metrics.prefix_queries += prompt_tokens
-            if prompt_key in self._seen_prompts:
-                self.metrics.prefix_hits += prompt_tokens // 16 * 16
-            self._seen_prompts.add(prompt_key)
-            try:
-                self.conn.sendall(json.dumps({"t": "gen", "id": rid, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens}).encode() + b"\n")
-            except OSError:
-                pass
-        return rid, pending
-
-    def control(self, message: dict[str, Any]) -> dict[str, Any] | None:
-        """A development endpoint's call to the engine, answered when it is done; None if the engine is dead."""
-        answers: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
-        with self.lock:
-            if self.dead:
-                return None
-            self._counter += 1
-            rid = f"c{self._counter:x}"
-            self._controls[rid] = answers
-            try:
-                self.conn.sendall(json.dumps({**message, "id": rid}).encode() + b"\n")
-            except OSError:
-                pass
-        answer = answers.get()
-        if answer is not None:
-            self.sleep_level = int(answer.get("level", 0))
-        return answer
-
-    def running(self) -> int:
-        with self.lock:
-            return len(self.pending)
-
-    def kv_usage(self) -> float:
-        with self.lock:
-            used = sum(p.prompt_tokens + p.produced for p in self.pending.values())
-        return min(used / self.kv_tokens, 1.0)
-
-    def _read(self) -> None:
-        buffer = b""
-        while True:
-            try:
-                chunk = self.conn.recv(65536)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                break
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                if line:
-                    self._on_message(json.loads(line))
-        with self.lock:
-            self.dead = True
-            waiting = list(self.pending.values())
-            self.pending.clear()
-            controls = list(self._controls.values())
-            self._controls.clear()
-        for pending in waiting:
-            pending.events.put(None)
-        for answers in controls:
-            answers.put(None)
-        self._on_death()
-
-    def _on_message(self, message: dict[str, Any]) -> None:
-        if message.get("t") == "done":
-            with self.lock:
-                answers = self._controls.pop(str(message.get("id")), None)
-            if answers is not None:
-                answers.put(message)
-            return
-        if message.get("t") != "tok":
-            return
-        now = time.monotonic()
-        with self.lock:
-            pending = self.pending.get(str(message["id"]))
-            if pending is None:
-                return
-            count, finished = int(message["n"]), bool(message["fin"])
-            m = self.metrics
-            if pending.first_at is None:
-                pending.first_at = now
-                m.prompt_tokens += pending.prompt_tokens
-                m.ttft.observe(self._sim(now - pending.started))
-                m.queue_time.observe(0.0)
-                m.prefill.observe(self._sim(now - pending.started))
-            elif pending.last_at is not None:
-                m.itl.observe(self._sim(now - pending.last_at))
-            pending.last_at = now
-            pending.empty = bool(message.get("empty"))
-            pending.produced += count
-            if not pending.pooling:
-                m.generation_tokens += count
-            m.iteration.observe(count)
-            accepted = message.get("spec")
-            if accepted:
-                m.spec_drafts += 1
-                m.spec_draft_tokens += len(accepted)
-                m.spec_accepted += sum(accepted)
-                if len(m.spec_per_pos) < len(accepted):
-                    m.spec_per_pos += [0] * (len(accepted) - len(m.spec_per_pos))
-                for position, hit in enumerate(accepted):
-                    m.spec_per_pos[position] += hit
-            if finished:
-                del self.pending[str(message["id"])]
-                m.e2e.observe(self._sim(now - pending.started))
-                m.decode.observe(self._sim(now - (pending.first_at or now)))
-        pending.events.put((count, finished))
-
-    def snapshot(self) -> dict[str, float]:
-        """Counters for the periodic stats line."""
-        with self.lock:
-            m = self.metrics
-            return {
-                "prompt": m.prompt_tokens, "generation": m.generation_tokens, "queries": m.prefix_queries,
-                "hits": m.prefix_hits, "drafts": m.spec_drafts, "draft_tokens": m.spec_draft_tokens,
-                "accepted": m.spec_accepted, "requests": sum(m.success.values()) + len(self.pending),
-                **{f"pos{p}": v for p, v in enumerate(m.spec_per_pos)},
-            }
-
-    def finish(self, reason: str) -> None:
-        with self.lock:
-            self.metrics.success[reason] += 1
 
 
 @dataclass(frozen=True)
@@ -560,7 +265,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._complete(pending, chat, ident, name, reason, prompt_tokens)
 
-    def tokens(self, pending: _Pending) -> Iterable[tuple[int, int, bool]]:
+    def tokens(self, pending: Pending) -> Iterable[tuple[int, int, bool]]:
         """(first index, count, finished) as the engine produces them; stops early if it dies."""
         index = 0
         while True:
@@ -573,7 +278,7 @@ class Handler(BaseHTTPRequestHandler):
             if finished:
                 return
 
-    def _complete(self, pending: _Pending, chat: bool, ident: str, name: str, reason: str, prompt_tokens: int) -> None:
+    def _complete(self, pending: Pending, chat: bool, ident: str, name: str, reason: str, prompt_tokens: int) -> None:
         pieces: list[str] = []
         done = False
         for first, count, finished in self.tokens(pending):
@@ -599,7 +304,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
 
-    def _stream(self, pending: _Pending, chat: bool, ident: str, name: str, reason: str, prompt_tokens: int, include_usage: bool) -> None:
+    def _stream(self, pending: Pending, chat: bool, ident: str, name: str, reason: str, prompt_tokens: int, include_usage: bool) -> None:
         self.send_response(200)
         self.send_header("content-type", "text/event-stream; charset=utf-8")
         self.send_header("transfer-encoding", "chunked")

@@ -17,6 +17,8 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .tokens import count_prompt_tokens
+
 if TYPE_CHECKING:
     from .api import Handler
 
@@ -41,8 +43,6 @@ def routes(all_routes: Sequence[tuple[str, str]], tasks: Sequence[str]) -> list[
 
 def pool(handler: Handler, path: str) -> None:
     """POST /v1/embeddings, /classify or /pooling: one engine pass over the input, then vLLM's answer body."""
-    from .api import count_prompt_tokens  # api imports this module at its top
-
     config, client = handler.server.config, handler.server.client
     try:
         body = handler.read_json()

@@ -32,7 +32,7 @@ from .output import STDERR, Console
 from .settings import SettingsError, SimSettings, from_environ
 
 if TYPE_CHECKING:
-    from .api import EngineClient  # imported when serving begins, as the routes are
+    from .coreclient import EngineClient  # imported when serving begins, as the routes are
 
 API_BOOT_S = 4.0
 CONFIG_S = 2.0
@@ -249,7 +249,8 @@ class ApiServer:
 
     def serve(self, sock: socket.socket, kv_tokens: int) -> NoReturn:
         """The serving phase: routes, uvicorn's lines, listen(), then act on queued events."""
-        from .api import ROUTES, EngineClient, Handler, ServeConfig, SimHTTPServer
+        from .api import ROUTES, Handler, ServeConfig, SimHTTPServer
+        from .coreclient import EngineClient
         from .pooling import routes
         from .devapi import DEV_ROUTES
 
@@ -393,7 +394,7 @@ class ApiServer:
 
     def _stats_loop(self, client: object, spec_k: int | None, baseline: dict[str, float]) -> None:
         """LoggingStatLogger: one line per interval, DEBUG while idle; SpecDecoding right after."""
-        from .api import EngineClient
+        from .coreclient import EngineClient
 
         assert isinstance(client, EngineClient)
         interval = self.settings.stats_interval_s
