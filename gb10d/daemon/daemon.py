@@ -20,7 +20,8 @@ from pathlib import Path
 
 from ..base.command import Engine
 from ..vllm import sleepmode
-from ..base.config import Config, load_config
+from ..base.config import Config
+from ..base.configload import load_config
 from .control import ControlSocket
 from ..launch.container import ContainerLauncher, choose_engine
 from ..base.errors import GiveUp

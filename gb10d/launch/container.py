@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Awaitable, Callable, Mapping, Sequence
 
 from ..base.command import CONTAINER_LABEL, PODMAN_SOCKET, Engine, EngineKind, build_env, container_argv, container_name, engine_client, inherited_env
-from ..base.config import Config, ContainerSection, LoadedConfig, VllmSection
+from ..base.config import Config, ContainerSection, VllmSection
+from ..base.configload import LoadedConfig
 from ..base.errors import EXIT_CONFIG, EXIT_GAVE_UP, ConfigProblem, SpawnError
 from ..base.image import ImageInfo, PreparedImage, PullProgress, PullState, advance_pull, image_info, not_present, pull_failure, pull_lines
 from .process import ChunkHandler, ProcessGroup
