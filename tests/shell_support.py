@@ -30,7 +30,8 @@ from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence, TypeV
 import pytest
 
 from gb10d.core.cluster import Node, View
-from gb10d.base.config import Config, load_config
+from gb10d.base.config import Config
+from gb10d.base.configload import load_config
 from gb10d.base.errors import GiveUp
 from gb10d.core.facts import Reload, Stop
 from gb10d.base.instance import holds

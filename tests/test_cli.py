@@ -16,7 +16,8 @@ import pytest
 from containers import dead_socket, engine_or_skip, ensure_sim_image, sim_image_tag
 from gb10d.cmdline.cli import main
 from gb10d.base.command import Engine, build_argv, container_argv, env_additions
-from gb10d.base.config import Config, load_config, load_config_explained
+from gb10d.base.config import Config
+from gb10d.base.configload import load_config, load_config_explained
 from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP
 
 ROOT = Path(__file__).parent.parent

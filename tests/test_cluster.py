@@ -38,7 +38,8 @@ from gb10d.core.cluster import (
     watcher_argv,
 )
 from gb10d.base.command import build_argv
-from gb10d.base.config import Config, parse_config
+from gb10d.base.config import Config
+from gb10d.base.configload import parse_config
 from gb10d.base.errors import ConfigError
 
 

@@ -17,13 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.base.config import (
-    Config,
-    dropin_dir_for,
-    load_config,
-    load_config_explained,
-    normalize_flag,
-)
+from gb10d.base.config import Config
+from gb10d.base.configfile import dropin_dir_for
+from gb10d.base.configload import load_config, load_config_explained
+from gb10d.base.flags import normalize_flag
 from gb10d.base.errors import EXIT_CONFIG, ConfigError
 
 

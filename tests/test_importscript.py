@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from gb10d.base.command import build_argv
-from gb10d.base.config import load_config, normalize_flag
+from gb10d.base.configload import load_config
+from gb10d.base.flags import normalize_flag
 from gb10d.base.errors import ConfigError
 from gb10d.vllm.importscript import ScriptOwner, import_script, import_script_file, render
 

@@ -20,7 +20,8 @@ import pytest
 import tomli_w
 
 from gb10d.base.command import Tunables
-from gb10d.base.config import Config, parse_config
+from gb10d.base.config import Config
+from gb10d.base.configload import parse_config
 from gb10d.core.learned import LearnedEntry, LearnedState, applicable, fingerprint, merge, remember
 from gb10d.daemon.learnedfile import LearnedFileError, forget, load, save
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from gb10d.base.command import env_additions
-from gb10d.base.config import parse_config
+from gb10d.base.configload import parse_config
 from gb10d.machine.mountcheck import Unseen, unseen_in_container
 from hub_support import populate_hub
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.base.config import load_config
+from gb10d.base.configload import load_config
 from gb10d.base.errors import ConfigError
 from gb10d.vllm.events import TasksSupported
 from gb10d.vllm.logparse import parse_line

@@ -16,7 +16,8 @@ from typing import Any, Awaitable, Callable
 
 import pytest
 
-from gb10d.base.config import Config, load_config, parse_config
+from gb10d.base.config import Config
+from gb10d.base.configload import load_config, parse_config
 from gb10d.core import programs
 from gb10d.core.reload import ConfigDiff, ConfigSnapshot, OnlyReported, ReloadRefused, diff_configs, judge_reload, tells_systemd
 from gb10d.daemon.watcher import ConfigWatcher, WatchUnavailable

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.base.config import load_config
+from gb10d.base.configload import load_config
 from gb10d.base.errors import ConfigError
 from gb10d.core.reload import ConfigSnapshot, diff_configs
 from gb10d.front.core import Readiness, readiness_of, should_park, should_wake

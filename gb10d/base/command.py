@@ -17,7 +17,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 from typing import Any, Literal, Mapping, Sequence
 
-from .config import DEFAULT_CONFIG_PATH, Config, ContainerSection, VllmSection, normalize_flag
+from .config import Config, ContainerSection, VllmSection
+from .configfile import DEFAULT_CONFIG_PATH
+from .flags import normalize_flag
 from .hfcache import hub_cache
 from .errors import ConfigError, ConfigProblem
 

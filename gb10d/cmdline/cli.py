@@ -18,17 +18,9 @@ from typing import Any, Callable, Sequence
 from .. import __version__
 from ..core.cluster import cluster_env, ray_argv, vllm_flags
 from ..base.command import REDACTED, build_argv, container_argv, env_additions, is_secret_name, redact_setting, shell_line
-from ..base.config import (
-    CONFIG_ENV,
-    DEFAULT_CONFIG_PATH,
-    ClusterSection,
-    LoadedConfig,
-    MemorySection,
-    VllmSection,
-    default_config_path,
-    dropin_dir_for,
-    load_config_explained,
-)
+from ..base.config import ClusterSection, MemorySection, VllmSection
+from ..base.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH, default_config_path, dropin_dir_for
+from ..base.configload import LoadedConfig, load_config_explained
 from ..base.errors import EXIT_OK, ConfigError, Gb10dError, UsageError
 from ..machine.journal import connected_to_journal
 
@@ -313,7 +305,7 @@ def cmd_front(args: argparse.Namespace) -> int:
     """Serve the one public endpoint before every instance (what gb10d-front.service starts)."""
     import asyncio
 
-    from ..base.config import load_front
+    from ..base.configload import load_front
     from ..front.instances import api_keys, discover
     from ..front.server import serve
 

@@ -31,7 +31,8 @@ from typing import Any, Mapping
 
 
 from ..base.command import REDACTED, Tunables, redact_setting
-from ..base.config import Config, normalize_flag
+from ..base.config import Config
+from ..base.flags import normalize_flag
 from .reload import Change, canonical
 
 # The fields of Tunables that are learned, each on its own: None in an entry means "not learned".

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from ..base.command import REDACTED, build_argv, build_env, is_secret_name, read_env_file, redact_setting
-from ..base.config import Config, VllmSection, normalize_flag
+from ..base.config import Config, VllmSection
+from ..base.flags import normalize_flag
 from ..vllm.sleepmode import vllm_flags
 from . import programs
 

@@ -19,7 +19,8 @@ from typing import Callable
 
 from ..core import learned, programs
 from ..base.command import Tunables
-from ..base.config import Config, load_config
+from ..base.config import Config
+from ..base.configload import load_config
 from ..base.errors import ConfigError
 from .learnedfile import LearnedFileError, load, save
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING

@@ -22,7 +22,9 @@ from typing import Any, TextIO
 
 from ..core import budget, programs
 from ..core.budget import Reservation, Stage
-from ..base.config import Config, FrontSection, MemorySection, load_config, load_front
+from ..base.config import Config, MemorySection
+from ..base.configload import load_config, load_front
+from ..base.frontconfig import FrontSection
 from ..base.errors import Gb10dError
 from ..machine.ledger import read_ledger
 from ..core.memory import MemInfo, read_meminfo

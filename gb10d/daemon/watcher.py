@@ -29,7 +29,7 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver, ObservedWatch
 
-from ..base.config import dropin_dir_for
+from ..base.configfile import dropin_dir_for
 from ..base.errors import Gb10dError
 
 DEFAULT_DEBOUNCE_S = 0.5

@@ -7,7 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..base.config import API_KEY_FORM, Config, FrontSection, api_key_problem, load_config, read_toml
+from ..base.config import Config
+from ..base.configfile import read_toml
+from ..base.configload import load_config
+from ..base.frontconfig import API_KEY_FORM, FrontSection, api_key_problem
 from ..base.errors import ConfigError, ConfigProblem
 from ..vllm.sleepmode import control_path, sleeps
 from .core import ApiKey, Instance

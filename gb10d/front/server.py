@@ -19,7 +19,7 @@ from http import HTTPStatus
 
 import h11
 
-from ..base.config import FrontSection
+from ..base.frontconfig import FrontSection
 from ..daemon.control import ask
 from ..core.statefile import read_state
 from ..daemon.status import pid_alive

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Mapping
 
 from ..base.command import PODMAN_SOCKET, Engine, EngineKind, engine_client
-from ..base.config import ContainerSection, LoadedConfig
+from ..base.config import ContainerSection
+from ..base.configload import LoadedConfig
 from ..base.errors import EXIT_CONFIG, EXIT_GAVE_UP, ConfigProblem, SpawnError
 from ..base.image import not_present
 

@@ -28,7 +28,7 @@ from typing import Mapping
 from .access import Denial, Principal, Walked, Want, WayOut, advice, reach, walk, ways_out
 from ..core.cluster import ray_program
 from ..base.command import env_additions, read_env_file
-from ..base.config import LoadedConfig
+from ..base.configload import LoadedConfig
 from ..base.errors import ConfigError, ConfigProblem
 from ..core.memory import read_meminfo
 from ..core.modelfit import share_warning_for

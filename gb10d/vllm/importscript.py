@@ -25,7 +25,7 @@ from typing import Any, Callable
 import tomli_w
 
 from ..base.command import CHILD_DEFAULTS, CONTAINER_CACHE_ENV, DRAIN_MARGIN_S
-from ..base.config import normalize_flag
+from ..base.flags import normalize_flag
 from ..base.errors import ConfigError, ConfigProblem
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -1,0 +1,86 @@
+"""`[front]`: the table of `gb10d front`, the one endpoint before every instance, and its API keys' form.
+
+Apart from the instance's schema because it belongs to another program: the
+front reads it from its own config, and an instance's config accepts it and
+ignores it, so one file may carry both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from .configtable import Table, absolute
+
+
+API_KEY_FORM = (
+    "each key must be at least 16 characters without spaces (e.g. from `openssl rand -hex 24`), optionally followed by "
+    'the models it may use: "KEY qwen llama"'
+)
+
+
+def api_key_problem(entry: str) -> bool:
+    """Whether an api_keys entry is malformed (its key too short); the message, API_KEY_FORM, never repeats the key."""
+    words = entry.split()
+    return not words or len(words[0]) < 16
+
+
+class FrontSection(Table):
+    """`[front]`: the one public endpoint (`gb10d front`) before every gb10d instance of the machine.
+
+    Read from the front's own config (/etc/gb10d.toml); in an instance's config it is accepted and ignored, so one
+    file may carry both."""
+
+    listen: str = "0.0.0.0:8000"
+    # The instance configs, one *.toml per `gb10d@NAME`; their [vllm] host and port are the internal addresses.
+    instances_dir: Path = Field(default=Path("/etc/gb10d"), strict=False)
+    # How long a request waits for its model's instance to start or recover before it gets 503 with Retry-After.
+    hold_timeout_s: float = Field(default=900.0, gt=0)
+    # Requests held per model at once; one more gets 503 at once.
+    queue_limit: int = Field(default=256, ge=1)
+    # A request body over this gets 413: vLLM's image and audio inputs fit far below it.
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    # Prometheus metrics per model (requests, held, hold time, rejected); "" disables them.
+    metrics_listen: str = "127.0.0.1:9500"
+    # Each model's state and held requests, rewritten as they change, for `gb10d status --all`.
+    state_file: Path = Field(default=Path("/run/gb10d-front/state.json"), strict=False)
+    # Keys a client must send (`Authorization: Bearer KEY` or `x-api-key: KEY`); none: every client is let in.
+    # "KEY qwen llama": a key that may use only those models.
+    api_keys: list[str] = Field(default_factory=list)
+    # More keys, one entry a line in the same form (# comments), kept out of the config: root:gb10d, mode 0640.
+    api_keys_file: Path | None = Field(default=None, strict=False)
+
+    absolute_dir = field_validator("instances_dir", "api_keys_file", "state_file")(absolute)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_long_enough(cls, value: list[str]) -> list[str]:
+        if any(api_key_problem(entry) for entry in value):
+            raise ValueError(API_KEY_FORM)
+        return value
+
+    @field_validator("listen", "metrics_listen")
+    @classmethod
+    def _listen_form(cls, value: str, info: ValidationInfo) -> str:
+        if value == "" and info.field_name == "metrics_listen":
+            return value
+        host, sep, port = value.rpartition(":")
+        if not sep or not port.isdigit() or not (0 < int(port) < 65536) or not host:
+            example = '"0.0.0.0:8000" or "127.0.0.1:8000"' if info.field_name == "listen" else '"127.0.0.1:9500", or "" to disable'
+            raise ValueError(f"must be \"HOST:PORT\" such as {example} (got {value!r})")
+        return value
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) to bind."""
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of the metrics listener, or None when disabled."""
+        if not self.metrics_listen:
+            return None
+        host, _, port = self.metrics_listen.rpartition(":")
+        return host.strip("[]"), int(port)
