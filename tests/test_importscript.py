@@ -22,7 +22,9 @@ import pytest
 from gb10d.base.command import build_argv
 from gb10d.base.config import load_config, normalize_flag
 from gb10d.base.errors import ConfigError
-from gb10d.vllm.importscript import ScriptOwner, import_script, import_script_file, render
+from gb10d.vllm.importscript import import_script, import_script_file
+from gb10d.vllm.importtoml import render
+from gb10d.vllm.shellexpansion import ScriptOwner
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
 
