@@ -99,10 +99,10 @@ def record(state: DaemonState) -> StateRecord:
 @pytest.mark.parametrize(("state", "asleep"), [(DaemonState.ASLEEP, True), (DaemonState.PARKING, False), (DaemonState.WAKING, False)])
 def test_the_front_holds_for_a_sleeping_instance_and_knows_which_one_to_wake(state: DaemonState, asleep: bool) -> None:
     ready = readiness_of(record(state), alive=True)
-    assert (ready.serving, ready.coming, ready.asleep, ready.detail) == (False, True, asleep, state.value)
+    assert (ready.serving, ready.coming, ready.parked, ready.detail) == (False, True, asleep, state.value)
 
 
-ASLEEP = Readiness(serving=False, coming=True, detail="asleep", asleep=True)
+ASLEEP = Readiness(serving=False, coming=True, detail="asleep", parked=True)
 SERVING = Readiness(serving=True, coming=True, detail="serving")
 
 
