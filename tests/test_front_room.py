@@ -66,17 +66,38 @@ def test_a_model_that_can_never_fit_is_refused_at_once_with_the_numbers() -> Non
     decided = make_room(WANTED, [pinned, model("alpha", 20)], 10 * GIB, TOTAL)
     assert isinstance(decided, Answer) and decided.status == 503 and decided.retry_after_s is None
     assert decided.message == (
-        "beta can never fit: it needs 50.00 GiB, the machine has 120.00 GiB (MemTotal), pinned instances hold 80.00 GiB "
-        "(chat), and 30.00 GiB is the most that parking every on-demand model would leave; lower its "
-        "vllm.gpu_memory_utilization, or give a pinned instance [on_demand]"
+        "beta can never fit: it needs 50.00 GiB, the machine has 120.00 GiB (MemTotal) and pinned instances hold 80.00 GiB "
+        "(chat), which leaves 40.00 GiB; lower its vllm.gpu_memory_utilization, or give a pinned instance [on_demand]"
     )
+    alone = make_room(replace(WANTED, need_bytes=121 * GIB), [], 110 * GIB, TOTAL)
+    assert isinstance(alone, Answer) and "pinned instances hold nothing, which leaves 120.00 GiB" in alone.message
+
+
+def test_memory_other_processes_hold_is_waited_for_not_refused() -> None:
+    # Nothing gb10d runs holds the memory: it may come back, so the request is held (up to front.hold_timeout_s).
+    decided = make_room(WANTED, [], 10 * GIB, TOTAL)
+    assert decided == AwaitRoom("it needs 50.00 GiB, 10.00 GiB is free; every model that could make room has requests or is pinned")
+
+
+def test_models_are_parked_one_at_a_time_until_the_wanted_one_fits() -> None:
+    others = [model("alpha", 20, active_at=1.0), model("gamma", 20, active_at=2.0)]
+    assert make_room(WANTED, others, 20 * GIB, TOTAL) == Evict(
+        "alpha", "it needs 50.00 GiB, 20.00 GiB is free; parking alpha (20.00 GiB), the least recently used idle on-demand model",
+    )
+    others[0] = model("alpha", 20, running=False, serving=False)  # parked: its memory is back
+    assert isinstance(make_room(WANTED, others, 40 * GIB, TOTAL), Evict)
+
+
+def test_a_model_parked_by_sleep_is_woken_at_once_its_wake_checks_its_own_memory() -> None:
+    decided = make_room(replace(WANTED, asleep=True), [model("alpha", 70)], 10 * GIB, TOTAL)
+    assert decided == StartIt("a wake from sleep checks its own memory (on_demand.wake_margin_gib)")
 
 
 def test_a_stopped_pinned_instance_holds_nothing_and_a_parked_model_gives_nothing_more() -> None:
     stopped = model("chat", 80, on_demand=False, running=False, serving=False)
     parked = model("alpha", 50, running=False, serving=False)
     assert make_room(WANTED, [stopped, parked], 60 * GIB, TOTAL) == StartIt("it needs 50.00 GiB, 60.00 GiB is free")
-    assert isinstance(make_room(WANTED, [stopped, parked], 40 * GIB, TOTAL), Answer), "nothing running could make room"
+    assert isinstance(make_room(WANTED, [stopped, parked], 40 * GIB, TOTAL), AwaitRoom), "a stopped pinned instance counts for nothing"
 
 
 @pytest.mark.parametrize(("state", "parked"), [(DaemonState.PARKED, True), (DaemonState.ASLEEP, True), (DaemonState.PARKING, False)])

@@ -277,6 +277,8 @@ class Slot:
     busy: bool  # requests held for it or in flight on it
     # Asked to start and not yet starting: its share is not in the ledger yet, but it will be.
     waking: bool = False
+    # Parked by sleep: its wake checks its own memory (on_demand.wake_margin_gib) and starts cold when it is short.
+    asleep: bool = False
     active_at: float = 0.0  # its last request began or ended (monotonic seconds)
 
 
@@ -310,22 +312,26 @@ def make_room(wanted: Slot, others: Sequence[Slot], room_bytes: int, total_bytes
     """Whether a parked model that a request waits for starts now, after another is parked, later, or never.
 
     `room_bytes`: what a start may count on now (MemAvailable less the reservations of the starts in progress, as
-    the memory ledger's admission counts it); `total_bytes`: MemTotal. A model that does not fit even with every
-    other on-demand model parked gets an error at once, with the numbers; it never waits for a pinned model."""
+    the memory ledger's admission counts it); `total_bytes`: MemTotal. A model whose share is more than MemTotal less
+    the shares of the pinned instances that run can never fit: it gets an error at once, with the numbers. One that
+    does not fit now waits while another parks, or makes the least recently used idle on-demand model park, one at
+    a time until it fits; it waits (bounded by front.hold_timeout_s) when every such model is busy."""
     need = _gib(wanted.need_bytes)
+    if wanted.asleep:
+        return StartIt("a wake from sleep checks its own memory (on_demand.wake_margin_gib)")
     room_bytes -= sum(o.need_bytes for o in others if o.waking)
     if wanted.need_bytes <= room_bytes:
         return StartIt(f"it needs {need} GiB, {_gib(room_bytes)} GiB is free")
     running = [o for o in others if o.running or o.waking]
-    freeable = room_bytes + sum(o.need_bytes for o in running if o.on_demand)
-    if wanted.need_bytes > freeable:
-        pinned = [o for o in running if not o.on_demand]
-        held = f"{_gib(sum(o.need_bytes for o in pinned))} GiB ({', '.join(o.name for o in pinned)})" if pinned else "0 GiB"
+    pinned = [o for o in running if not o.on_demand]
+    pinned_bytes = sum(o.need_bytes for o in pinned)
+    if wanted.need_bytes > total_bytes - pinned_bytes:
+        held = f"{_gib(pinned_bytes)} GiB ({', '.join(o.name for o in pinned)})" if pinned else "nothing"
         return error(
             503,
-            f"{wanted.name} can never fit: it needs {need} GiB, the machine has {_gib(total_bytes)} GiB (MemTotal), pinned "
-            f"instances hold {held}, and {_gib(max(freeable, 0))} GiB is the most that parking every on-demand model "
-            f"would leave; lower its vllm.gpu_memory_utilization, or give a pinned instance [on_demand]",
+            f"{wanted.name} can never fit: it needs {need} GiB, the machine has {_gib(total_bytes)} GiB (MemTotal) and "
+            f"pinned instances hold {held}, which leaves {_gib(max(total_bytes - pinned_bytes, 0))} GiB; lower its "
+            "vllm.gpu_memory_utilization, or give a pinned instance [on_demand]",
             "ServiceUnavailableError",
         )
     short = f"it needs {need} GiB, {_gib(max(room_bytes, 0))} GiB is free"

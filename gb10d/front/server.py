@@ -23,7 +23,7 @@ from ..base.config import FrontSection
 from ..core import budget
 from ..core.memory import read_meminfo
 from ..daemon.control import ask
-from ..core.statefile import read_state
+from ..core.statefile import DaemonState, read_state
 from ..daemon.status import pid_alive
 from ..machine.ledger import read_ledger
 from .core import (
@@ -190,6 +190,7 @@ class Front:
             known.instance.name, budget.share_bytes(known.utilization, total, known.memory.headroom_gib), known.control is not None,
             running=ready.coming and not ready.parked, serving=ready.serving, parking=watched.parking_asked or ready.parking,
             busy=watched.held + watched.in_flight > 0, waking=watched.wake_asked and ready.parked, active_at=watched.active_at,
+            asleep=ready.detail == DaemonState.ASLEEP.value,
         )
 
     def _ask(self, watched: Watched, command: str) -> None:
