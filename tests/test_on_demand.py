@@ -113,6 +113,9 @@ def test_two_on_demand_models_that_do_not_fit_together_swap_on_alternating_reque
         assert "the least recently used idle on-demand model" in decisions[1]
         for daemon in (alpha, beta):
             assert not [line for line in daemon.own_lines() if "lowering" in line or "does not fit" in line], daemon.tail()
+        # The ledger after the last swap: alpha serves, beta parked reserves nothing (61.84 GiB is what it would).
+        after = status_of(swapping.setups["alpha"].config, "--all")
+        assert re.search(r"alpha/gb10d.toml +serving", after) and re.search(r"beta/gb10d.toml +parked +- +61.84 GiB", after), after
         assert (starts(alpha.lines), starts(beta.lines)) == (2, 1)
         assert swapping.metric('gb10d_front_swaps_total{instance="alpha",kind="evict"}') == 1
         assert swapping.metric('gb10d_front_swaps_total{instance="beta",kind="evict"}') == 1
