@@ -185,6 +185,7 @@ class Reporter:
             DaemonState.JOINING: "waiting to join the Ray cluster",
             DaemonState.WAITING_FOR_MEMORY: "waiting for memory",
             DaemonState.SERVING: "serving",
+            DaemonState.PARKED: "parked",
         }.get(self.state, "waiting to restart")
 
     def serving_text(self) -> str:
