@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gb10d.core.cluster import LINK_WAIT_S, waits_for_link
 from gb10d.core.statefile import StateRecord
 from gb10d.core.cluster import (
     INTERFACE_VARIABLES,
@@ -290,3 +291,9 @@ def test_the_wait_for_rays_verdict_on_a_machine_follows_its_health_check_setting
     fast = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "3"}
     assert death_notice_s(fast) == 10.0
     assert death_notice_s({"RAY_health_check_period_ms": "soon"}) == 55.0
+
+
+def test_a_link_not_up_yet_is_waited_for_two_minutes_then_its_absence_is_the_answer() -> None:
+    assert LINK_WAIT_S == 120.0
+    assert waits_for_link(0.0) and waits_for_link(119.9)
+    assert not waits_for_link(120.0)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from gb10d.core.lifecycle import LISTEN_GRACE_S, waits_for_listen
 from gb10d.base.command import Tunables
 from gb10d.base.config import Config
 from gb10d.vllm.events import (
@@ -362,3 +363,9 @@ def test_a_long_pull_that_keeps_moving_is_never_a_start_timeout() -> None:
     for minute in range(1, 90):
         assert finished(run(pulling(minute // 10, minute * 100_000_000), T0 + minute * 60)) is None
         assert finished(run(Tick(None), T0 + minute * 60 + 1)) is None
+
+
+def test_the_readiness_check_waits_half_a_minute_for_the_port_after_startup_complete() -> None:
+    assert LISTEN_GRACE_S == 30.0
+    assert waits_for_listen(0.0) and waits_for_listen(30.0)
+    assert not waits_for_listen(30.1)

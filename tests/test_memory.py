@@ -19,6 +19,8 @@ from gb10d.core.memory import (
     fits,
     fitting_utilization,
     floor2,
+    MemoryNotReturned,
+    memory_return,
     memory_returned,
     parse_meminfo,
     preflight,
@@ -122,6 +124,35 @@ def test_memory_returned_allows_the_tolerance() -> None:
     before = mem(121.69, 100, 110)
     assert memory_returned(before, mem(121.69, 99, 107), 4.0)
     assert not memory_returned(before, mem(121.69, 60, 70), 4.0)
+
+
+def test_memory_that_comes_back_within_the_tolerance_ends_the_wait_at_once() -> None:
+    assert memory_return(mem(121.69, 100, 110), 0, mem(121.69, 99, 107), 4.0, waited_s=0.0, timeout_s=30.0) is True
+
+
+def test_memory_that_cannot_be_read_does_not_hold_the_restart() -> None:
+    assert memory_return(mem(121.69, 100, 110), 0, None, 4.0, waited_s=100.0, timeout_s=30.0) is True
+
+
+def test_memory_still_missing_before_the_timeout_is_looked_at_again() -> None:
+    assert memory_return(mem(121.69, 100, 110), 0, mem(121.69, 60, 70), 4.0, waited_s=29.9, timeout_s=30.0) is False
+
+
+def test_memory_still_missing_at_the_timeout_is_given_up_with_the_numbers() -> None:
+    verdict = memory_return(mem(121.69, 100, 110), 0, mem(121.69, 60, 70), 4.0, waited_s=30.0, timeout_s=30.0)
+    assert isinstance(verdict, MemoryNotReturned)
+    assert verdict.describe() == (
+        "memory was not returned after vLLM exited: MemAvailable is 70.00 GiB, was 110.00 GiB before it started "
+        "(40.00 GiB missing) and no vLLM process is left"
+    )
+
+
+def test_memory_another_instance_took_meanwhile_is_not_expected_back() -> None:
+    # 30 GiB went to another instance's start: 80 GiB available is all this vLLM can give back.
+    assert memory_return(mem(121.69, 100, 110), 30 * GIB, mem(121.69, 70, 80), 4.0, waited_s=0.0, timeout_s=30.0) is True
+    verdict = memory_return(mem(121.69, 100, 110), 30 * GIB, mem(121.69, 50, 60), 4.0, waited_s=30.0, timeout_s=30.0)
+    assert isinstance(verdict, MemoryNotReturned)
+    assert "less 30.00 GiB other gb10d instances' starts took meanwhile (20.00 GiB missing)" in verdict.describe()
 
 
 def test_safetensors_files_finds_local_and_hub_cache_checkpoints(tmp_path: Path) -> None:

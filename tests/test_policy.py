@@ -262,6 +262,13 @@ def test_a_corrected_retry_does_not_back_off() -> None:
     assert history == History(1, 0)
 
 
+def test_a_retry_carries_the_failure_as_the_reason_for_its_settings() -> None:
+    outcome = Failed(cause=Cause.FREE_MEMORY, failure=FREE)
+    _, decision = after_failure(outcome, Tunables(0.92), History(1, 0), config())
+    assert isinstance(decision, Retry)
+    assert decision.tunables.why == describe(outcome) and decision.tunables.why.startswith("free memory ")
+
+
 def test_a_lost_machine_gives_back_its_attempt() -> None:
     assert uncounted(History(3, 1)) == History(2, 1)
 

@@ -17,7 +17,8 @@ from typing import Any, Awaitable, Callable
 import pytest
 
 from gb10d.base.config import Config, load_config, parse_config
-from gb10d.core.reload import ConfigDiff, ConfigSnapshot, diff_configs
+from gb10d.core import programs
+from gb10d.core.reload import ConfigDiff, ConfigSnapshot, OnlyReported, ReloadRefused, diff_configs, judge_reload, tells_systemd
 from gb10d.daemon.watcher import ConfigWatcher, WatchUnavailable
 
 DEADLINE_S = 30.0
@@ -35,6 +36,62 @@ def config(**sections: dict[str, Any]) -> Config:
 
 def diff(old: Config, new: Config, old_env_file: dict[str, str] | None = None, new_env_file: dict[str, str] | None = None) -> ConfigDiff:
     return diff_configs(ConfigSnapshot(old, old_env_file or {}), ConfigSnapshot(new, new_env_file or {}))
+
+
+# --- judge_reload and tells_systemd -------------------------------------------
+
+
+def judge(old: Config, new: Config, requested: bool = True, record: programs.Programs = programs.NONE) -> ConfigDiff | ReloadRefused | OnlyReported:
+    return judge_reload("/etc/gb10d.toml", ConfigSnapshot(old, {}), ConfigSnapshot(new, {}), record, requested)
+
+
+def test_a_requested_reload_applies_the_changes() -> None:
+    verdict = judge(config(), config(restart={"max_attempts": 7}))
+    assert isinstance(verdict, ConfigDiff)
+    assert [change.key for change in verdict.changes] == ["restart.max_attempts"]
+
+
+def test_a_cluster_change_is_refused_until_a_restart() -> None:
+    verdict = judge(config(), config(cluster={"role": "worker", "head_address": "10.0.0.1"}))
+    assert verdict == ReloadRefused((
+        "config not applied: [cluster] changed, and this machine's part in a Ray cluster changes only at a start; "
+        "keeping the running configuration; apply it with: systemctl restart gb10d",
+    ))
+
+
+def test_a_reload_to_the_rejected_candidate_is_refused_until_it_is_forgotten() -> None:
+    rejected = programs.Programs(rejected=programs.Rejected(programs.Program("/opt/vllm-new", "venv", "0.34.0"), "crash: exit status 1", "2026-12-05 10:00"))
+    old = config()
+    new = parse_config({"vllm": {"model": "org/model", "venv": "/opt/vllm-new"}})
+    verdict = judge(old, new, record=rejected)
+    assert isinstance(verdict, ReloadRefused)
+    assert verdict.lines[0].startswith("config not applied: it runs the candidate /opt/vllm-new (vLLM 0.34.0), which failed its start 2026-12-05 10:00 (crash: exit status 1); keeping /srv/vllm/bin/vllm")
+    assert isinstance(judge(old, new), ConfigDiff)
+
+
+def test_an_edit_on_disk_without_apply_on_change_is_only_reported_with_its_changes() -> None:
+    assert judge(config(), config(restart={"max_attempts": 7}), requested=False) == OnlyReported(
+        "/etc/gb10d.toml changed on disk, not applied (1 key changed: restart.max_attempts 5 -> 7); apply it with: systemctl reload gb10d"
+    )
+    assert judge(config(), config(), requested=False) == OnlyReported("/etc/gb10d.toml changed on disk; it is valid and nothing gb10d uses differs")
+
+
+def test_an_edit_on_disk_with_apply_on_change_is_applied() -> None:
+    verdict = judge(config(daemon={"apply_on_change": True}), config(daemon={"apply_on_change": True}, restart={"max_attempts": 7}), requested=False)
+    assert isinstance(verdict, ConfigDiff) and verdict
+
+
+@pytest.mark.parametrize(
+    ("serving", "requested", "apply_on_change", "told"),
+    [
+        (True, True, False, True),
+        (True, False, True, True),
+        (True, False, False, False),  # an edit only reported reloads nothing
+        (False, True, True, False),  # during a start, the next READY=1 is the start's own
+    ],
+)
+def test_systemd_hears_of_a_reload_only_while_serving_and_when_it_is_applied(serving: bool, requested: bool, apply_on_change: bool, told: bool) -> None:
+    assert tells_systemd(serving, requested, apply_on_change) is told
 
 
 # --- diff_configs -------------------------------------------------------------

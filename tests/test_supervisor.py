@@ -100,6 +100,26 @@ def test_a_healthy_start_serves_and_sigterm_leaves_no_process(tmp_path: Path, no
     assert state["state"] == "stopped"
 
 
+def test_gb10d_run_reads_its_config_file_once_to_serve(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
+    # The command line loads and checks the config; the daemon serves with that load instead of parsing the file again.
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    opened = tmp_path / "opened"
+    (hooks / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        f"def _hook(event, args, _log={str(opened)!r}, _config={str(tmp_path / 'gb10d.toml')!r}):\n"
+        "    if event == 'open' and str(args[0]) == _config:\n"
+        "        with open(_log, 'a') as log:\n"
+        "            log.write(f'{os.getpid()}\\n')\n"
+        "sys.addaudithook(_hook)\n"
+    )
+    setup = Setup(tmp_path)
+    daemon = run(setup, notify, daemons, env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")]))})
+    ready(notify)
+    assert daemon.stop() == 0
+    assert opened.read_text().split() == [str(daemon.proc.pid)]
+
+
 def test_killed_api_server_leaves_no_orphaned_engine_and_is_recovered(tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]) -> None:
     setup = Setup(tmp_path)
     daemon = run(setup, notify, daemons)

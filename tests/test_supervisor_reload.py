@@ -72,6 +72,7 @@ def test_learned_utilization_is_used_at_the_next_start_and_dropped_when_the_conf
     assert first.stop() == 0
     learned = tomllib.loads((tmp_path / "lib" / "state.toml").read_text())
     assert learned["learned"]["gpu_memory_utilization"] == 0.84
+    assert learned["learned"]["reason"].startswith("free memory "), learned  # the failure the lower value answered
 
     second = serving(setup, notify, daemons)
     starts = [line for line in second.own_lines() if "started vLLM as pid" in line]

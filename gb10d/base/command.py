@@ -12,7 +12,7 @@ import math
 import os
 import re
 import shlex
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 from typing import Any, Literal, Mapping, Sequence
@@ -57,6 +57,8 @@ class Tunables:
     of memory); the config's own [vllm.env] and env_file win over them.
     `without` names flags gb10d leaves out for one (`enable-flashinfer-autotune`);
     `flags` are words it adds for one (`--no-enable-extensible-kv-cache`).
+    `why` says what the last correction answered (a failure, the preflight, a learned entry's reason): it
+    travels with the settings it explains, into the learned-settings file once they serve, and is not a setting.
     """
 
     gpu_memory_utilization: float
@@ -65,6 +67,7 @@ class Tunables:
     env: tuple[tuple[str, str], ...] = ()
     without: tuple[str, ...] = ()
     flags: tuple[str, ...] = ()
+    why: str = field(default="", compare=False)
 
     @classmethod
     def from_config(cls, vllm: VllmSection) -> Tunables:

@@ -229,7 +229,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     report = check_paths(loaded, this_process(unit_for_config(_config_path(args))), caches=False)
     if report.problems:
         raise PathsUnreachable(report)
-    return run_daemon(_config_path(args))
+    return run_daemon(_config_path(args), loaded.config)
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:

@@ -28,6 +28,16 @@ INTERFACE_VARIABLES = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IF
 HEALTH_CHECK_DEFAULTS = {"RAY_health_check_period_ms": 3000, "RAY_health_check_timeout_ms": 10000, "RAY_health_check_failure_threshold": 5}
 
 
+# A link still coming up at boot (the port's carrier, NetworkManager's address) is waited for this long; then the
+# refusal stands and gb10d exits 78.
+LINK_WAIT_S = 120.0
+
+
+def waits_for_link(waited_s: float) -> bool:
+    """Whether a link that is not there yet is still waited for, or its absence is the answer."""
+    return waited_s < LINK_WAIT_S
+
+
 def death_notice_s(env: Mapping[str, str]) -> float:
     """How long to wait for the head's Ray to declare a machine dead, under the health checks `env` sets.
 

@@ -50,6 +50,9 @@ from .policy import classify
 # How much longer than the stall timeout systemd waits after each sign of progress:
 # gb10d's own stall detection must always fire first.
 EXTEND_MARGIN_S = 60.0
+# How long /health may refuse connections after `Application startup complete.` (uvicorn listens just after);
+# past it the readiness check gives up quietly and the health poller and the stall timer take over.
+LISTEN_GRACE_S = 30.0
 # EXTEND_TIMEOUT_USEC at most this often: progress lines can come thousands a second.
 EXTEND_EVERY_S = 1.0
 # Bytes of I/O by vLLM's processes that count as a sign of life while no line is printed.
@@ -478,3 +481,8 @@ def served_name_problem(expected: Sequence[str], models: ProbeResult) -> str | N
         f"vLLM serves {shown} but the config expects {', '.join(expected)}: clients asking for "
         f"{missing[0] if missing else expected[0]} would get 404"
     )
+
+
+def waits_for_listen(waited_s: float) -> bool:
+    """Whether the readiness check still waits for vLLM's port after `Application startup complete.`."""
+    return waited_s <= LISTEN_GRACE_S

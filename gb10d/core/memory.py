@@ -237,6 +237,43 @@ def memory_returned(baseline: MemInfo, now: MemInfo, tolerance_gib: float) -> bo
     return now.available >= baseline.available - tolerance_gib * GIB
 
 
+@dataclass(frozen=True)
+class MemoryNotReturned:
+    """MemAvailable still short of its value before vLLM started when memory.recovery_timeout_s ran out.
+
+    No vLLM process is left by then, so a retry would only fail the same way: the daemon gives up.
+    """
+
+    now: MemInfo
+    baseline: MemInfo
+    taken: int  # what other instances' starts took meanwhile, not this vLLM's to give back
+    missing: int
+
+    def describe(self) -> str:
+        others = f", less {self.taken / GIB:.2f} GiB other gb10d instances' starts took meanwhile" if self.taken else ""
+        return (
+            f"memory was not returned after vLLM exited: MemAvailable is {self.now.available_gib:.2f} GiB, "
+            f"was {self.baseline.available_gib:.2f} GiB before it started{others} ({self.missing / GIB:.2f} GiB missing) "
+            "and no vLLM process is left"
+        )
+
+
+def memory_return(
+    baseline: MemInfo, taken: int, now: MemInfo | None, tolerance_gib: float, waited_s: float, timeout_s: float
+) -> bool | MemoryNotReturned:
+    """After vLLM exited: True when its memory is back (or cannot be read: the checks are off), False to look
+    again, MemoryNotReturned once `timeout_s` has passed without it.
+
+    `taken` is what other instances' starts took since this vLLM started: memory that is not its to give back.
+    """
+    expected = baseline.less(taken)
+    if now is None or memory_returned(expected, now, tolerance_gib):
+        return True
+    if waited_s < timeout_s:
+        return False
+    return MemoryNotReturned(now, baseline, taken, expected.available - now.available)
+
+
 def safetensors_files(model: str, env: Mapping[str, str]) -> list[Path]:
     """The model's *.safetensors files: a local directory, or its Hugging Face cache snapshot.
 

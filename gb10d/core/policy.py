@@ -11,7 +11,7 @@ carries out the answer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from . import advice
@@ -386,8 +386,11 @@ def after_failure(
     if starts_new_count(outcome, config):
         history = History(1, 0)
     decision = next_attempt(outcome, used, history, config, host, neighbours)
-    if isinstance(decision, Retry) and decision.delay_s > 0:
-        history = History(history.attempts, history.backoffs + 1)
+    if isinstance(decision, Retry):
+        # The failure is why the next settings are what they are: kept if that start serves with them corrected.
+        decision = replace(decision, tunables=decision.tunables.with_(why=describe(outcome)))
+        if decision.delay_s > 0:
+            history = History(history.attempts, history.backoffs + 1)
     return history, decision
 
 

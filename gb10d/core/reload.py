@@ -8,7 +8,9 @@ container, its image or how the container runs (`[container]`: engine,
 mounts, GPU, run arguments): a container is replaced, never changed. Restarting vLLM costs
 minutes of loading, so a change to gb10d's own settings (timeouts, restart
 policy, metrics, logging) never does. Noticing edits on disk is the
-watcher's job (`gb10d.daemon.watcher`).
+watcher's job (`gb10d.daemon.watcher`). `judge_reload` decides what a valid new
+config does (applied, refused, or only reported), and `tells_systemd` whether
+systemd hears of the reload at all.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from ..base.command import REDACTED, build_argv, build_env, is_secret_name, read_env_file, redact_setting
 from ..base.config import Config, VllmSection, normalize_flag
 from ..vllm.sleepmode import vllm_flags
+from . import programs
 
 NOT_SET = "(not set)"
 
@@ -176,3 +179,55 @@ def _masked(key: str, value: Any) -> Any:
 def _shown(value: Any) -> str:
     """A value as it reads in TOML (strings quoted, true/false), or "(not set)"."""
     return NOT_SET if value is None else json.dumps(value, default=str)
+
+
+@dataclass(frozen=True)
+class ReloadRefused:
+    """A valid new config that cannot be applied: its lines for the journal, the running config kept."""
+
+    lines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OnlyReported:
+    """An edit seen on disk while daemon.apply_on_change is off: said, not applied."""
+
+    line: str
+
+
+def judge_reload(
+    path: str, running: ConfigSnapshot, new: ConfigSnapshot, record: programs.Programs, requested: bool
+) -> ConfigDiff | ReloadRefused | OnlyReported:
+    """What a valid config read again does: the changes to apply (maybe none), a refusal, or a report only.
+
+    A machine's part in a Ray cluster changes only at a start, and a candidate program that failed its start
+    stays refused until it is forgotten; an edit on disk applies only with daemon.apply_on_change.
+    """
+    keep = "keeping the running configuration"
+    if new.config.cluster != running.config.cluster:
+        return ReloadRefused((
+            "config not applied: [cluster] changed, and this machine's part in a Ray cluster changes only at a start; "
+            f"{keep}; apply it with: systemctl restart gb10d",
+        ))
+    rejected = record.rejected
+    if rejected is not None and programs.is_rejected(new.config, record) and programs.program_path(new.config.vllm) != programs.program_path(running.config.vllm):
+        return ReloadRefused((
+            f"config not applied: it runs the candidate {rejected.program.describe()}, which failed its start "
+            f"{rejected.at} ({rejected.failure}); keeping {programs.program_path(running.config.vllm)}; once it is "
+            "fixed: gb10d forget --candidate, then systemctl reload gb10d",
+        ))
+    diff = diff_configs(running, new)
+    if not requested and not running.config.daemon.apply_on_change:
+        if diff:
+            return OnlyReported(f"{path} changed on disk, not applied ({diff.describe()}); apply it with: systemctl reload gb10d")
+        return OnlyReported(f"{path} changed on disk; it is valid and nothing gb10d uses differs")
+    return diff
+
+
+def tells_systemd(serving: bool, requested: bool, apply_on_change: bool) -> bool:
+    """Whether systemd hears RELOADING=1 (and READY=1 after) for a config change.
+
+    Only while vLLM serves, and only for a change that is applied: during a start the next READY=1 is the start's
+    own, and an edit that is only reported reloads nothing.
+    """
+    return serving and (requested or apply_on_change)

@@ -184,7 +184,7 @@ class Attempt:
         )
         reporter.attempt_started(number, tunables, runtime.pid, baseline, start.reason)
         if config.metrics.proxy_vllm:
-            reporter.metrics.set_vllm_target(base_url(config.vllm.host, config.vllm.port) + "/metrics?" + OWN_QUERY)
+            reporter.vllm_metrics_at(base_url(config.vllm.host, config.vllm.port) + "/metrics?" + OWN_QUERY)
         state, actions = lifecycle.begin(number, tunables, time.monotonic(), config)
         attempt = cls(start, state, runtime, config, reporter, post, on_ready)
         attempt._tasks.append(asyncio.create_task(attempt._follow_output()))
@@ -225,7 +225,7 @@ class Attempt:
             elif isinstance(action, lifecycle.BecomeReady):
                 self._became_ready(action)
             elif isinstance(action, lifecycle.ProcessExited):
-                self.reporter.metrics.set_vllm_up(False)
+                self.reporter.vllm_down()
             elif isinstance(action, lifecycle.Finish):
                 await self.kill()
                 outcome = action.outcome
@@ -304,7 +304,7 @@ class Attempt:
             self.reporter.say(
                 "crashed", f"processes of vLLM ({self.runtime.label}) survived SIGKILL: {self.runtime.members()}", PRIORITY_ERR
             )
-        self.reporter.metrics.set_vllm_up(False)
+        self.reporter.vllm_down()
 
     async def close(self) -> None:
         """Make sure vLLM's processes and this attempt's tasks are gone before anything else starts."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..base.command import Engine
 from ..vllm import sleepmode
-from ..base.config import Config, load_config
+from ..base.config import Config
 from .control import ControlSocket
 from ..launch.container import ContainerLauncher, choose_engine
 from ..base.errors import GiveUp
@@ -127,9 +127,13 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
         reporter.close()
 
 
-def run_daemon(config_path: Path) -> int:
-    """Load the config and supervise; the body of `gb10d run`."""
-    snapshot = ConfigSnapshot.take(load_config(config_path))
+def run_daemon(config_path: Path, config: Config) -> int:
+    """Supervise with `config`, as read from `config_path` (re-read from it on each reload); the body of `gb10d run`.
+
+    The command line has already loaded and checked the config (the service user's reach included): it is not
+    parsed a second time here.
+    """
+    snapshot = ConfigSnapshot.take(config)
     journal = Journal(sys.stdout, socket_path=DEFAULT_SOCKET_PATH if connected_to_journal(sys.stdout) else None)
     notifier = Notifier(on_error=lambda message: journal.event("watchdog", message, PRIORITY_ERR))
     become_subreaper()

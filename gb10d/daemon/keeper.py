@@ -23,7 +23,7 @@ from ..base.config import Config, load_config
 from ..base.errors import ConfigError
 from .learnedfile import LearnedFileError, load, save
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
-from ..core.reload import ConfigDiff, ConfigSnapshot, diff_configs
+from ..core.reload import ConfigDiff, ConfigSnapshot, OnlyReported, ReloadRefused, judge_reload
 from .reporter import Reporter
 from .watcher import ConfigWatcher, WatchUnavailable
 
@@ -36,7 +36,6 @@ class ConfigKeeper:
         self.snapshot = snapshot
         self.reporter = reporter
         # Why the settings now in use differ from the config's, for the learned-settings file.
-        self.correction = ""
         # The identity of the container image the current sequence of starts runs (None: not a container).
         self.image: str | None = None
         self._watcher: ConfigWatcher | None = None
@@ -90,35 +89,13 @@ class ConfigKeeper:
                 PRIORITY_ERR,
             )
             return None
-        if new.config.cluster != self.config.cluster:
-            say(
-                "reload_invalid",
-                "config not applied: [cluster] changed, and this machine's part in a Ray cluster changes only at a start; "
-                "keeping the running configuration; apply it with: systemctl restart gb10d",
-                PRIORITY_ERR,
-            )
+        diff = judge_reload(str(self.path), self.snapshot, new, programs.load(self.programs_file), requested)
+        if isinstance(diff, ReloadRefused):
+            for line in diff.lines:
+                say("reload_invalid", line, PRIORITY_ERR)
             return None
-        record = programs.load(self.programs_file)
-        if programs.is_rejected(new.config, record) and programs.program_path(new.config.vllm) != programs.program_path(self.config.vllm):
-            assert record.rejected is not None
-            say(
-                "reload_invalid",
-                f"config not applied: it runs the candidate {record.rejected.program.describe()}, which failed its start "
-                f"{record.rejected.at} ({record.rejected.failure}); keeping {programs.program_path(self.config.vllm)}; once it is "
-                "fixed: gb10d forget --candidate, then systemctl reload gb10d",
-                PRIORITY_ERR,
-            )
-            return None
-        diff = diff_configs(self.snapshot, new)
-        if not requested and not self.config.daemon.apply_on_change:
-            if diff:
-                say(
-                    "config_changed_on_disk",
-                    f"{self.path} changed on disk, not applied ({diff.describe()}); apply it with: systemctl reload gb10d",
-                    PRIORITY_INFO,
-                )
-            else:
-                say("config_changed_on_disk", f"{self.path} changed on disk; it is valid and nothing gb10d uses differs", PRIORITY_INFO)
+        if isinstance(diff, OnlyReported):
+            say("config_changed_on_disk", diff.line, PRIORITY_INFO)
             return None
         if not diff:
             say("reload_applied", "config re-read: nothing changed", PRIORITY_INFO)
@@ -195,22 +172,21 @@ class ConfigKeeper:
     def starting_tunables(self, image: str | None = None) -> Tunables:
         """The config's settings, or what a corrected start learned for this very config (and container `image`)."""
         base = Tunables.from_config(self.config.vllm)
-        self.correction, self.image = "", image
+        self.image = image
         state = load(self.config.daemon.learned_file)
         if state.problem:
             self.reporter.say("learned_discarded", f"{state.problem}; starting from the config's values", PRIORITY_WARNING)
         verdict = learned.applicable(state, self.config, image)
         if verdict.entry is not None:
             self.reporter.say("learned_applied", verdict.reason, PRIORITY_INFO, gpu_memory_utilization=verdict.entry.gpu_memory_utilization)
-            self.correction = verdict.entry.reason
-            return learned.merge(base, verdict.entry)
+            return learned.merge(base, verdict.entry).with_(why=verdict.entry.reason)
         if verdict.reason:
             self.reporter.say("learned_discarded", verdict.reason, PRIORITY_INFO)
         return base
 
     def remember(self, tunables: Tunables) -> None:
         """After a corrected start reached ready, keep what worked for the next boot."""
-        entry = learned.remember(self.config, tunables, self.correction or "a corrected start", datetime.now(UTC), self.image)
+        entry = learned.remember(self.config, tunables, tunables.why or "a corrected start", datetime.now(UTC), self.image)
         if entry is None:
             return
         try:

@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Generic, NamedTuple, Self, TypeVar
 
+from ..machine.procs import processes, stat_fields
+
 DEADLINE_S = 60.0
 GIB_KB = 1024 * 1024
 # vLLM's physical RAM on a GB10 as `cudaMemGetInfo` reports it (REFERENCE §3.1 / §8).
@@ -305,14 +307,11 @@ def live_pids(selects: Callable[[Path, list[str]], bool]) -> list[int]:
     A process that vanishes while being looked at (OSError) is not picked.
     """
     pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid, entry in processes():
         try:
-            stat = entry.joinpath("stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
+            fields = [field.decode() for field in stat_fields(entry)]
             if fields[0] != "Z" and selects(entry, fields):
-                pids.append(int(entry.name))
+                pids.append(pid)
         except OSError:
             continue
     return sorted(pids)

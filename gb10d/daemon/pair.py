@@ -15,6 +15,7 @@ from typing import Callable
 
 from ..core import policy
 from ..core.cluster import (
+    LINK_WAIT_S,
     View,
     cluster_env,
     death_notice_s,
@@ -27,6 +28,7 @@ from ..core.cluster import (
     view_state,
     view_text,
     waiting_text,
+    waits_for_link,
     watcher_argv,
 )
 from ..base.config import ClusterSection
@@ -43,8 +45,6 @@ from ..core.statefile import DaemonState
 
 # While a machine of a pair waits for the other, it asks systemd for this much more start time, a third of it at a time.
 CLUSTER_EXTEND_S = 90.0
-# How long a machine of a pair waits for its link interface to come up at boot before refusing the config.
-LINK_WAIT_S = 120.0
 # No event tells of an address appearing on an interface: look again this often.
 LINK_POLL_S = 2.0
 
@@ -79,13 +79,13 @@ class Pair:
         the refusal stands and gb10d exits 78.
         """
         cluster = self.cluster
-        deadline = time.monotonic() + LINK_WAIT_S
+        started = time.monotonic()
         while True:
             try:
                 self.link = find(cluster.role, cluster.head_address, cluster.interface)
                 break
             except InterfaceError as exc:
-                if time.monotonic() >= deadline:
+                if not waits_for_link(time.monotonic() - started):
                     raise
                 if self.reporter.state is not DaemonState.WAITING_FOR_LINK:
                     self.reporter.say("cluster_waiting", f"waiting up to {LINK_WAIT_S:g} s for the link: {exc}", PRIORITY_WARNING)
@@ -136,7 +136,7 @@ class Pair:
     def seen(self, view: View) -> None:
         """Take in a new node table; while waiting, STATUS= and the state file follow it."""
         self.previous_view, self.view = self.view, view
-        self.reporter.metrics.set_cluster_nodes(len(view.serving_nodes()))
+        self.reporter.cluster_nodes(len(view.serving_nodes()))
         self.reporter.cluster = view_state(view, self.cluster, self.address, self.link.interface.name if self.link else "")
         if self.reporter.state in (DaemonState.WAITING, DaemonState.JOINING):
             self.reporter.status(waiting_text(view, self.cluster))
@@ -155,7 +155,7 @@ class Pair:
         self.reporter.status(text, DaemonState.WAITING)
         while not is_whole(self.view, cluster):
             # The wait may be long (the other machine is off): systemd's start timeout must not end it.
-            self.reporter.notifier.extend_timeout(CLUSTER_EXTEND_S)
+            self.reporter.extend(CLUSTER_EXTEND_S)
             if await self.loop.pause(CLUSTER_EXTEND_S / 3, handle, until=lambda: is_whole(self.view, cluster)):
                 return True
         self.reporter.say("cluster_whole", f"the Ray cluster is whole ({view_text(self.view, cluster)}); starting vLLM", PRIORITY_INFO)
@@ -185,7 +185,7 @@ class Pair:
             f"{self.cluster.nodes} machines; it starts again once the cluster is whole (not counted as a failed attempt)",
             PRIORITY_ERR,
         )
-        self.reporter.notifier.status(f"node lost: {why}"[:200])
+        self.reporter.status(f"node lost: {why}")
         return NodeLost(why=why, was_ready=ready)
 
     def explain_exit(self, outcome: Failed, start_view: View | None, pid: int) -> Failed | NodeLost:

@@ -101,7 +101,7 @@ class Parking:
             return self._failed("check_failed", f"the wake looked fine but {problem}")
         seconds = time.monotonic() - started
         self.asleep = False
-        self.reporter.metrics.wake("ok", seconds)
+        self.reporter.woke("ok", seconds)
         self.reporter.say("woke", awake_line(seconds), PRIORITY_INFO, wake_seconds=round(seconds, 3))
         attempt.resume_liveness()
         self.reporter.sleep_state(DaemonState.SERVING, self.reporter.serving_text())
@@ -109,6 +109,6 @@ class Parking:
 
     def _failed(self, result: str, why: str) -> WakeFailed:
         self.asleep, self._attempt = False, None
-        self.reporter.metrics.wake(result)
+        self.reporter.woke(result)
         self.reporter.say("wake_failed", f"{why}; stopping vLLM and starting it cold (a swap by sleep is only as good as its wake)", PRIORITY_WARNING, result=result)
         return WakeFailed(why)

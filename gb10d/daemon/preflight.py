@@ -34,10 +34,10 @@ from ..base.levels import PRIORITY_INFO, PRIORITY_WARNING
 from ..core.lifecycle import start_time_asked
 from ..core.modelfit import share_warning_for
 from ..core.memory import (
-    MemInfo, PreflightRefused, evict_page_cache, memory_returned, parse_buddyinfo, preflight, read_meminfo, safetensors_files,
+    MemInfo, MemoryNotReturned, PreflightRefused, evict_page_cache, memory_return, parse_buddyinfo, preflight, read_meminfo, safetensors_files,
 )
+from ..machine.procs import processes
 from ..machine.service import unit_name
-from ..core.phases import Phase
 from .reporter import Reporter
 
 # /proc/meminfo offers no change notification: while memory comes back, it is looked at this often.
@@ -145,25 +145,24 @@ class Preflight:
             if await pause(LEDGER_POLL_S):
                 return None
 
-    def fit(self, tunables: Tunables, others: Sequence[Reservation] = ()) -> tuple[Tunables, str]:
+    def fit(self, tunables: Tunables, others: Sequence[Reservation] = ()) -> Tunables:
         """Lower the utilization (or evict the model's page cache) so vLLM's free-memory check passes first time.
 
-        What the starts of `others` reserved is never counted as free.
-        Returns the settings to start with and, when they were lowered, why
-        (the correction the learned-settings file keeps).
+        What the starts of `others` reserved is never counted as free. The settings to start with come back;
+        lowered ones say why (`Tunables.why`, the correction the learned-settings file keeps).
         """
         config = self.keeper.config
         m = config.memory
         if not m.preflight:
-            return tunables, ""
-        self.reporter.metrics.set_phase(Phase.PREFLIGHT.value)
+            return tunables
+        self.reporter.preflight_begins()
         self._tell_fragmentation(m.buddyinfo_path)
         around = budget.neighbours(others)
         evicted = False
         while True:
             mem = self.meminfo()
             if mem is None:
-                return tunables, ""
+                return tunables
             located = model_on_host(config, self.keeper.env()) if m.evict_page_cache else None
             files = safetensors_files(*located) if located is not None else []
             decision = preflight(
@@ -184,7 +183,7 @@ class Preflight:
                 continue
             self._warn_share(config, decision.utilization, mem)
             if decision.utilization == tunables.gpu_memory_utilization:
-                return tunables, ""
+                return tunables
             self.reporter.say(
                 "preflight_lowered",
                 f"preflight: {decision.reason} ({mem.summary()})",
@@ -196,7 +195,7 @@ class Preflight:
             if self.booking is not None:
                 # A smaller share leaves more room to the others at once.
                 self.booking.update(utilization=decision.utilization, bytes=budget.share_bytes(decision.utilization, mem.total, m.headroom_gib))
-            return tunables.with_(gpu_memory_utilization=decision.utilization), f"preflight: {decision.reason}"
+            return tunables.with_(gpu_memory_utilization=decision.utilization, why=f"preflight: {decision.reason}")
 
     def _warn_share(self, config: Config, utilization: float, mem: MemInfo) -> None:
         """Warn, without refusing, when the share cannot hold the weights plus one max_model_len sequence's KV cache."""
@@ -225,23 +224,14 @@ class Preflight:
         if baseline is None:
             return False
         m = self.keeper.config.memory
-        deadline = time.monotonic() + m.recovery_timeout_s
+        started = time.monotonic()
         while True:
-            now_mem = self.meminfo()
-            # Other instances' starts since then took memory that is not this one's to give back.
             taken = budget.taken_since(self.booking.admitted_beside, self.booking.others()) if self.booking is not None else 0
-            expected = baseline.less(taken)
-            if now_mem is None or memory_returned(expected, now_mem, m.recovery_tolerance_gib):
+            verdict = memory_return(baseline, taken, self.meminfo(), m.recovery_tolerance_gib, time.monotonic() - started, m.recovery_timeout_s)
+            if verdict is True:
                 return False
-            if time.monotonic() >= deadline:
-                lost = (expected.available - now_mem.available) / 2**30
-                others = f", less {taken / 2**30:.2f} GiB other gb10d instances' starts took meanwhile" if taken else ""
-                raise GiveUp(
-                    f"memory was not returned after vLLM exited: MemAvailable is {now_mem.available_gib:.2f} GiB, "
-                    f"was {baseline.available_gib:.2f} GiB before it started{others} ({lost:.2f} GiB missing) and no vLLM "
-                    f"process is left; not retrying. A reboot may be needed ({top_memory_users()})",
-                    EXIT_MEMORY_NOT_RETURNED,
-                )
+            if isinstance(verdict, MemoryNotReturned):
+                raise GiveUp(f"{verdict.describe()}; not retrying. A reboot may be needed ({top_memory_users()})", EXIT_MEMORY_NOT_RETURNED)
             if await pause(MEMORY_POLL_S):
                 return True
 
@@ -249,17 +239,15 @@ class Preflight:
 def top_memory_users(count: int = 3) -> str:
     """The largest processes by resident memory, for messages about memory that is not free."""
     users: list[tuple[int, int, str]] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, directory in processes():
         try:
-            status = Path(f"/proc/{entry}/status").read_text()
+            status = directory.joinpath("status").read_text()
         except OSError:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         rss = fields.get("VmRSS", "0 kB").split()
         if rss and rss[0].isdigit():
-            users.append((int(rss[0]) * 1024, int(entry), fields.get("Name", "?").strip()))
+            users.append((int(rss[0]) * 1024, pid, fields.get("Name", "?").strip()))
     users.sort(reverse=True)
     shown = ", ".join(f"{name} (pid {pid}) {rss / 2**30:.1f} GiB" for rss, pid, name in users[:count])
     return f"largest processes: {shown}" if shown else "no process information available"

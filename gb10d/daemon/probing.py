@@ -15,13 +15,11 @@ from typing import Any, Callable, Iterable
 
 from ..base.config import Config, LivenessSection
 from ..core.facts import ProbeKind, ProbeResult
-from ..core.lifecycle import served_name_problem
+from ..core.lifecycle import served_name_problem, waits_for_listen
 from ..core.liveness import Dead, Hung, MetricsSample, death, next_deadline, next_probe_due, observe_health, observe_metrics, observe_probe, parse_metrics, probe_sent, start, verdict
 from .probe import Prober
 from ..base.tasks import Probe
 
-# How long /health may refuse connections after `Application startup complete.` (uvicorn listens just after).
-LISTEN_GRACE_S = 30.0
 
 Post = Callable[..., None]
 
@@ -33,10 +31,10 @@ async def check_ready(prober: Prober, config: Config, post: Post, probe: Probe) 
     health poller and the stall timer take it from there.
     """
     v = config.vllm
-    deadline = time.monotonic() + LISTEN_GRACE_S
+    started = time.monotonic()
     delay = 0.005
     while not (await prober.health()).ok:
-        if time.monotonic() > deadline:
+        if not waits_for_listen(time.monotonic() - started):
             return
         await asyncio.sleep(delay)  # uvicorn listens moments after logging startup complete
         delay = min(delay * 2, 0.5)

@@ -44,7 +44,11 @@ ALERTS_CLOSE_S = 10.0
 
 
 class Reporter:
-    """The single writer of gb10d's journal decisions, STATUS=, metrics and state file."""
+    """The single writer of gb10d's journal decisions, STATUS=, metrics and state file.
+
+    Callers tell it what happened, in their words (`restarting`, `woke`, `vllm_down`), and it knows which of the
+    four outlets hear of it. `journal` stays public for one use: vLLM's and Ray's own output, forwarded line by line.
+    """
 
     def __init__(self, config: Config, journal: Journal, notifier: Notifier, metrics: Metrics) -> None:
         self.config = config
@@ -92,6 +96,14 @@ class Reporter:
         self.notifier.status(text[:STATUS_MAX])
         self.write()
 
+    def reload_begins(self) -> None:
+        """systemd hears RELOADING=1: `systemctl reload` waits for the READY=1 that reload_ends sends."""
+        self.notifier.reloading()
+
+    def reload_ends(self) -> None:
+        """READY=1 again, with what vLLM serves as STATUS=."""
+        self.notifier.ready(self.serving_text()[:STATUS_MAX])
+
     def extend(self, seconds: float) -> None:
         """Ask systemd for more start time on a sign of progress; instances that wait for this one see it too."""
         self.notifier.extend_timeout(seconds)
@@ -108,6 +120,30 @@ class Reporter:
         """The ledger let the start begin: it waits for nobody now."""
         self.waiting_for = ()
         self._ledger_metrics()
+
+    def restarting(self, reason: str) -> None:
+        """A new start follows, for `reason` (gb10d_restarts_total{cause})."""
+        self.metrics.restart(reason)
+
+    def preflight_begins(self) -> None:
+        """The memory check before a start is under way (gb10d_phase)."""
+        self.metrics.set_phase(Phase.PREFLIGHT.value)
+
+    def vllm_metrics_at(self, url: str) -> None:
+        """vLLM's own /metrics at `url` is appended to each scrape of gb10d's (metrics.proxy_vllm)."""
+        self.metrics.set_vllm_target(url)
+
+    def vllm_down(self) -> None:
+        """No vLLM process answers any more (gb10d_vllm_up 0), before the attempt is over."""
+        self.metrics.set_vllm_up(False)
+
+    def woke(self, result: str, seconds: float | None = None) -> None:
+        """A wake from sleep ended with `result` ("ok", or why it is not trusted), in `seconds` when it worked."""
+        self.metrics.wake(result, seconds)
+
+    def cluster_nodes(self, count: int) -> None:
+        """The machines of the pair that serve now (gb10d_cluster_nodes)."""
+        self.metrics.set_cluster_nodes(count)
 
     def attempt_started(self, number: int, tunables: Tunables, pid: int, baseline: MemInfo | None, reason: str) -> None:
         """A new attempt runs: the state file and the metrics describe it from now on."""

@@ -40,9 +40,10 @@ from ..core.outcome import Cause, Ended, Failed, NodeLost, Parked, Reloaded, Sto
 from .pair import Pair
 from .parking import Parking
 from ..core.policy import History
+from ..core.reload import tells_systemd
 from .preflight import Preflight
 from .pull import Pull
-from .reporter import STATUS_MAX, Reporter
+from .reporter import Reporter
 from ..core.statefile import DaemonState
 from ..launch.runtime import Launcher
 
@@ -110,9 +111,7 @@ class Supervisor:
                 return await self._stop()
             if self._fresh_start:
                 continue  # a reload changed what vLLM runs with while the start waited: ask again with it
-            tunables, correction = self.preflight.fit(tunables, others)
-            if correction:
-                self.keeper.correction = correction
+            tunables = self.preflight.fit(tunables, others)
             history = History(history.attempts + 1, history.backoffs)
             ended = await self._run_attempt(tunables, history.attempts, reason)
             if isinstance(ended, Stopped):
@@ -142,7 +141,7 @@ class Supervisor:
                 await self.close()
                 history, reason = policy.uncounted(history), "node_lost"
                 self.reporter.failure("node_lost", ended.why, "starting vLLM again once the cluster is whole")
-                self.reporter.metrics.restart(reason)
+                self.reporter.restarting(reason)
                 if await self.preflight.memory_back(baseline, self._pause):
                     return await self._stop()
                 continue
@@ -165,7 +164,7 @@ class Supervisor:
                 if await self._pause(decision.delay_s):
                     return await self._stop()
             tunables, reason = decision.tunables, ended.cause.value
-            self.reporter.metrics.restart(reason)
+            self.reporter.restarting(reason)
 
     async def _prepare(self) -> PreparedImage | Stopped | Reloaded | None:
         """Fetch what a new sequence of starts runs from (a container image); a stalled pull is pulled again, paced
@@ -184,7 +183,7 @@ class Supervisor:
             self._tell_failure(ended, decision, history)
             if isinstance(decision, policy.GiveUp):
                 raise GiveUp(decision.message, decision.exit_status, told=True)
-            self.reporter.metrics.restart(ended.cause.value)
+            self.reporter.restarting(ended.cause.value)
             self.reporter.extend(start_time_asked(config, decision.delay_s))
             if await self._pause(decision.delay_s):
                 return Stopped("")
@@ -325,10 +324,9 @@ class Supervisor:
         systemd hears RELOADING=1 ... READY=1 only while vLLM serves; during a
         start the next READY=1 is the start's own.
         """
-        notifier = self.reporter.notifier
-        tell_systemd = attempt.ready and (requested or self.keeper.config.daemon.apply_on_change)
+        tell_systemd = tells_systemd(attempt.ready, requested, self.keeper.config.daemon.apply_on_change)
         if tell_systemd:
-            notifier.reloading()
+            self.reporter.reload_begins()
         diff = self.keeper.take(requested)
         if diff is None or not diff.needs_vllm_restart:
             if diff:
@@ -337,7 +335,7 @@ class Supervisor:
                     "reload_applied", f"applied without restarting vLLM ({attempt.runtime.label}): {diff.describe()}", PRIORITY_INFO
                 )
             if tell_systemd:
-                notifier.ready(self.reporter.serving_text()[:STATUS_MAX])
+                self.reporter.reload_ends()
             return None
         self.reporter.say(
             "reload_applied",
@@ -367,7 +365,7 @@ class Supervisor:
         self.reporter.failure(outcome.cause.value, cause, f"going back to {good.path}")
         self.reporter.say("program_rolled_back", message, PRIORITY_ERR, attempt=history.attempts, cause=outcome.cause.value)
         self.reporter.status(message)
-        self.reporter.metrics.restart("rollback")
+        self.reporter.restarting("rollback")
         await self.close()
         return await self.preflight.memory_back(baseline, self._pause)
 
@@ -377,7 +375,6 @@ class Supervisor:
         message = policy.failure_line(outcome, decision, history, self.keeper.config)
         cause = policy.describe(outcome)
         self.reporter.failure(outcome.cause.value, cause, decision.message)
-        self.keeper.correction = cause
         self.reporter.say(
             policy.event_kind(outcome.cause),
             message,

@@ -65,7 +65,7 @@ class WorkerDaemon:
         pair.seen(pair.view or View())
         while True:
             if not self.joined:
-                self.reporter.notifier.extend_timeout(CLUSTER_EXTEND_S)
+                self.reporter.extend(CLUSTER_EXTEND_S)
             if await self.loop.pause(CLUSTER_EXTEND_S / 3, self._handle, until=changed):
                 return
             if not changed():

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Awaitable, Callable, Mapping, Sequence
 
 from ..base.errors import SpawnError
+from ..machine.procs import processes, stat_fields
 
 READ_CHUNK = 1 << 16
 _PR_SET_CHILD_SUBREAPER = 36
@@ -29,17 +30,13 @@ ChunkHandler = Callable[[bytes], None]
 def group_members(pgid: int) -> list[int]:
     """PIDs whose process group is `pgid`, from /proc (zombies included)."""
     members: list[int] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, directory in processes():
         try:
-            stat = Path(f"/proc/{entry}/stat").read_bytes()
+            fields = stat_fields(directory)
         except OSError:
             continue
-        # The command name may contain spaces and parentheses: split after the last ')'.
-        fields = stat[stat.rfind(b")") + 2 :].split()
         if len(fields) > 2 and int(fields[2]) == pgid:
-            members.append(int(entry))
+            members.append(pid)
     return members
 
 

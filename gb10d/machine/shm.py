@@ -22,6 +22,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from .procs import processes
+
 SHM = Path("/dev/shm")
 # Names of the segments vLLM's processes create: multiprocessing, PyTorch, vLLM's own.
 PATTERNS = ("psm_*", "sem.mp-*", "torch_*", "vllm_*")
@@ -83,9 +85,9 @@ def in_use(directory: Path = SHM) -> set[tuple[int, int]]:
     """
     prefix = str(directory).rstrip("/") + "/"
     used: set[tuple[int, int]] = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for _pid, directory in processes():
         try:
-            maps = Path(f"/proc/{pid}/maps").read_text(errors="replace")
+            maps = directory.joinpath("maps").read_text(errors="replace")
         except OSError:
             maps = ""
         for line in maps.splitlines():
@@ -94,12 +96,12 @@ def in_use(directory: Path = SHM) -> set[tuple[int, int]]:
             if path.startswith(prefix):
                 _add(used, path.removesuffix(" (deleted)"))
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
+            fds = os.listdir(directory / "fd")
         except OSError:
             continue
         for fd in fds:
             try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                target = os.readlink(directory / "fd" / fd)
             except OSError:
                 continue
             if target.startswith(prefix):

@@ -1,0 +1,35 @@
+"""The one walk of /proc: each process this user can see, as its pid and its /proc directory.
+
+Four readers need the processes of the machine: the members of vLLM's process group, the largest memory users
+named when memory is not given back, the shared-memory segments still in use, and the processes a test lab left.
+Each reads only the files it needs from the directory given here. A process can end between the listing and the
+read: that is the reader's OSError, and the process is simply gone for it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+PROC = Path("/proc")
+
+
+def processes(root: Path = PROC) -> Iterator[tuple[int, Path]]:
+    """(pid, /proc/PID) of each process present at the listing, in /proc's order."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if name.isdigit():
+            yield int(name), root / name
+
+
+def stat_fields(directory: Path) -> list[bytes]:
+    """/proc/PID/stat's fields after the command name (state, ppid, pgrp, ...); OSError if the process is gone.
+
+    The command name may contain spaces and parentheses, so the fields start after the last ')'.
+    """
+    stat = directory.joinpath("stat").read_bytes()
+    return stat[stat.rfind(b")") + 2 :].split()
