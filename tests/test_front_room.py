@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from gb10d.front.core import Answer, AwaitRoom, Evict, Slot, StartIt, make_room, readiness_of
+from gb10d.front.core import Answer, AwaitRoom, Evict, Instance, Readiness, Slot, StartIt, Wait, admit, error, make_room, readiness_of
 from gb10d.core.statefile import DaemonState, StateRecord
 
 GIB = 2**30
@@ -104,3 +104,17 @@ def test_a_stopped_pinned_instance_holds_nothing_and_a_parked_model_gives_nothin
 def test_a_parked_instance_is_held_for_and_woken_and_a_parking_one_is_on_its_way(state: DaemonState, parked: bool) -> None:
     ready = readiness_of(StateRecord(pid=1, started_at=0.0, updated_at=0.0, state=state), alive=True)
     assert (ready.serving, ready.coming, ready.parked, ready.parking, ready.detail) == (False, True, parked, state is DaemonState.PARKING, state.value)
+
+
+PARKED = Readiness(serving=False, coming=True, detail="parked", parked=True)
+BETA = Instance("beta", ("beta",), "127.0.0.1", 8102)
+
+
+@pytest.mark.parametrize("room", [None, StartIt("fits"), AwaitRoom("later"), Evict("alpha", "room")])
+def test_a_request_for_a_parked_model_that_may_fit_is_held(room: StartIt | AwaitRoom | Evict | None) -> None:
+    assert admit(BETA, PARKED, 0, 256, 0.0, 900.0, True, room) == Wait()
+
+
+def test_a_request_for_a_parked_model_that_can_never_fit_is_refused_not_held() -> None:
+    never = error(503, "beta can never fit: ...", "ServiceUnavailableError")
+    assert admit(BETA, PARKED, 0, 256, 0.0, 900.0, True, never) is never

@@ -53,6 +53,11 @@ class Readiness:
         """Its gb10d puts vLLM to sleep or stops it: its memory is on its way back."""
         return self.detail == DaemonState.PARKING.value
 
+    @property
+    def asleep(self) -> bool:
+        """Parked by vLLM's sleep, which keeps the process: its wake checks its own memory."""
+        return self.detail == DaemonState.ASLEEP.value
+
 
 @dataclass(frozen=True)
 class Forward:
@@ -194,13 +199,19 @@ Admission = Go | Wait | Answer
 RETRY_AFTER_S = 5
 
 
-def admit(instance: Instance, ready: Readiness, held: int, queue_limit: int, waited_s: float, hold_timeout_s: float, newly: bool) -> Admission:
+def admit(
+    instance: Instance, ready: Readiness, held: int, queue_limit: int, waited_s: float, hold_timeout_s: float, newly: bool,
+    room: Room | None = None,
+) -> Admission:
     """Whether a request for `instance` goes through, waits for it, or gets 503.
 
     `held`: requests already waiting for it (this one excluded when `newly`, the first ask); `waited_s`: how long
-    this one has waited. A stopped or failed instance is not waited for: nothing would make it serve."""
+    this one has waited; `room`: `make_room`'s answer for a parked instance. A stopped or failed instance is not
+    waited for, nor a parked model that can never fit: nothing would make it serve."""
     if ready.serving:
         return Go()
+    if isinstance(room, Answer):
+        return room
     what = f"{instance.name} is {ready.detail}"
     if not ready.coming:
         return error(503, f"{what}; it is not starting (systemctl start gb10d@{instance.name})", "ServiceUnavailableError", RETRY_AFTER_S)

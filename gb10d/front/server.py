@@ -23,7 +23,7 @@ from ..base.config import FrontSection
 from ..core import budget
 from ..core.memory import read_meminfo
 from ..daemon.control import ask
-from ..core.statefile import DaemonState, read_state
+from ..core.statefile import read_state
 from ..daemon.status import pid_alive
 from ..machine.ledger import read_ledger
 from .core import (
@@ -190,7 +190,7 @@ class Front:
             known.instance.name, budget.share_bytes(known.utilization, total, known.memory.headroom_gib), known.control is not None,
             running=ready.coming and not ready.parked, serving=ready.serving, parking=watched.parking_asked or ready.parking,
             busy=watched.held + watched.in_flight > 0, waking=watched.wake_asked and ready.parked, active_at=watched.active_at,
-            asleep=ready.detail == DaemonState.ASLEEP.value,
+            asleep=ready.asleep,
         )
 
     def _ask(self, watched: Watched, command: str) -> None:
@@ -225,11 +225,9 @@ class Front:
         # The last read may be up to STATE_POLL_S old: every request is decided on a fresh one (a refusal, an
         # instance that has begun to fall asleep, or one whose gb10d has begun to stop vLLM for a reload).
         self._refresh(watched)
-        decision = admit(instance, watched.ready, watched.held, self.settings.queue_limit, 0.0, self.settings.hold_timeout_s, True)
-        if isinstance(decision, Wait) and watched.ready.parked and not watched.wake_asked:
-            room = self._room(watched)
-            if isinstance(room, Answer):  # a model that can never fit is not held: nothing would make it fit
-                decision = room
+        # A parked instance's room is read only for the first request that finds it parked, not for each of a flood.
+        room = self._room(watched) if watched.ready.parked and not watched.wake_asked and watched.held == 0 else None
+        decision = admit(instance, watched.ready, watched.held, self.settings.queue_limit, 0.0, self.settings.hold_timeout_s, True, room)
         if isinstance(decision, Wait):
             if watched.held == 0:
                 watched.hold_started, watched.held_since = started, time.time()
