@@ -33,7 +33,7 @@ ROUNDS = 3
 
 
 def _deployment(ws: Workspace, name: str, sleeps: bool) -> Deployment:
-    overrides: dict[str, Any] = {"on_demand": {"idle_timeout_s": 3600.0}} if sleeps else {}
+    overrides: dict[str, Any] = {"on_demand": {"park": "sleep", "idle_timeout_s": 3600.0}} if sleeps else {}
     return Deployment(ws.scratch(name), ws.venv, sim_env={"GB10D_SIM_SPEED": SPEED}, utilization=0.45, overrides=overrides)
 
 

@@ -31,7 +31,7 @@ from gb10d.sim.tokens import token_text
 from gb10d.base.config import MemorySection
 from gb10d.core.statefile import read_state
 from gb10d.daemon.status import show_all
-from harness import Daemon, Setup, free_port
+from harness import Daemon, NotifySocket, Setup, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +41,17 @@ class Deployment:
 
     def __init__(
         self, root: Path, front: dict[str, object] | None = None, on_demand: dict[str, object] | None = None,
-        extra: dict[str, object] | None = None, **setup: Any,
+        extra: dict[str, object] | None = None, each: dict[str, dict[str, object]] | None = None, **setup: Any,
     ) -> None:
+        """`on_demand` and `extra` go into both instances' configs, `each` into the one it names."""
         self.root = root
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         extra = {**({"on_demand": on_demand} if on_demand is not None else {}), **(extra or {})}
-        self.setups = {name: Setup(root / name, served_name=name, utilization=0.3, extra=extra, **setup) for name in ("alpha", "beta")}
+        self.setups = {
+            name: Setup(root / name, served_name=name, utilization=0.3, extra={**extra, **(each or {}).get(name, {})}, **setup)
+            for name in ("alpha", "beta")
+        }
         (root / "instances").mkdir()
         for name, setup in self.setups.items():
             (root / "instances" / f"{name}.toml").write_text(setup.config.read_text())
@@ -62,8 +66,8 @@ class Deployment:
         self.front = FrontChild(root / "front.toml")
         self.front.wait_line(r"serving alpha, beta on ")
 
-    def start(self, name: str, serving: bool = True) -> Daemon:
-        daemon = Daemon(self.setups[name], None)
+    def start(self, name: str, serving: bool = True, notify: NotifySocket | None = None) -> Daemon:
+        daemon = Daemon(self.setups[name], notify)
         self.daemons.append(daemon)
         if serving:
             daemon.wait_line(r"ready|serving")

@@ -29,11 +29,12 @@ from test_front import Deployment, completion
 pytestmark = pytest.mark.slow
 
 IDLE_S = 1.0
+SLEEP = {"park": "sleep", "idle_timeout_s": IDLE_S}
 
 
 @pytest.fixture
 def swapping(tmp_path: Path) -> Iterator[Deployment]:
-    deployment = Deployment(tmp_path, on_demand={"idle_timeout_s": IDLE_S})
+    deployment = Deployment(tmp_path, on_demand=SLEEP)
     yield deployment
     deployment.close()
 
@@ -75,7 +76,7 @@ def test_an_idle_instance_sleeps_gives_its_memory_back_and_the_next_request_wake
 
 
 def test_a_wake_whose_check_generation_answers_empty_text_starts_vllm_cold(tmp_path: Path) -> None:
-    swapping = Deployment(tmp_path, on_demand={"idle_timeout_s": IDLE_S}, scenario="bad_wake")
+    swapping = Deployment(tmp_path, on_demand=SLEEP, scenario="bad_wake")
     try:
         alpha = swapping.start("alpha")
         with httpx.Client(base_url=swapping.url, timeout=90) as client:
@@ -110,7 +111,7 @@ def test_a_wake_whose_memory_was_taken_meanwhile_starts_vllm_cold_once_it_is_bac
 def test_stopping_a_sleeping_instance_whose_vllm_ignores_sigterm_ends_in_sigkill_and_leaves_nothing(tmp_path: Path) -> None:
     # Measured on vLLM 0.26: a SIGTERM can leave the engine a zombie and the API server running. A frozen vLLM
     # (SIGSTOP) takes no SIGTERM at all; the stop ladder must still end it.
-    swapping = Deployment(tmp_path, on_demand={"idle_timeout_s": IDLE_S}, extra={"daemon.stop_timeout_s": 2.0})
+    swapping = Deployment(tmp_path, on_demand=SLEEP, extra={"daemon.stop_timeout_s": 2.0})
     try:
         alpha = swapping.start("alpha")
         swapping.wait_state("alpha", "asleep")
@@ -128,7 +129,7 @@ def test_a_sleeping_vllm_is_not_taken_for_hung_though_it_generates_nothing(tmp_p
     # Asleep, vLLM holds every completion until a wake: the liveness watch's idle probe would time out and call it
     # hung. With probes every 0.5 s timing out after 1 s, a few seconds asleep are many missed probes.
     liveness = {"liveness.idle_probe_interval_s": 0.5, "liveness.probe_timeout_s": 1.0, "liveness.health_interval_s": 0.5}
-    swapping = Deployment(tmp_path, on_demand={"idle_timeout_s": IDLE_S}, extra=liveness)
+    swapping = Deployment(tmp_path, on_demand=SLEEP, extra=liveness)
     try:
         alpha = swapping.start("alpha")
         swapping.wait_state("alpha", "asleep")

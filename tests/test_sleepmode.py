@@ -56,7 +56,7 @@ def test_the_control_socket_sits_beside_the_state_file() -> None:
     assert control_path(Path("/run/gb10d/chat.json")) == Path("/run/gb10d/chat.sock")
 
 
-def config(tmp_path: Path, host: str, on_demand: str = "[on_demand]\nidle_timeout_s = 30\n") -> Path:
+def config(tmp_path: Path, host: str, on_demand: str = '[on_demand]\npark = "sleep"\nidle_timeout_s = 30\n') -> Path:
     path = tmp_path / "gb10d.toml"
     path.write_text(f'[vllm]\nexecutable = "/usr/bin/true"\nmodel = "m"\nhost = "{host}"\nport = 8101\n\n{on_demand}')
     return path
@@ -75,7 +75,7 @@ def test_turning_on_demand_on_by_a_reload_restarts_vllm_and_a_new_idle_timeout_d
     plain = ConfigSnapshot.take(load_config(config(tmp_path / "a", "127.0.0.1", on_demand="")))
     parked = ConfigSnapshot.take(load_config(config(tmp_path / "b", "127.0.0.1")))
     assert diff_configs(plain, parked).needs_vllm_restart, "--enable-sleep-mode is on vLLM's command line"
-    later = ConfigSnapshot.take(load_config(config(tmp_path / "a", "127.0.0.1", on_demand="[on_demand]\nidle_timeout_s = 90\n")))
+    later = ConfigSnapshot.take(load_config(config(tmp_path / "a", "127.0.0.1", on_demand='[on_demand]\npark = "sleep"\nidle_timeout_s = 90\n')))
     assert not diff_configs(parked, later).needs_vllm_restart
 
 
@@ -86,10 +86,10 @@ def test_sleep_on_a_public_address_is_a_config_error_naming_the_host(tmp_path: P
     assert "vllm.host" in text and "VLLM_SERVER_DEV_MODE" in text and 'host = "127.0.0.1"' in text
 
 
-def test_park_stop_is_not_offered_yet_and_says_what_is(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError) as caught:
-        load_config(config(tmp_path, "127.0.0.1", on_demand='[on_demand]\npark = "stop"\n'))
-    assert "on_demand.park" in str(caught.value) and "sleep" in str(caught.value)
+def test_park_stop_is_the_default_runs_vllm_without_sleep_mode_and_may_listen_anywhere(tmp_path: Path) -> None:
+    stopped = load_config(config(tmp_path, "0.0.0.0", on_demand="[on_demand]\nidle_timeout_s = 30\n"))
+    assert stopped.on_demand is not None and stopped.on_demand.park == "stop"
+    assert vllm_flags(stopped) == () and vllm_env(stopped) == {}, "no development endpoints: nothing to keep off the network"
 
 
 def record(state: DaemonState) -> StateRecord:
@@ -99,10 +99,10 @@ def record(state: DaemonState) -> StateRecord:
 @pytest.mark.parametrize(("state", "asleep"), [(DaemonState.ASLEEP, True), (DaemonState.PARKING, False), (DaemonState.WAKING, False)])
 def test_the_front_holds_for_a_sleeping_instance_and_knows_which_one_to_wake(state: DaemonState, asleep: bool) -> None:
     ready = readiness_of(record(state), alive=True)
-    assert (ready.serving, ready.coming, ready.asleep, ready.detail) == (False, True, asleep, state.value)
+    assert (ready.serving, ready.coming, ready.parked, ready.detail) == (False, True, asleep, state.value)
 
 
-ASLEEP = Readiness(serving=False, coming=True, detail="asleep", asleep=True)
+ASLEEP = Readiness(serving=False, coming=True, detail="asleep", parked=True)
 SERVING = Readiness(serving=True, coming=True, detail="serving")
 
 

@@ -312,16 +312,18 @@ class AlertsSection(Table):
 
 
 class OnDemandSection(Table):
-    """`[on_demand]`: the front parks this instance when idle and wakes it for the next request.
+    """`[on_demand]`: the front starts this instance's vLLM for the first request, parks it when idle, and may park it
+    to make room for another model.
 
-    `park = "sleep"` keeps vLLM running and puts it to sleep at vLLM's level 2 (weights and KV cache given back,
-    about 1.7 GiB kept); a wake takes seconds instead of a whole start. Its endpoints are vLLM's development ones, so
-    vLLM must listen on loopback only, behind `gb10d front`."""
+    `park = "stop"` (the default) stops vLLM and gives its memory back; gb10d stays active for systemd, parked, and
+    starts vLLM for the next request through the normal start. `park = "sleep"` keeps vLLM running and puts it to
+    sleep at vLLM's level 2 (weights and KV cache given back, about 1.7 GiB kept); a wake takes seconds instead of a
+    whole start. Its endpoints are vLLM's development ones, so vLLM must listen on loopback only, behind `gb10d front`."""
 
-    park: Literal["sleep"] = "sleep"
+    park: Literal["stop", "sleep"] = "stop"
     # The front parks the instance after this long without a request (and none in flight).
     idle_timeout_s: float = Field(default=600.0, gt=0)
-    # A wake needs the memory the sleep gave back plus this much free, else gb10d stops vLLM and starts it cold.
+    # A wake from sleep needs the memory the sleep gave back plus this much free, else gb10d stops vLLM and starts it cold.
     wake_margin_gib: float = Field(default=2.0, ge=0)
 
 
@@ -519,7 +521,7 @@ class Config(Table):
         """vLLM's sleep endpoints are development endpoints that anyone who reaches the port may call."""
         if self.on_demand is None:
             return self
-        if self.vllm.host not in ("127.0.0.1", "::1", "localhost"):
+        if self.on_demand.park == "sleep" and self.vllm.host not in ("127.0.0.1", "::1", "localhost"):
             raise_keyed([(("vllm", "host"), f'is {self.vllm.host!r}, but on_demand.park = "sleep" turns on vLLM\'s development endpoints '
                            '(VLLM_SERVER_DEV_MODE=1), which anyone reaching the port could call: set host = "127.0.0.1" and let clients in through gb10d front')])
         if self.cluster is not None:

@@ -42,6 +42,7 @@ class Stage(str, Enum):
     STARTING = "starting"  # admitted: vLLM's first start is taking its share
     RESTARTING = "restarting"  # between attempts or in a later one: the share stays reserved
     SERVING = "serving"  # its memory shows in /proc/meminfo
+    PARKED = "parked"  # on_demand.park = "stop": vLLM stopped, its memory given back; reserves nothing
 
     @property
     def pending(self) -> bool:
@@ -137,7 +138,7 @@ def left(others: Sequence[Reservation], mem: MemInfo) -> int:
 def neighbours(others: Sequence[Reservation]) -> Neighbours:
     """The others as the free-memory arithmetic needs them: what their starts reserved, and who they all are."""
     starts = pending(others)
-    holding = sorted((o for o in others if o.stage is not Stage.WAITING), key=lambda o: o.queue_key)
+    holding = sorted((o for o in others if o.stage not in (Stage.WAITING, Stage.PARKED)), key=lambda o: o.queue_key)
     return Neighbours(sum(o.bytes for o in starts), _names(starts) if starts else "", ", ".join(o.share() for o in holding))
 
 

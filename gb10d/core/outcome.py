@@ -75,6 +75,14 @@ class WakeFailed:
 
 
 @dataclass(frozen=True)
+class Parked:
+    """The front asked to park an instance that parks by stop (on_demand.park = "stop"); vLLM was stopped cleanly,
+    which is no failure: gb10d waits parked until the front asks for it again."""
+
+    serving_s: float
+
+
+@dataclass(frozen=True)
 class NodeLost:
     """A machine of the Ray pair left; not vLLM's failure, so it starts again uncounted once the cluster is whole."""
 
@@ -89,7 +97,7 @@ class Stopped:
     signame: str
 
 
-Ended = Union[Failed, Reloaded, WakeFailed, NodeLost, Stopped]
+Ended = Union[Failed, Reloaded, WakeFailed, Parked, NodeLost, Stopped]
 
 
 def describe_exit(status: int | None) -> str:

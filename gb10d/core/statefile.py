@@ -80,9 +80,10 @@ class DaemonState(str, Enum):
     WAITING = "waiting"  # the head of a pair, for the other machine
     WAITING_FOR_MEMORY = "waiting for memory"  # for the starts of other gb10d instances of this machine
     JOINING = "joining"  # the worker of a pair, until the head lists it
-    PARKING = "parking"  # on_demand.park = "sleep": vLLM is falling asleep
+    PARKING = "parking"  # on_demand: vLLM is falling asleep, or stopping (park = "stop")
     ASLEEP = "asleep"  # vLLM runs, asleep; the front wakes it for the next request
     WAKING = "waking"
+    PARKED = "parked"  # on_demand.park = "stop": vLLM is not running; the front starts it for the first request
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"

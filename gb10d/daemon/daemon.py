@@ -105,7 +105,7 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
             return await WorkerDaemon(keeper, reporter, loop, pair).serve()
         # vLLM runs here: its share of the machine's memory is booked in the ledger the instances share.
         reporter.booking = preflight.booking = booking
-        if sleepmode.sleeps(config):
+        if config.on_demand is not None:
             control = ControlSocket(sleepmode.control_path(config.daemon.state_file), loop.post)
             await control.start()
         supervisor = Supervisor(keeper, reporter, loop, preflight, EngineChoice(path), pair, host)

@@ -65,7 +65,7 @@ def vllm_families(exposition: str) -> str:
 
 
 # The states of gb10d_sleep_state: DaemonState's values for them.
-SLEEP_STATES = ("serving", "parking", "asleep", "waking")
+SLEEP_STATES = ("serving", "parking", "asleep", "waking", "parked")
 
 
 class Metrics:

@@ -221,6 +221,7 @@ class Reporter:
             DaemonState.JOINING: "waiting to join the Ray cluster",
             DaemonState.WAITING_FOR_MEMORY: "waiting for memory",
             DaemonState.SERVING: "serving",
+            DaemonState.PARKED: "parked",
         }.get(self.state, "waiting to restart")
 
     def serving_text(self) -> str:
@@ -236,6 +237,19 @@ class Reporter:
         if self.booking is not None:
             self.booking.update(phase="" if state is DaemonState.SERVING else text.partition(";")[0])
         self.status(text, state)
+
+    def parked(self, text: str, share: int, **fields: object) -> None:
+        """vLLM is stopped until the front asks for it (on_demand.park = "stop"): the ledger's record reserves nothing,
+        the state file, the metrics and the journal say parked, and READY=1 goes out last: gb10d is active for
+        systemd, and vLLM starts on demand."""
+        if self.booking is not None:
+            self.booking.parked(self.config.vllm.gpu_memory_utilization, share)
+            self._ledger_metrics()
+        self.state, self.status_text = DaemonState.PARKED, text
+        self.metrics.set_sleep_state(DaemonState.PARKED.value)
+        self.write()
+        self.say("parked_stopped", text, PRIORITY_INFO, **fields)
+        self.notifier.ready(text[:STATUS_MAX])
 
     def failure(self, cause: str, message: str, action: str) -> None:
         """Remember the latest failure for `gb10d status` (shown until the next one)."""

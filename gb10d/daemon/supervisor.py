@@ -17,6 +17,7 @@ nothing sleeps blindly.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Awaitable, Callable
 
 from ..core import budget, policy
@@ -35,7 +36,7 @@ from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from ..core.lifecycle import start_time_asked
 from .loop import FactLoop
 from ..core.memory import ALONE, MemInfo
-from ..core.outcome import Cause, Ended, Failed, NodeLost, Reloaded, Stopped, WakeFailed
+from ..core.outcome import Cause, Ended, Failed, NodeLost, Parked, Reloaded, Stopped, WakeFailed
 from .pair import Pair
 from .parking import Parking
 from ..core.policy import History
@@ -76,6 +77,8 @@ class Supervisor:
         # A reload between attempts changed what vLLM runs with: the next start begins afresh.
         self._fresh_start = False
         self.parking = Parking(reporter, preflight.meminfo)
+        # on_demand.park = "stop": vLLM does not run until the front asks for it, at the start and after each park.
+        self._parked = sleepmode.stops(keeper.config)
 
     async def supervise(self) -> int:
         """Start vLLM, restart it as the policy says, until a stop signal (exit 0) or GiveUp."""
@@ -90,6 +93,10 @@ class Supervisor:
                 return await self._stop()
             if self._fresh_start:
                 self._fresh_start, tunables, history = False, None, History()
+            if self._parked:
+                if await self._wait_parked():
+                    return await self._stop()
+                self._parked = False
             if tunables is None:
                 prepared = await self._prepare()
                 if isinstance(prepared, Stopped):
@@ -110,6 +117,13 @@ class Supervisor:
             if isinstance(ended, Stopped):
                 return await self._stop()
             baseline = self.attempt.start.baseline if self.attempt else None
+            if isinstance(ended, Parked):
+                await self.close()
+                # Parked only once its memory is back: the front waits for that before it starts another model.
+                if await self.preflight.memory_back(baseline, self._pause):
+                    return await self._stop()
+                self._parked, tunables, history, reason = True, None, History(), "wake"
+                continue
             if isinstance(ended, (Reloaded, WakeFailed)):
                 await self.close()
                 # As after a failure: measured before its memory is back, the new start would be lowered or refused.
@@ -233,6 +247,8 @@ class Supervisor:
                 return Stopped(fact.signame)
             elif isinstance(fact, (Reload, Edited)):
                 ended = await self._config_change(attempt, requested=isinstance(fact, Reload))
+            elif isinstance(fact, (ParkAsked, WakeAsked)) and sleepmode.stops(self.keeper.config):
+                ended = await self._park_by_stop(attempt) if isinstance(fact, ParkAsked) else None
             elif isinstance(fact, (ParkAsked, WakeAsked)):
                 ended = await self.parking.handle(fact, attempt)
                 if ended is not None:
@@ -251,6 +267,45 @@ class Supervisor:
                     ended = self.pair.explain_exit(ended, attempt.start.start_view, attempt.runtime.pid)
             if ended is not None:
                 return ended
+
+    async def _wait_parked(self) -> bool:
+        """vLLM stays stopped until the front asks for it (on_demand.park = "stop"); True when a stop came meanwhile.
+
+        The ledger's record reserves nothing while parked and says what a start would need; the state file and
+        STATUS= say parked, and READY=1 goes out: gb10d is active for systemd, its model is served on demand."""
+        config = self.keeper.config
+        mem = self.preflight.meminfo()
+        share = budget.share_bytes(config.vllm.gpu_memory_utilization, mem.total, config.memory.headroom_gib) if mem else 0
+        self.reporter.parked(
+            f"{sleepmode.PARKED_STATUS}: vLLM is not running, {config.vllm.served_names[0]} starts when a request for it "
+            f"arrives (on_demand.park = \"stop\"; a start reserves {budget.gib(share)} GiB)", share, reservation_bytes=share,
+        )
+        while True:
+            fact = await self.loop.next(None)
+            if isinstance(fact, WakeAsked):
+                self.reporter.say("unparking", "starting vLLM: the front asked for it, a request waits", PRIORITY_INFO)
+                self.reporter.status("starting: the front asked for vLLM, a request waits", DaemonState.STARTING)
+                return False
+            if fact is not None and not isinstance(fact, ParkAsked) and self._between(fact):
+                return True
+
+    async def _park_by_stop(self, attempt: Attempt) -> Parked | None:
+        """The front asked to park an idle instance that parks by stop: vLLM goes through the stop ladder, which is no
+        failure (no restart follows); the supervisor then waits parked until the front asks for it again."""
+        if not attempt.ready:
+            self.reporter.say("park_ignored", "asked to park vLLM while it is not serving yet; nothing done", PRIORITY_INFO)
+            return None
+        serving_s = time.time() - self.reporter.ready_at if self.reporter.ready_at is not None else 0.0
+        grace = self.keeper.config.daemon.stop_timeout_s
+        self.reporter.say(
+            "parking",
+            f"parking: stopping vLLM ({attempt.runtime.label}) after {serving_s:.0f} s serving, as the front asked; "
+            f"SIGTERM to {attempt.runtime.reaches}, SIGKILL after {grace:g} s",
+            PRIORITY_INFO,
+        )
+        self.reporter.status("parking: stopping vLLM and waiting for its memory to come back", DaemonState.PARKING)
+        await attempt.runtime.stop(grace, self._on_escalate)
+        return Parked(serving_s)
 
     def _kernel_fact(self, serial: int, event: DriverOutOfMemory | GpuXid) -> Parsed | DriverLine:
         """A driver message during an attempt; the out-of-memory line comes with MemAvailable read now, its evidence."""

@@ -45,8 +45,18 @@ class Readiness:
     coming: bool
     # What a client is told while it waits, e.g. "loading weights 12/66".
     detail: str
-    # Parked by sleep (on_demand.park = "sleep"): the front wakes it for a request.
-    asleep: bool = False
+    # Parked (on_demand: vLLM asleep, or stopped with its memory back): the front wakes it for a request.
+    parked: bool = False
+
+    @property
+    def parking(self) -> bool:
+        """Its gb10d puts vLLM to sleep or stops it: its memory is on its way back."""
+        return self.detail == DaemonState.PARKING.value
+
+    @property
+    def asleep(self) -> bool:
+        """Parked by vLLM's sleep, which keeps the process: its wake checks its own memory."""
+        return self.detail == DaemonState.ASLEEP.value
 
 
 @dataclass(frozen=True)
@@ -189,13 +199,19 @@ Admission = Go | Wait | Answer
 RETRY_AFTER_S = 5
 
 
-def admit(instance: Instance, ready: Readiness, held: int, queue_limit: int, waited_s: float, hold_timeout_s: float, newly: bool) -> Admission:
+def admit(
+    instance: Instance, ready: Readiness, held: int, queue_limit: int, waited_s: float, hold_timeout_s: float, newly: bool,
+    room: Room | None = None,
+) -> Admission:
     """Whether a request for `instance` goes through, waits for it, or gets 503.
 
     `held`: requests already waiting for it (this one excluded when `newly`, the first ask); `waited_s`: how long
-    this one has waited. A stopped or failed instance is not waited for: nothing would make it serve."""
+    this one has waited; `room`: `make_room`'s answer for a parked instance. A stopped or failed instance is not
+    waited for, nor a parked model that can never fit: nothing would make it serve."""
     if ready.serving:
         return Go()
+    if isinstance(room, Answer):
+        return room
     what = f"{instance.name} is {ready.detail}"
     if not ready.coming:
         return error(503, f"{what}; it is not starting (systemctl start gb10d@{instance.name})", "ServiceUnavailableError", RETRY_AFTER_S)
@@ -233,8 +249,8 @@ def readiness_of(state: StateRecord | None, alive: bool) -> Readiness:
         return Readiness(serving=False, coming=False, detail=f"not running ({reason or 'no state yet'})")
     if state.state is DaemonState.SERVING:
         return Readiness(serving=True, coming=True, detail="serving")
-    if state.state in (DaemonState.ASLEEP, DaemonState.PARKING, DaemonState.WAKING):
-        return Readiness(serving=False, coming=True, detail=state.state.value, asleep=state.state is DaemonState.ASLEEP)
+    if state.state in (DaemonState.ASLEEP, DaemonState.PARKED, DaemonState.PARKING, DaemonState.WAKING):
+        return Readiness(serving=False, coming=True, detail=state.state.value, parked=state.state in (DaemonState.ASLEEP, DaemonState.PARKED))
     detail = state.state.value
     if state.phase:
         detail += f": {state.phase}"
@@ -244,12 +260,101 @@ def readiness_of(state: StateRecord | None, alive: bool) -> Readiness:
 
 
 def should_wake(ready: Readiness, held: int, in_flight: int, asked: bool) -> bool:
-    """Ask a sleeping instance to wake: a request waits for it (held by the front, or sent just before it fell
-    asleep, which vLLM holds), and no wake was asked since it fell asleep."""
-    return ready.asleep and (held > 0 or in_flight > 0) and not asked
+    """Ask a parked instance to wake (or start): a request waits for it (held by the front, or sent just before it
+    fell asleep, which vLLM holds), and no wake was asked since it parked. Whether it fits now is `make_room`'s."""
+    return ready.parked and (held > 0 or in_flight > 0) and not asked
 
 
 def should_park(ready: Readiness, held: int, in_flight: int, idle_s: float, idle_timeout_s: float | None, asked: bool) -> bool:
     """Ask an on-demand instance to park: it serves, nothing waits for it or runs on it, and it has been idle
     for its on_demand.idle_timeout_s."""
     return idle_timeout_s is not None and ready.serving and held == 0 and in_flight == 0 and idle_s >= idle_timeout_s and not asked
+
+
+# --- models on demand: room for a parked model ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One instance as a start on demand sees it: what its start reserves, whether the front may park it, whether
+    it holds memory now, and when it was last used."""
+
+    name: str
+    need_bytes: int  # its share as the memory ledger counts it: gpu_memory_utilization x MemTotal + headroom
+    on_demand: bool  # without [on_demand] an instance is pinned: the front never parks it
+    running: bool  # its vLLM holds memory, or will: serving, starting, or parking (not parked, not stopped)
+    serving: bool
+    parking: bool  # asked to park, or parking: its memory is on its way back
+    busy: bool  # requests held for it or in flight on it
+    # Asked to start and not yet starting: its share is not in the ledger yet, but it will be.
+    waking: bool = False
+    # Parked by sleep: its wake checks its own memory (on_demand.wake_margin_gib) and starts cold when it is short.
+    asleep: bool = False
+    active_at: float = 0.0  # its last request began or ended (monotonic seconds)
+
+
+@dataclass(frozen=True)
+class StartIt:
+    """The parked model fits now: ask its gb10d to start (or wake) it."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Park `victim`, the least recently used idle on-demand model, to make room; start the wanted one once the
+    victim's memory is back."""
+
+    victim: str
+    message: str
+
+
+@dataclass(frozen=True)
+class AwaitRoom:
+    """Not yet: a parked model's memory is on its way back, or every model that could give memory is busy."""
+
+    message: str
+
+
+Room = StartIt | Evict | AwaitRoom | Answer
+
+
+def make_room(wanted: Slot, others: Sequence[Slot], room_bytes: int, total_bytes: int) -> Room:
+    """Whether a parked model that a request waits for starts now, after another is parked, later, or never.
+
+    `room_bytes`: what a start may count on now (MemAvailable less the reservations of the starts in progress, as
+    the memory ledger's admission counts it); `total_bytes`: MemTotal. A model whose share is more than MemTotal less
+    the shares of the pinned instances that run can never fit: it gets an error at once, with the numbers. One that
+    does not fit now waits while another parks, or makes the least recently used idle on-demand model park, one at
+    a time until it fits; it waits (bounded by front.hold_timeout_s) when every such model is busy."""
+    need = _gib(wanted.need_bytes)
+    if wanted.asleep:
+        return StartIt("a wake from sleep checks its own memory (on_demand.wake_margin_gib)")
+    room_bytes -= sum(o.need_bytes for o in others if o.waking)
+    if wanted.need_bytes <= room_bytes:
+        return StartIt(f"it needs {need} GiB, {_gib(room_bytes)} GiB is free")
+    running = [o for o in others if o.running or o.waking]
+    pinned = [o for o in running if not o.on_demand]
+    pinned_bytes = sum(o.need_bytes for o in pinned)
+    if wanted.need_bytes > total_bytes - pinned_bytes:
+        held = f"{_gib(pinned_bytes)} GiB ({', '.join(o.name for o in pinned)})" if pinned else "nothing"
+        return error(
+            503,
+            f"{wanted.name} can never fit: it needs {need} GiB, the machine has {_gib(total_bytes)} GiB (MemTotal) and "
+            f"pinned instances hold {held}, which leaves {_gib(max(total_bytes - pinned_bytes, 0))} GiB; lower its "
+            "vllm.gpu_memory_utilization, or give a pinned instance [on_demand]",
+            "ServiceUnavailableError",
+        )
+    short = f"it needs {need} GiB, {_gib(max(room_bytes, 0))} GiB is free"
+    parking = sorted(o.name for o in running if o.parking)
+    if parking:
+        return AwaitRoom(f"{short}; waiting for the memory of {', '.join(parking)}, which parks")
+    idle = [o for o in running if o.on_demand and o.serving and not o.busy]
+    if not idle:
+        return AwaitRoom(f"{short}; every model that could make room has requests or is pinned")
+    victim = min(idle, key=lambda o: (o.active_at, o.name))
+    return Evict(victim.name, f"{short}; parking {victim.name} ({_gib(victim.need_bytes)} GiB), the least recently used idle on-demand model")
+
+
+def _gib(value: int) -> str:
+    return f"{value / 2**30:.2f}"

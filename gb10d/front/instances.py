@@ -4,15 +4,15 @@ whether it serves. Also the API keys the front lets in, from the config and fron
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..base.config import Config
+from ..base.config import Config, MemorySection
 from ..base.configfile import read_toml
 from ..base.configload import load_config
 from ..base.frontconfig import API_KEY_FORM, FrontSection, api_key_problem
 from ..base.errors import ConfigError, ConfigProblem
-from ..vllm.sleepmode import control_path, sleeps
+from ..vllm.sleepmode import control_path
 from .core import ApiKey, Instance
 
 # An instance bound to every address is reached on the loopback one.
@@ -23,17 +23,24 @@ _LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}
 class Known:
     instance: Instance
     state_file: Path
-    # on_demand.idle_timeout_s of an instance that parks by sleep, else None; its control socket.
+    # on_demand.idle_timeout_s of an on-demand instance (parked by stop or sleep), else None: a pinned one; its control socket.
     idle_timeout_s: float | None = None
     control: Path | None = None
+    # What its start reserves in the memory ledger (its utilization with the machine's MemTotal and its headroom), and
+    # where the machine's memory and ledger are read.
+    utilization: float = 0.0
+    memory: MemorySection = field(default_factory=MemorySection)
 
 
 def _known(name: str, config: Config) -> Known:
     vllm = config.vllm
     host = _LOOPBACK.get(vllm.host, vllm.host)
-    parks = config.on_demand.idle_timeout_s if sleeps(config) and config.on_demand else None
+    parks = config.on_demand.idle_timeout_s if config.on_demand else None
     control = control_path(config.daemon.state_file) if parks is not None else None
-    return Known(Instance(name, tuple(vllm.served_names), host, vllm.port), config.daemon.state_file, parks, control)
+    return Known(
+        Instance(name, tuple(vllm.served_names), host, vllm.port), config.daemon.state_file, parks, control,
+        vllm.gpu_memory_utilization, config.memory,
+    )
 
 
 def discover(front: FrontSection, main: Path) -> list[Known]:

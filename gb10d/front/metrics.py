@@ -1,4 +1,5 @@
-"""The front's Prometheus metrics, per instance: requests passed on, held now, time held, rejected, parks and wakes."""
+"""The front's Prometheus metrics, per instance: requests passed on, held now, time held, rejected, parks, evictions
+and wakes, and how long a wake took."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ class FrontMetrics:
             "gb10d_front_hold_seconds", "How long requests that were held waited for their instance.", ["instance"],
             buckets=HOLD_BUCKETS, registry=self.registry,
         )
-        self.swaps = Counter("gb10d_front_swaps", "Parks and wakes the front asked of on-demand instances.", ["instance", "kind"], registry=self.registry)
+        self.swaps = Counter("gb10d_front_swaps", "Parks (idle), evictions (parks to make room) and wakes the front asked of on-demand instances.", ["instance", "kind"], registry=self.registry)
+        self.swap_seconds = Histogram(
+            "gb10d_front_swap_seconds", "How long a parked instance took from the front's wake to serving (a start, or a wake from sleep).",
+            ["instance"], buckets=HOLD_BUCKETS, registry=self.registry,
+        )
         self.rejected = Counter("gb10d_front_rejected_requests", "Requests answered with an error by the front itself.", ["instance", "status"], registry=self.registry)
 
     def serve(self, host: str, port: int) -> None:

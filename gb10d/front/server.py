@@ -20,12 +20,15 @@ from http import HTTPStatus
 import h11
 
 from ..base.frontconfig import FrontSection
+from ..core import budget
+from ..core.memory import read_meminfo
 from ..daemon.control import ask
 from ..core.statefile import read_state
 from ..daemon.status import pid_alive
+from ..machine.ledger import read_ledger
 from .core import (
-    Answer, ApiKey, Instance, Readiness, Wait, admit, authorized, error, forwarded_headers, readiness_of, route, should_park, should_wake,
-    sse_error_event,
+    Answer, ApiKey, Evict, Instance, Readiness, Room, Slot, StartIt, Wait, admit, authorized, error, forwarded_headers, make_room,
+    readiness_of, route, should_park, should_wake, sse_error_event,
 )
 from . import snapshot
 from .instances import Known
@@ -62,6 +65,9 @@ class Watched:
     # A park or a wake asked and not yet shown in the state file: asked once, not every poll.
     parking_asked: bool = False
     wake_asked: bool = False
+    # When the last wake was asked, for the swap time; the last reason said for not waking it yet (said once).
+    wake_asked_at: float | None = None
+    room_said: str = ""
 
 
 class Front:
@@ -112,8 +118,11 @@ class Front:
         ready = self._read(watched.known)
         if ready == watched.ready:
             return
-        if ready.serving or not ready.asleep:
+        if ready.serving or not ready.parked:
             watched.wake_asked = False
+        if ready.serving and watched.wake_asked_at is not None:
+            self.metrics.swap_seconds.labels(watched.known.instance.name).observe(time.monotonic() - watched.wake_asked_at)
+            watched.wake_asked_at = None
         if not ready.serving:
             watched.parking_asked = False
         elif not watched.ready.serving:  # idle counts from when it serves, not from before its start
@@ -129,16 +138,60 @@ class Front:
             return
         name = known.instance.name
         if should_wake(watched.ready, watched.held, watched.in_flight, watched.wake_asked):
-            watched.wake_asked = True
-            say(f"waking {name}: {watched.held + watched.in_flight} request(s) wait for it")
-            self.metrics.swaps.labels(name, "wake").inc()
-            self._ask(watched, "wake")
+            self._make_room(watched)
         idle_s = time.monotonic() - watched.active_at
         if should_park(watched.ready, watched.held, watched.in_flight, idle_s, known.idle_timeout_s, watched.parking_asked):
             watched.parking_asked = True
             say(f"parking {name}: no request for {idle_s:.0f} s (on_demand.idle_timeout_s)")
             self.metrics.swaps.labels(name, "park").inc()
             self._ask(watched, "park")
+
+    def _make_room(self, watched: Watched) -> None:
+        """Wake a parked instance that requests wait for when it fits; else park the least recently used idle
+        on-demand one for it (its memory comes back before the wake), or keep holding; each decision said once."""
+        name = watched.known.instance.name
+        decided = self._room(watched)
+        if isinstance(decided, StartIt):
+            watched.wake_asked, watched.wake_asked_at, watched.room_said = True, time.monotonic(), ""
+            say(f"waking {name}: {watched.held + watched.in_flight} request(s) wait for it; {decided.message}")
+            self.metrics.swaps.labels(name, "wake").inc()
+            self._ask(watched, "wake")
+        elif isinstance(decided, Evict):
+            victim = self.watched[decided.victim]
+            victim.parking_asked = True
+            say(f"evicting {decided.victim} to make room for {name}: {decided.message}")
+            self.metrics.swaps.labels(decided.victim, "evict").inc()
+            self._ask(victim, "park")
+        else:
+            text = decided.message  # AwaitRoom, or an Answer: it can no longer fit (a pinned instance started meanwhile)
+            if text != watched.room_said:
+                watched.room_said = text
+                say(f"holding requests for {name}: {text}")
+
+    def _room(self, watched: Watched) -> Room:
+        """make_room on MemAvailable and the memory ledger as they are now, with every instance as the front sees it."""
+        memory = watched.known.memory
+        try:
+            mem = read_meminfo(memory.meminfo_path)
+        except (OSError, ValueError) as exc:
+            return StartIt(f"{memory.meminfo_path} cannot be read ({exc}); the instance's own memory checks decide")
+        try:
+            records = read_ledger(memory.ledger_path) if memory.ledger_path is not None else []
+        except OSError:
+            records = []  # no ledger: every instance runs alone as far as the budget knows
+        slots = {n: self._slot(w, mem.total) for n, w in self.watched.items()}
+        wanted = slots.pop(watched.known.instance.name)
+        return make_room(wanted, list(slots.values()), budget.left(records, mem), mem.total)
+
+    @staticmethod
+    def _slot(watched: Watched, total: int) -> Slot:
+        known, ready = watched.known, watched.ready
+        return Slot(
+            known.instance.name, budget.share_bytes(known.utilization, total, known.memory.headroom_gib), known.control is not None,
+            running=ready.coming and not ready.parked, serving=ready.serving, parking=watched.parking_asked or ready.parking,
+            busy=watched.held + watched.in_flight > 0, waking=watched.wake_asked and ready.parked, active_at=watched.active_at,
+            asleep=ready.asleep,
+        )
 
     def _ask(self, watched: Watched, command: str) -> None:
         """Ask the instance's gb10d over its control socket, without holding up the state poll; when it does not
@@ -172,7 +225,9 @@ class Front:
         # The last read may be up to STATE_POLL_S old: every request is decided on a fresh one (a refusal, an
         # instance that has begun to fall asleep, or one whose gb10d has begun to stop vLLM for a reload).
         self._refresh(watched)
-        decision = admit(instance, watched.ready, watched.held, self.settings.queue_limit, 0.0, self.settings.hold_timeout_s, True)
+        # A parked instance's room is read only for the first request that finds it parked, not for each of a flood.
+        room = self._room(watched) if watched.ready.parked and not watched.wake_asked and watched.held == 0 else None
+        decision = admit(instance, watched.ready, watched.held, self.settings.queue_limit, 0.0, self.settings.hold_timeout_s, True, room)
         if isinstance(decision, Wait):
             if watched.held == 0:
                 watched.hold_started, watched.held_since = started, time.time()
@@ -287,7 +342,7 @@ class Front:
     def _stopping(self, watched: Watched) -> bool:
         """Whether the instance's gb10d now says vLLM is on its way down but coming back (read afresh)."""
         self._refresh(watched)
-        return not watched.ready.serving and watched.ready.coming and not watched.ready.asleep
+        return not watched.ready.serving and watched.ready.coming and not watched.ready.parked
 
     async def _upstream(self, instance: Instance) -> tuple[Peer, bool]:
         """A connection to the instance, kept from an earlier request when one is open (True), else a new one."""

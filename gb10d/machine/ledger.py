@@ -298,6 +298,16 @@ class Booking:
         except OSError as exc:
             self._report(exc)
 
+    def parked(self, utilization: float, share: int) -> None:
+        """vLLM is stopped until the front asks for it: the record reserves nothing, and says what a start would need."""
+        now = time.monotonic()
+        try:
+            with locked(self.directory, exclusive=True):
+                me = self._me(now, utilization=utilization, bytes=share)
+                self._write(budget.moved(me, now, stage=Stage.PARKED, waiting_for=(), phase="", real_use=None))
+        except OSError as exc:
+            self._report(exc)
+
     def close(self) -> None:
         """Remove the record and let go of it: this instance reserves nothing any more."""
         try:

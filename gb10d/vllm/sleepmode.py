@@ -64,6 +64,15 @@ def sleeps(config: Config) -> bool:
     return config.on_demand is not None and config.on_demand.park == "sleep"
 
 
+def stops(config: Config) -> bool:
+    """The instance parks by stopping vLLM (on_demand.park = "stop"): gb10d waits parked, vLLM starts on demand."""
+    return config.on_demand is not None and config.on_demand.park == "stop"
+
+
+# STATUS= and the state file of an instance parked by stop.
+PARKED_STATUS = "parked: starts on the first request"
+
+
 def vllm_flags(config: Config) -> tuple[str, ...]:
     return (SLEEP_FLAG,) if sleeps(config) else ()
 
