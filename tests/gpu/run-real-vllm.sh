@@ -56,7 +56,8 @@ if [ "$mode" = upgrade ]; then
         "${next[@]}" 2>&1 | tee "$OUT/driver.log"
 elif [ "$mode" = sleep ]; then
     [ -d "$HOME/large" ] || python3 tests/gpu/mkmodel.py "$HOME/large" 1024 16 100MB
-    python3 tests/gpu/real_vllm_sleep.py --model "$HOME/tiny" --large-model "$HOME/large" --out "$OUT" \
+    # SIGINT before the machine's own limit: the driver still writes the journals of a run cut short.
+    timeout -s INT "${DRIVER_TIMEOUT_S:-3000}" python3 tests/gpu/real_vllm_sleep.py --model "$HOME/tiny" --large-model "$HOME/large" --out "$OUT" \
         --program "$venv/bin/python3 $venv/bin/vllm" 2>&1 | tee "$OUT/driver.log"
 else
     python3 tests/gpu/real_vllm.py --model "$HOME/tiny" --out "$OUT" --program "$venv/bin/python3 $venv/bin/vllm" \
