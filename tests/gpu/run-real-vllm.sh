@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # gb10d against a real vLLM on a machine with an NVIDIA GPU (not part of CI, which has none).
 #
-# Usage: run-real-vllm.sh [checks|upgrade|install]   (VLLM_VERSION, default 0.23.0, names the release)
+# Usage: run-real-vllm.sh [checks|upgrade|sleep|install]   (VLLM_VERSION, default 0.23.0, names the release)
 #   checks:  tests/gpu/real_vllm.py, the six checks (free memory, kills, stop, replay);
 #   upgrade: tests/gpu/real_vllm_upgrade.py, a reload to a broken candidate venv and back, then, with
 #            NEXT_VERSION set, a reload to that release's venv, which must become the good program;
+#   sleep:   tests/gpu/real_vllm_sleep.py, two models of different sizes swapping by sleep through gb10d front,
+#            then one wake whose reload_weights is skipped inside vLLM;
 #   install: the venvs only.
 # Expects, as docs/REAL_VLLM.md describes: each release's wheel in parts (its file name, then .partNN) under
 # $HOME/stash, vLLM's missing dependencies as wheels in $WHEELS/deps and gb10d's own in
 # $WHEELS/gb10d-deps (WHEELS defaults to .gpu, carried with the tree). Each release goes into a venv of
 # its own, $HOME/vllm-VERSION, which sees the machine's PyTorch through a .pth file; gb10d's
 # dependencies go into $HOME/gb10d-site, so that nothing on gb10d's PYTHONPATH can import vLLM.
-# Writes report.json, notify.json, journal.txt (and raw.tar.gz or programs.toml) to $OUT.
+# Writes report.json, notify.json, journal.txt (and raw.tar.gz or programs.toml) to $OUT (sleep: a notify and a journal
+# per instance, and the front's output).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mode=${1:-checks}
@@ -51,6 +54,11 @@ if [ "$mode" = upgrade ]; then
     next=(); [ -z "${NEXT_VERSION:-}" ] || next=(--next-venv "$HOME/vllm-$NEXT_VERSION" --next-version "$NEXT_VERSION")
     python3 tests/gpu/real_vllm_upgrade.py --model "$HOME/tiny" --out "$OUT" --good-venv "$venv" --version "$version" \
         "${next[@]}" 2>&1 | tee "$OUT/driver.log"
+elif [ "$mode" = sleep ]; then
+    [ -d "$HOME/large" ] || python3 tests/gpu/mkmodel.py "$HOME/large" 1024 16 100MB
+    # SIGINT before the machine's own limit: the driver still writes the journals of a run cut short.
+    timeout -s INT "${DRIVER_TIMEOUT_S:-3000}" python3 tests/gpu/real_vllm_sleep.py --model "$HOME/tiny" --large-model "$HOME/large" --out "$OUT" \
+        --program "$venv/bin/python3 $venv/bin/vllm" 2>&1 | tee "$OUT/driver.log"
 else
     python3 tests/gpu/real_vllm.py --model "$HOME/tiny" --out "$OUT" --program "$venv/bin/python3 $venv/bin/vllm" \
         --hold-gib "${HOLD_GIB:-100}" 2>&1 | tee "$OUT/driver.log"
