@@ -47,6 +47,9 @@ from .reporter import Reporter
 from ..core.statefile import DaemonState
 from ..launch.runtime import Launcher
 
+# Why the next start begins a new sequence of attempts (gb10d_start_attempts_total's reason).
+NEW_SEQUENCE_REASON: dict[type[Ended], str] = {Parked: "wake", Reloaded: "reload", WakeFailed: "wake_failed"}
+
 # How vLLM runs for a config (a local process, a container through an engine), as daemon.py picks it.
 Launchers = Callable[[Config], Awaitable[Launcher]]
 
@@ -117,19 +120,14 @@ class Supervisor:
             if isinstance(ended, Stopped):
                 return await self._stop()
             baseline = self.attempt.start.baseline if self.attempt else None
-            if isinstance(ended, Parked):
+            if isinstance(ended, (Parked, Reloaded, WakeFailed)):
+                # A new sequence once the memory is back: measured before, the new start would be lowered or refused,
+                # and the front waits for a park's memory before it starts another model.
                 await self.close()
-                # Parked only once its memory is back: the front waits for that before it starts another model.
                 if await self.preflight.memory_back(baseline, self._pause):
                     return await self._stop()
-                self._parked, tunables, history, reason = True, None, History(), "wake"
-                continue
-            if isinstance(ended, (Reloaded, WakeFailed)):
-                await self.close()
-                # As after a failure: measured before its memory is back, the new start would be lowered or refused.
-                if await self.preflight.memory_back(baseline, self._pause):
-                    return await self._stop()
-                tunables, history, reason = None, History(), "reload" if isinstance(ended, Reloaded) else "wake_failed"
+                self._parked = isinstance(ended, Parked)
+                tunables, history, reason = None, History(), NEW_SEQUENCE_REASON[type(ended)]
                 continue
             if isinstance(ended, Failed) and ended.cause is Cause.WORKER_LOST and self.pair is not None:
                 confirmed = await self._confirm_node_loss(ended)
