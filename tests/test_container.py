@@ -40,7 +40,8 @@ from containers import (
 from gb10d.base.command import Engine, EngineKind, build_argv
 from gb10d.base.config import Config
 from gb10d.launch.cgroup import ContainerCgroup, blkio_bytes, cgroup_files, cgroup_mounts, io_stat_bytes, paged_in_bytes
-from gb10d.launch.container import ContainerLauncher, run_failure, signal_status
+from gb10d.core.containerstart import refused_before_vllm, run_failure, signal_status
+from gb10d.launch.container import ContainerLauncher
 from gb10d.launch.engine import EngineUnavailable, unreachable_advice
 from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP, SpawnError
 from gb10d.base.image import PullFailed, PullProgress
@@ -101,6 +102,22 @@ def test_an_engine_that_refuses_to_start_the_container_says_what_to_do(text: str
 @pytest.mark.parametrize(("status", "reported"), [(0, 0), (1, 1), (127, 127), (130, -signal.SIGINT), (137, -signal.SIGKILL), (143, -signal.SIGTERM), (255, 255)])
 def test_a_container_killed_by_a_signal_is_reported_like_a_process(status: int, reported: int) -> None:
     assert signal_status(status) == reported
+
+
+@pytest.mark.parametrize(
+    ("status", "inspected", "started_at", "refused"),
+    [
+        (125, False, "", True),  # the engine cannot show the container: it never had one
+        (125, True, "0001-01-01T00:00:00Z\n", True),  # created, never started
+        (127, True, "0001-01-01T00:00:00Z\n", True),
+        (127, True, "2026-12-05T10:00:00.1Z\n", False),  # it ran: vLLM's own output says why it ended
+        (1, False, "", False),  # vLLM's exit status, not the engine's
+    ],
+)
+def test_only_an_engine_status_for_a_container_that_never_ran_is_the_engines_refusal(
+    status: int, inspected: bool, started_at: str, refused: bool
+) -> None:
+    assert refused_before_vllm(status, inspected, started_at) is refused
 
 
 HYBRID = """31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755

@@ -11,16 +11,14 @@ processes (they belong to root), so the I/O that shows a silent load is alive
 is read from the container's cgroup instead.
 
 The engine's client is `engine`, the cgroup readings `cgroup`, the image
-`image`; here are the container of one attempt and what starts it. The
-decisions are plain functions at the top (what the engine's refusal to run
-means, a container's exit status); the classes below only run the engine.
+`image`; here are the container of one attempt and what starts it. What the
+engine's refusal to run means, and a container's exit status, are decided
+in gb10d.core.containerstart; the classes here only run the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
-import signal
 from dataclasses import replace
 from pathlib import Path
 from typing import Awaitable, Mapping, Sequence
@@ -29,6 +27,7 @@ from ..base.command import CONTAINER_LABEL, Engine, build_env, container_argv, c
 from ..base.config import Config, VllmSection
 from ..base.errors import SpawnError
 from ..base.image import PreparedImage
+from ..core.containerstart import refused_before_vllm, run_failure, signal_status
 from .cgroup import ContainerCgroup
 from .engine import ENGINE_TIMEOUT_S, EngineResult, EngineUnavailable, engine_call, running_user, unreachable_advice, unreachable_error
 from .image import ProgressHandler, prepare_image
@@ -37,40 +36,6 @@ from .runtime import Escalation
 
 # How long a started container may take to have a process (GPU hooks and a cold storage driver take seconds).
 START_TIMEOUT_S = 60.0
-
-
-def run_failure(engine: Engine, image: str, text: str, status: int) -> str:
-    """Why `ENGINE run` could not start the container, and what to do, from the client's stderr."""
-    said = next((line.strip() for line in text.splitlines() if re.search(r"error", line, re.I)), text.strip().splitlines()[0] if text.strip() else f"exit status {status}")
-    said = re.sub(r"^(?:docker|podman):\s*", "", said)
-    tool = engine.kind
-    if "could not select device driver" in text and "gpu" in text:
-        advice = ("docker cannot give the container the GPU: install the NVIDIA Container Toolkit and register it "
-                  "(sudo nvidia-ctk runtime configure --runtime=docker && sudo systemctl restart docker), or set container.gpu = \"cdi\"")
-    elif "could not select device driver \"cdi\"" in text or "unresolvable CDI devices" in text:
-        advice = ("there is no CDI description of the GPU: sudo nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml "
-                  "(again after every driver update)")
-    elif "executable file not found" in text:
-        advice = f"the image {image} has no vllm program on its PATH; is it a vLLM image?"
-    elif "No such image" in text or "image not known" in text:
-        advice = f"the image {image} is not present; set container.pull = \"missing\" or load it ({tool} pull {image})"
-    elif "already in use" in text:
-        advice = f"another container has the name gb10d wants; remove it ({tool} rm -f NAME) or set container.name"
-    elif "rlimit" in text:
-        advice = f"{tool} may not set the container's resource limits here; give them in container.run_args (--ulimit NAME=SOFT:HARD)"
-    else:
-        advice = f"try the command by hand: gb10d print-command (it prints the exact {tool} run)"
-    return f"{tool} could not start the container of {image}: {said}; {advice}"
-
-
-def signal_status(status: int) -> int:
-    """A container's exit status as gb10d reports a process's: 128+N (as engines and init report a signal) is -N."""
-    if 128 < status < 128 + 65:
-        try:
-            return -signal.Signals(status - 128)
-        except ValueError:
-            return status
-    return status
 
 
 # --- the container of one attempt ----------------------------------------------------------------------
@@ -239,8 +204,8 @@ class ContainerLauncher:
             raise EngineUnavailable(f"{self.engine.kind} did not start the container {self.name} within {START_TIMEOUT_S:g} s; see {self.engine.kind} info and its log")
         status = await client.wait()
         started = await engine_call(self.engine, "container", "inspect", "--format", "{{.State.StartedAt}}", self.name, env=client_env)
-        if status in (125, 126, 127) and (started.status != 0 or started.stdout.startswith("0001-01-01")):
-            # The engine refused before vLLM ran: its reason is all the client printed.
+        if refused_before_vllm(status, started.status == 0, started.stdout):
+            # Its reason is all the client printed.
             stderr = await _read_all(client)
             await engine_call(self.engine, "rm", "--force", self.name, env=client_env)
             advice = unreachable_advice(self.engine, stderr, running_user())
