@@ -548,6 +548,43 @@ def test_the_front_swaps_two_on_demand_instances_and_systemctl_tells_the_story(s
         supervisor.run("rm", "-f", "/etc/gb10d/alpha.toml", "/etc/gb10d/beta.toml")
 
 
+def test_the_front_evicts_one_stopped_on_demand_model_for_the_other_and_systemctl_tells_the_story(supervisor: Container) -> None:
+    # Two models of 0.5 x 121.69 GiB each: one fits in the 115 GiB free, two do not. Both gb10d@ units are active
+    # and parked (vLLM stopped); each request for the model that is not running parks the other one first.
+    models = {"alpha": 8101, "beta": 8102}
+    units = [f"gb10d@{name}.service" for name in models]
+    set_memory(supervisor, total_gib=121.69, free_gib=115.0)
+    supervisor.run("sh", "-c", "rm -f /etc/gb10d/*.toml")
+    supervisor.write("/etc/gb10d.toml", '[front]\nlisten = "127.0.0.1:8090"\nhold_timeout_s = 120.0\n')
+    for name, port in models.items():
+        config = sim_config(utilization=0.5, port=port, extra='\n[on_demand]\nidle_timeout_s = 600.0\n\n[metrics]\nlisten = ""\n')
+        supervisor.write(f"/etc/gb10d/{name}.toml", config.replace('served_model_name = "qwen-test"', f'served_model_name = "{name}"'))
+    mark = supervisor.journal_mark()
+    try:
+        supervisor.run("systemctl", "start", *units, "gb10d-front.service", timeout=300)
+        for unit in units:
+            shown = supervisor.show(unit, "ActiveState", "StatusText")
+            assert shown["ActiveState"] == "active" and shown["StatusText"].startswith("parked: starts on the first request"), (unit, shown)
+        for name in ("alpha", "beta", "alpha"):
+            status, body = http_post(supervisor, "http://127.0.0.1:8090/v1/completions", {"model": name, "prompt": "Hello", "max_tokens": 4})
+            assert status == 200 and json.loads(body)["model"] == name, (name, status, body)
+        front = supervisor.messages("gb10d-front.service", mark)
+        decisions = [line.split("gb10d-front: ", 1)[1].split(":")[0] for line in front.splitlines() if re.match(r"gb10d-front: (waking|evicting)", line)]
+        assert decisions == ["waking alpha", "evicting alpha to make room for beta", "waking beta", "evicting beta to make room for alpha", "waking alpha"], front
+        supervisor.wait_for("beta's park in its journal", lambda: "parked: starts on the first request" in supervisor.messages("gb10d@beta.service", mark))
+        beta = supervisor.messages("gb10d@beta.service", mark)
+        assert "as the front asked" in beta and "starting vLLM: the front asked for it, a request waits" in beta, beta[-3000:]
+        assert not re.search(r"Free memory on device|is below gpu_memory_utilization", beta + supervisor.messages("gb10d@alpha.service", mark))
+        assert supervisor.show("gb10d@beta.service", "StatusText")["StatusText"].startswith("parked: starts on the first request")
+        assert supervisor.show("gb10d@alpha.service", "StatusText")["StatusText"].startswith("serving alpha")
+        for unit in units:
+            assert supervisor.show(unit, "NRestarts") == {"NRestarts": "0"}, unit
+    finally:
+        supervisor.run("systemctl", "stop", "gb10d-front.service", *units, check=False)
+        supervisor.run("systemctl", "reset-failed", "gb10d-front.service", *units, check=False)
+        supervisor.run("rm", "-f", "/etc/gb10d/alpha.toml", "/etc/gb10d/beta.toml")
+
+
 def repacked(deb: Path, version: str, out: Path) -> Path:
     """The same package under a newer version: what an upgrade installs."""
     tree = out / "tree"
