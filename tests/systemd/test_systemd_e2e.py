@@ -505,19 +505,26 @@ def http_post(box: Container, url: str, body: dict[str, object], timeout_s: floa
     return int(status), text
 
 
+FRONT_MODELS = {"alpha": 8101, "beta": 8102}
+
+
+def front_before_two_instances(box: Container, utilization: float, extra: str) -> list[str]:
+    """/etc/gb10d.toml with only [front] (127.0.0.1:8090) and gb10d@alpha and @beta serving their own model with
+    `extra` (their [on_demand]); returns the instance units. The front serves every /etc/gb10d/*.toml, so the earlier
+    tests' instances (all serving qwen-test) go first."""
+    set_memory(box, total_gib=121.69, free_gib=115.0)
+    box.run("sh", "-c", "rm -f /etc/gb10d/*.toml")
+    box.write("/etc/gb10d.toml", '[front]\nlisten = "127.0.0.1:8090"\nhold_timeout_s = 120.0\n')
+    for name, port in FRONT_MODELS.items():
+        config = sim_config(utilization=utilization, port=port, extra=f'{extra}\n[metrics]\nlisten = ""\n')
+        box.write(f"/etc/gb10d/{name}.toml", config.replace('served_model_name = "qwen-test"', f'served_model_name = "{name}"'))
+    return [f"gb10d@{name}.service" for name in FRONT_MODELS]
+
+
 def test_the_front_swaps_two_on_demand_instances_and_systemctl_tells_the_story(supervisor: Container) -> None:
     # The front owns one address for both models; each gb10d@ instance parks its vLLM after a few idle seconds and
     # the front wakes it for the next request. What an operator sees is in systemctl and in each unit's journal.
-    models = {"alpha": 8101, "beta": 8102}
-    units = [f"gb10d@{name}.service" for name in models]
-    set_memory(supervisor, total_gib=121.69, free_gib=115.0)
-    # The front serves every /etc/gb10d/*.toml: the earlier tests' instances (all serving qwen-test) go first.
-    supervisor.run("sh", "-c", "rm -f /etc/gb10d/*.toml")
-    supervisor.write("/etc/gb10d.toml", '[front]\nlisten = "127.0.0.1:8090"\nhold_timeout_s = 120.0\n')
-    for name, port in models.items():
-        config = sim_config(utilization=0.3, port=port, extra='\n[vllm.args]\nmax_model_len = 4096\n\n[on_demand]\npark = "sleep"\nidle_timeout_s = 2.0\n'
-                            '\n[metrics]\nlisten = ""\n')
-        supervisor.write(f"/etc/gb10d/{name}.toml", config.replace('served_model_name = "qwen-test"', f'served_model_name = "{name}"'))
+    units = front_before_two_instances(supervisor, 0.3, '\n[vllm.args]\nmax_model_len = 4096\n\n[on_demand]\npark = "sleep"\nidle_timeout_s = 2.0\n')
     mark = supervisor.journal_mark()
     try:
         supervisor.run("systemctl", "start", *units, timeout=300)
@@ -534,7 +541,7 @@ def test_the_front_swaps_two_on_demand_instances_and_systemctl_tells_the_story(s
         alpha = supervisor.messages("gb10d@alpha.service", mark)
         assert "checked it with a 16-token generation" in alpha and "vLLM sleeps (level 2) after" in alpha, alpha[-3000:]
         front = supervisor.messages("gb10d-front.service", mark)
-        for name in models:
+        for name in FRONT_MODELS:
             assert f"parking {name}: no request for" in front, front
             assert f"waking {name}: 1 request(s) wait for it" in front, front
         for unit in units:
@@ -551,14 +558,7 @@ def test_the_front_swaps_two_on_demand_instances_and_systemctl_tells_the_story(s
 def test_the_front_evicts_one_stopped_on_demand_model_for_the_other_and_systemctl_tells_the_story(supervisor: Container) -> None:
     # Two models of 0.5 x 121.69 GiB each: one fits in the 115 GiB free, two do not. Both gb10d@ units are active
     # and parked (vLLM stopped); each request for the model that is not running parks the other one first.
-    models = {"alpha": 8101, "beta": 8102}
-    units = [f"gb10d@{name}.service" for name in models]
-    set_memory(supervisor, total_gib=121.69, free_gib=115.0)
-    supervisor.run("sh", "-c", "rm -f /etc/gb10d/*.toml")
-    supervisor.write("/etc/gb10d.toml", '[front]\nlisten = "127.0.0.1:8090"\nhold_timeout_s = 120.0\n')
-    for name, port in models.items():
-        config = sim_config(utilization=0.5, port=port, extra='\n[on_demand]\nidle_timeout_s = 600.0\n\n[metrics]\nlisten = ""\n')
-        supervisor.write(f"/etc/gb10d/{name}.toml", config.replace('served_model_name = "qwen-test"', f'served_model_name = "{name}"'))
+    units = front_before_two_instances(supervisor, 0.5, '\n[on_demand]\nidle_timeout_s = 600.0\n')
     mark = supervisor.journal_mark()
     try:
         supervisor.run("systemctl", "start", *units, "gb10d-front.service", timeout=300)
