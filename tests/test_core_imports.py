@@ -48,3 +48,12 @@ def modules_of(sources: list[str]) -> list[str]:
         else:
             modules.append(source)
     return modules
+
+
+def test_the_design_map_is_the_tree_every_module_has_its_row() -> None:
+    design = (ROOT / "docs" / "DESIGN.md").read_text()
+    missing = [
+        name for path in sorted((ROOT / "gb10d").rglob("*.py")) if path.stem not in ("__init__", "__main__")
+        if f"| `{(name := '.'.join(path.relative_to(ROOT / 'gb10d').with_suffix('').parts))}` |" not in design
+    ]
+    assert missing == [], f"docs/DESIGN.md's module map has no row for {missing}"
