@@ -2,7 +2,8 @@
 state machine (lifecycle, phases, facts, outcome), what a failure means and what comes next (policy, advice,
 driveroom), `gb10d diagnose` (diagnose, pasted, starts, verdicts, diagnosis), memory arithmetic and the
 machine-wide budget (memory, budget, modelfit, host), liveness, reloads and learned settings (reload, learned,
-programs), the cluster's node table (cluster) and the state file's schema (statefile). A few of them keep a tiny
+programs), the cluster's node table (cluster), what a container start that never reached vLLM means (containerstart)
+and the state file's schema (statefile). A few of them keep a tiny
 reading of their own input (meminfo, the host's versions).
 
 May import gb10d.vllm and gb10d.base; no I/O library (asyncio, httpx, watchdog, sdnotify, prometheus-client, Ray).

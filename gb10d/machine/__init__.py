@@ -1,4 +1,4 @@
-"""The machine gb10d runs on: its devices and their policy, the kernel's log, /dev/shm, whether the service user
+"""The machine gb10d runs on: its devices and their policy, the kernel's log, /dev/shm, its processes (procs: the one walk of /proc), whether the service user
 can reach a path (access, pathcheck, mountcheck), the systemd unit (service), the journal and sd_notify, and the
 memory ledger the instances of the machine share.
 

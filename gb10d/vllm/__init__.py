@@ -1,4 +1,4 @@
-"""vLLM's language: the facts its output states (events), framing and classifying its lines (logparse), its known
+"""vLLM's language: the facts its output states (events), framing, classifying and scanning its lines (the logparse package), its known
 failures and the NVIDIA driver's kernel lines (known, kernel), its sleep mode's calls (sleepmode), and a hand-written
 `vllm serve` start script read into gb10d.toml data (importscript: its shell syntax and variables in shellsyntax and
 shellexpansion, the vLLM command in servecommand, `docker run` in dockerrun, compose files in compose, the TOML written
