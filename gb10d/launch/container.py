@@ -36,6 +36,8 @@ from .runtime import Escalation
 
 # How long a started container may take to have a process (GPU hooks and a cold storage driver take seconds).
 START_TIMEOUT_S = 60.0
+# Pauses before asking again to remove a container the engine still shows after `rm --force` (about 3.5 s in all).
+REMOVE_AGAIN_S = (0.5, 1.0, 2.0)
 
 
 # --- the container of one attempt ----------------------------------------------------------------------
@@ -147,15 +149,27 @@ class ContainerRuntime:
         return True
 
     async def _remove(self) -> bool:
-        """`rm -f` the container, then wait for the client to exit; True when neither is left."""
+        """`rm -f` the container, then wait for the client to exit; True when neither is left.
+
+        An engine can fail to remove a container it is still tearing down (docker, under I/O load: the exited
+        container's filesystem "device or resource busy"), so a container still there is asked for again, a few
+        times, before it counts as left.
+        """
         await self._tell("rm", "--force", self.name)
         if self._client.alive():
             try:
                 await asyncio.wait_for(self._client.wait(), ENGINE_TIMEOUT_S)
             except asyncio.TimeoutError:
                 await self._client.kill()
-        gone = await self._tell("container", "inspect", "--format", "{{.Id}}", self.name)
-        self._removed = gone is not None and gone.status != 0
+        inspect = ("container", "inspect", "--format", "{{.Id}}", self.name)
+        seen = await self._tell(*inspect)
+        for pause in REMOVE_AGAIN_S:
+            if seen is None or seen.status != 0:  # gone, or the engine does not answer: asking again will not help
+                break
+            await asyncio.sleep(pause)  # a back-off before asking the engine again, not a wait for an event
+            await self._tell("rm", "--force", self.name)
+            seen = await self._tell(*inspect)
+        self._removed = seen is not None and seen.status != 0
         return not self.alive()
 
 
