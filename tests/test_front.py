@@ -25,7 +25,6 @@ import httpx
 import pytest
 
 from gb10d.front.lab import FrontChild
-from gb10d.front.wire import READ_SIZE
 from gb10d.daemon.lab import wait_until
 from gb10d.sim.tokens import token_text
 from gb10d.base.config import MemorySection
@@ -34,6 +33,9 @@ from gb10d.daemon.status import show_all
 from harness import Daemon, NotifySocket, Setup, free_port
 
 pytestmark = pytest.mark.slow
+
+# More than the front reads from vLLM at once: bytes beyond it waiting in the kernel show the front stopped reading.
+READ_SIZE = 65536
 
 
 class Deployment:

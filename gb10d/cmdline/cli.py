@@ -307,17 +307,14 @@ def cmd_front(args: argparse.Namespace) -> int:
     import asyncio
 
     from ..base.configload import load_front
+    from ..front.door import serve
     from ..front.instances import api_keys, discover
-    from ..front.server import serve
 
-    settings = load_front(_config_path(args))
-    known = discover(settings, _config_path(args))
+    path = _config_path(args)
+    settings = load_front(path)
+    known = discover(settings, path)
     keys = api_keys(settings)
-    try:
-        asyncio.run(serve(settings, known, keys))
-    except KeyboardInterrupt:
-        pass
-    return EXIT_OK
+    return asyncio.run(serve(path, settings, known, keys))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -13,7 +13,8 @@ from ..base.configload import load_config
 from ..base.frontconfig import API_KEY_FORM, FrontSection, api_key_problem
 from ..base.errors import ConfigError, ConfigProblem
 from ..vllm.sleepmode import control_path
-from .core import ApiKey, Instance
+from .core import Instance
+from .routes import ApiKey
 
 # An instance bound to every address is reached on the loopback one.
 _LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}
@@ -30,16 +31,20 @@ class Known:
     # where the machine's memory and ledger are read.
     utilization: float = 0.0
     memory: MemorySection = field(default_factory=MemorySection)
+    # How long its requests are held: front.hold_timeout_s, else what its start may take (startup.ready_timeout_s).
+    hold_timeout_s: float = 900.0
+    # The key its vLLM demands (vllm.api_key), which the front adds: clients use the front's keys, never this one.
+    api_key: str | None = None
 
 
-def _known(name: str, config: Config) -> Known:
+def _known(name: str, config: Config, front: FrontSection) -> Known:
     vllm = config.vllm
     host = _LOOPBACK.get(vllm.host, vllm.host)
     parks = config.on_demand.idle_timeout_s if config.on_demand else None
     control = control_path(config.daemon.state_file) if parks is not None else None
     return Known(
         Instance(name, tuple(vllm.served_names), host, vllm.port), config.daemon.state_file, parks, control,
-        vllm.gpu_memory_utilization, config.memory,
+        vllm.gpu_memory_utilization, config.memory, front.hold_timeout_s or config.startup.ready_timeout_s, vllm.api_key,
     )
 
 
@@ -48,10 +53,10 @@ def discover(front: FrontSection, main: Path) -> list[Known]:
     instance on the front's own port (the front owns the public address: the instance moves to an internal one)."""
     found: list[tuple[Path, Known]] = []
     if main.exists() and "vllm" in read_toml(main)[0]:
-        found.append((main, _known("gb10d", load_config(main))))
+        found.append((main, _known("gb10d", load_config(main), front)))
     if front.instances_dir.is_dir():
         for path in sorted(front.instances_dir.glob("*.toml")):
-            found.append((path, _known(path.stem, load_config(path))))
+            found.append((path, _known(path.stem, load_config(path), front)))
     problems: list[ConfigProblem] = []
     owner: dict[str, str] = {}
     _, front_port = front.address
