@@ -43,7 +43,7 @@ class Deployment:
 
     def __init__(
         self, root: Path, front: dict[str, object] | None = None, on_demand: dict[str, object] | None = None,
-        extra: dict[str, object] | None = None, each: dict[str, dict[str, object]] | None = None, **setup: Any,
+        extra: dict[str, object] | None = None, each: dict[str, dict[str, object]] | None = None, front_nofile: int | None = None, **setup: Any,
     ) -> None:
         """`on_demand` and `extra` go into both instances' configs, `each` into the one it names."""
         self.root = root
@@ -65,7 +65,7 @@ class Deployment:
         lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
         (root / "front.toml").write_text("[front]\n" + lines)
         self.daemons: list[Daemon] = []
-        self.front = FrontChild(root / "front.toml")
+        self.front = FrontChild(root / "front.toml", front_nofile)
         self.front.wait_line(r"serving alpha, beta on ")
 
     def start(self, name: str, serving: bool = True, notify: NotifySocket | None = None) -> Daemon:

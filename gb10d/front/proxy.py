@@ -76,6 +76,9 @@ class Exchange:
     cors: dict[str, str]
     started: float = field(default_factory=time.monotonic)
     held_stream: web.StreamResponse | None = None
+    # What the held stream was last told, and when: a comment when the phase changes or HOLD_COMMENT_S passed.
+    told: str = ""
+    told_at: float = 0.0
     taken: int = 0
     rest_sent: bool = False
 
@@ -337,7 +340,7 @@ class Proxy:
         if watched.refused_until > now:
             until = min(until, watched.refused_until)
         if exchange.stream:
-            until = min(until, now + HOLD_COMMENT_S)
+            until = min(until, exchange.told_at + HOLD_COMMENT_S)
         if self.drain_deadline is not None:
             until = min(until, self.drain_deadline)
         with contextlib.suppress(TimeoutError):
@@ -346,6 +349,10 @@ class Proxy:
     async def _comment(self, exchange: Exchange, text: str) -> None:
         """A held stream's 200 head once, then an SSE comment every HOLD_COMMENT_S (so proxies and clients keep
         waiting, and see why)."""
+        now = time.monotonic()
+        if text == exchange.told and now - exchange.told_at < HOLD_COMMENT_S:
+            return
+        exchange.told, exchange.told_at = text, now
         response = exchange.held_stream
         if response is None:
             response = web.StreamResponse(status=200, headers={"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache", **exchange.cors})
