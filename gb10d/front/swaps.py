@@ -38,6 +38,9 @@ class Swaps:
         if known.control is None:
             return
         now = time.monotonic()
+        if watched.ready.serving and watched.wake_asked_at is not None:
+            self.metrics.swap_seconds.labels(watched.name).observe(now - watched.wake_asked_at)
+            watched.wake_asked_at = None
         if (watched.parking_asked or watched.wake_asked) and now - watched.asked_at > ASKED_EXPIRE_S:
             self.journal.say(f"{watched.name}'s state file never showed the {'park' if watched.parking_asked else 'wake'} asked {ASKED_EXPIRE_S:.0f} s ago; asking anew when needed", 4)
             watched.parking_asked = watched.wake_asked = False
