@@ -332,8 +332,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     state_file = state_file_path(args.state_file, config)
     if args.all:
         return show_all(config.memory if config is not None else MemorySection(), state_file, json_output=args.json,
-                        front=front_state_file(_config_path(args)))
-    return show_status(state_file, json_output=args.json, record=programs_of(config))
+                        out=sys.stdout, err=sys.stderr, front=front_state_file(_config_path(args)))
+    return show_status(state_file, json_output=args.json, out=sys.stdout, err=sys.stderr, record=programs_of(config))
 
 
 def _status_of_front(args: argparse.Namespace, named: bool) -> int:
@@ -361,7 +361,7 @@ def _status_of_front(args: argparse.Namespace, named: bool) -> int:
         print(f"{path} is the front's config ([front] and no [vllm]); as gb10d status --all shows them, the instances behind it and its queues:")
     memory = known[0].memory if known else MemorySection()
     states = StateFiles(files=tuple(dict.fromkeys(k.state_file for k in known)))
-    return show_all(memory, states, json_output=args.json, front=front.state_file)
+    return show_all(memory, states, json_output=args.json, out=sys.stdout, err=sys.stderr, front=front.state_file)
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
