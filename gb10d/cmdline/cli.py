@@ -478,7 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
         "env_file, a local model directory, the Hugging Face cache and vLLM's compile caches. Print OK, a one-line summary "
         "and the user the paths were checked as (exit 0), with warnings (logind's RemoveIPC= for a login user) on stderr. "
         "Otherwise print each problem with its file, line and key, and exit 78. "
-        "The systemd unit runs this as ExecStartPre.",
+        "The systemd unit runs this as ExecStartPre. On the front's config ([front] and no [vllm]): [front], every instance "
+        "config in front.instances_dir and the API keys, then OK, the front's address and each instance with its models and "
+        "internal port; a warning when the front listens beyond loopback without API keys.",
     )
     p.add_argument("--explain", action="store_true", help="also list every effective value and the file it came from")
     p.add_argument("--user", metavar="NAME", help="check the paths as this user instead of the one the unit runs as "
@@ -532,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_run,
         "run the supervisor in the foreground",
         "Start vLLM from the config and supervise it in the foreground, as the systemd unit's ExecStart does: "
-        "READY=1 once vLLM serves, corrected restarts on known failures, vLLM's output on stdout for the journal.",
+        "READY=1 once vLLM serves, corrected restarts on known failures, vLLM's output on stdout for the journal. "
+        "The front's config ([front] and no [vllm]) is refused with exit 78: gb10d front runs it.",
     )
     add(
         "cleanup",
@@ -564,8 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"${CONFIG_ENV} names does not load. With --all: every gb10d instance of this "
         "machine from the memory ledger they share ([memory] ledger_dir, default /run/gb10d-ledger): state, phase, "
         "reservation, real use, whom a waiting one waits for, and the memory left; without a ledger, the running "
-        "instances the state files beside the config's name; exit 0 when any runs, 3 when none "
-        "does, 4 when neither can be read.",
+        "instances the state files beside the config's name; then, for a config with [front], the front's queue per model; "
+        "exit 0 when any runs, 3 when none does, 4 when neither can be read. On the front's config ([front] and no [vllm]), "
+        "with or without --all: the instances behind the front, then its queues.",
     )
     p.add_argument("--all", action="store_true", help="every gb10d instance of this machine, from the memory ledger")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
