@@ -175,7 +175,7 @@ def test_status_of_the_fronts_config_shows_its_instances_then_its_queues(layout:
         "qwen-fast  qwen      serving  0",
     ]
     assert gb10d(capsys, layout, "status", "--all") == (0, everything, [])
-    said = f"{layout} is the front's config ([front] and no [vllm]); as gb10d status --all shows them, the instances behind it and its queues:"
+    said = f"{layout} is the front's config ([front] and no [vllm]): its instances and the front, as gb10d status --all shows them"
     assert gb10d(capsys, layout, "status") == (0, [said, *everything], [])
     status, out, _ = gb10d(capsys, layout, "status", "--json")
     answer = json.loads("\n".join(out))

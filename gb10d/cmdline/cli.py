@@ -358,7 +358,7 @@ def _status_of_front(args: argparse.Namespace, named: bool) -> int:
         _say(f"warning: the front's instances are not known ({exc.problems[0]}{more}), so only the memory ledger tells "
              f"which run; gb10d check-config{f' --config {args.config}' if getattr(args, 'config', None) else ''} says what to fix")
     if not args.all and not args.json:
-        print(f"{path} is the front's config ([front] and no [vllm]); as gb10d status --all shows them, the instances behind it and its queues:")
+        print(f"{path} is the front's config ([front] and no [vllm]): its instances and the front, as gb10d status --all shows them")
     memory = known[0].memory if known else MemorySection()
     states = StateFiles(files=tuple(dict.fromkeys(k.state_file for k in known)))
     return show_all(memory, states, json_output=args.json, out=sys.stdout, err=sys.stderr, front=front.state_file)
