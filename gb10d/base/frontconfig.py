@@ -7,6 +7,7 @@ ignores it, so one file may carry both.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 from pydantic import Field, ValidationInfo, field_validator
@@ -109,3 +110,26 @@ class FrontSection(Table):
             return None
         host, _, port = self.metrics_listen.rpartition(":")
         return host.strip("[]"), int(port)
+
+
+def on_loopback(host: str) -> bool:
+    """Whether only this machine reaches a listener on `host` (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost resolves to whatever the network says
+
+
+def open_to_everyone(front: FrontSection) -> str | None:
+    """Why a front that listens beyond loopback without API keys is worth a warning (anyone who reaches its port uses
+    every model), or None. A warning, not an error: a firewall or a trusted network may be the guard."""
+    host, port = front.address
+    if on_loopback(host) or front.api_keys or front.api_keys_file is not None:
+        return None
+    return (
+        f"is {front.listen!r}, beyond loopback, and neither front.api_keys nor front.api_keys_file is set: anyone who reaches "
+        f"port {port} can use every model; set api_keys (each key e.g. from `openssl rand -hex 24`), or listen on "
+        f"127.0.0.1:{port} behind a proxy that authenticates"
+    )

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..base.config import Config, MemorySection
-from ..base.configfile import read_toml
-from ..base.configload import load_config
+from ..base.configload import LoadedConfig, load_config_explained, tables_of
 from ..base.frontconfig import API_KEY_FORM, FrontSection, api_key_problem
 from ..base.errors import ConfigError, ConfigProblem
 from ..vllm.sleepmode import control_path
@@ -49,23 +48,30 @@ def _known(name: str, config: Config, front: FrontSection) -> Known:
 
 
 def discover(front: FrontSection, main: Path) -> list[Known]:
-    """The instances, in name order; a ConfigError for a broken instance config, a model served twice, or an
-    instance on the front's own port (the front owns the public address: the instance moves to an internal one)."""
-    found: list[tuple[Path, Known]] = []
-    if main.exists() and "vllm" in read_toml(main)[0]:
-        found.append((main, _known("gb10d", load_config(main), front)))
+    """The instances, in name order; a ConfigError for broken instance configs (all of them), a model served twice, or
+    an instance on the front's own port (the front owns the public address: the instance moves to an internal one)."""
+    named = [("gb10d", main)] if main.exists() and "vllm" in tables_of(main) else []
     if front.instances_dir.is_dir():
-        for path in sorted(front.instances_dir.glob("*.toml")):
-            found.append((path, _known(path.stem, load_config(path), front)))
+        named += [(path.stem, path) for path in sorted(front.instances_dir.glob("*.toml"))]
+    found: list[tuple[LoadedConfig, Known]] = []
     problems: list[ConfigProblem] = []
+    for name, path in named:
+        try:
+            loaded = load_config_explained(path)
+        except ConfigError as exc:
+            problems += exc.problems  # every broken instance config is told at once, each with its own file and line
+            continue
+        found.append((loaded, _known(name, loaded.config, front)))
     owner: dict[str, str] = {}
     _, front_port = front.address
-    for path, known in found:
+    for loaded, known in found:
         if known.instance.port == front_port:
-            problems.append(ConfigProblem(str(path), "vllm.port", f"is {front_port}, the front's own port (front.listen): give this instance an internal port such as {8100 + len(owner)}"))
+            problems.append(loaded.problem("vllm.port", f"is {front_port}, the front's own port (front.listen): give this instance an internal port such as {8100 + len(owner)}"))
+        # Without served_model_name the model's own name is served.
+        named_by = "vllm.served_model_name" if loaded.config.vllm.served_model_name is not None else "vllm.model"
         for model in known.instance.models:
             if model in owner:
-                problems.append(ConfigProblem(str(path), "vllm.served_model_name", f"serves {model!r}, which instance {owner[model]} serves too: each model name must be unique"))
+                problems.append(loaded.problem(named_by, f"serves {model!r}, which instance {owner[model]} serves too: each model name must be unique"))
             owner.setdefault(model, known.instance.name)
     if problems:
         raise ConfigError(problems)
