@@ -31,6 +31,7 @@ from aiohttp import web
 from ..base.configload import load_front
 from ..base.errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_OK, ConfigError
 from ..base.frontconfig import FrontSection
+from ..machine.listenfds import ListenFdsError, listen_sockets, listening_address
 from ..machine.ports import holder_of
 from . import snapshot
 from .instances import Known, api_keys, discover
@@ -107,7 +108,7 @@ class Door:
 
 def listen_socket(settings: FrontSection) -> socket.socket:
     """The socket systemd passed (gb10d-front.socket), else one bound to front.listen; OSError when that fails."""
-    passed = systemd_sockets()
+    passed = listen_sockets()
     if passed:
         return passed[0]
     host, port = settings.address
@@ -115,21 +116,6 @@ def listen_socket(settings: FrontSection) -> socket.socket:
     sock = socket.create_server((host, port), family=family, backlog=4096)
     sock.setblocking(False)
     return sock
-
-
-def systemd_sockets() -> list[socket.socket]:
-    """The listening sockets systemd passed (sd_listen_fds: fds 3.. when LISTEN_PID is ours); the variables are
-    removed so that no child takes them for its own."""
-    pid, count = os.environ.pop("LISTEN_PID", ""), os.environ.pop("LISTEN_FDS", "")
-    os.environ.pop("LISTEN_FDNAMES", None)
-    if not pid.isdigit() or int(pid) != os.getpid() or not count.isdigit():
-        return []
-    out = []
-    for fd in range(3, 3 + int(count)):
-        sock = socket.socket(fileno=fd)
-        sock.setblocking(False)
-        out.append(sock)
-    return out
 
 
 def bind_failure(settings: FrontSection, exc: OSError) -> tuple[str, int]:
@@ -166,6 +152,9 @@ class Front:
     async def run(self) -> int:
         try:
             sock = listen_socket(self.settings)
+        except ListenFdsError as exc:
+            self.journal.say(str(exc), 3)
+            return exc.exit_status
         except OSError as exc:
             line, status = bind_failure(self.settings, exc)
             self.journal.say(line, 3)
@@ -184,7 +173,7 @@ class Front:
         )
         listener = await loop.create_server(Door(server, self.proxy, self.cap, self.journal), sock=sock, backlog=4096)
         self.journal.say(
-            f"serving {', '.join(m for w in self.states.watched.values() for m in w.known.instance.models)} on {_address(sock) or self.settings.listen}; "
+            f"serving {', '.join(m for w in self.states.watched.values() for m in w.known.instance.models)} on {listening_address(sock)}; "
             f"up to {self.cap} connections (open-file limit {self.open_files})"
         )
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -277,14 +266,6 @@ class Front:
         exc = context.get("exception")
         what = f"{type(exc).__name__}: {exc}" if exc is not None else ""
         self.journal.say(f"{context.get('message', 'event loop error')} {what}".strip(), 4, cause=f"loop {type(exc).__name__}")
-
-
-def _address(sock: socket.socket) -> str:
-    try:
-        name = sock.getsockname()
-    except OSError:
-        return ""
-    return f"[{name[0]}]:{name[1]}" if sock.family == socket.AF_INET6 else f"{name[0]}:{name[1]}"
 
 
 class _JournalHandler(logging.Handler):
