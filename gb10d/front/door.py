@@ -46,6 +46,9 @@ from .swaps import Swaps
 STATE_POLL_S = 0.1
 # Descriptors kept free of clients and upstreams: state files, control sockets, the metrics listener, the journal.
 SPARE_FDS = 64
+# At a stop, a connection accepted just before gets this long for its request to arrive; then idle ones close.
+IDLE_GRACE_S = 1.0
+DRAIN_POLL_S = 0.05
 # A request line or one header line longer than this gets 400 (aiohttp's llhttp limits).
 MAX_LINE_BYTES = 65536
 BUSY = (
@@ -200,17 +203,33 @@ class Front:
                 self.states.notify(watched, left=False)
 
     async def _drain(self, listener: asyncio.Server, server: web.Server) -> None:
-        """Stop accepting, then give the requests in flight and the held ones front.drain_timeout_s."""
+        """Stop accepting, then give the requests in flight and the held ones front.drain_timeout_s. A connection
+        accepted just before has IDLE_GRACE_S for its request to arrive (it is served, then closed); idle ones are
+        closed after that; each answer from now on closes its connection."""
         listener.close()
         timeout = self.settings.drain_timeout_s
         held = sum(w.held for w in self.states.watched.values())
         self.journal.say(f"stopping: no new connections; {len(self.proxy.busy)} connection(s) with a request in progress ({held} held) get up to {timeout:.0f} s (front.drain_timeout_s)")
-        self.proxy.drain_deadline = time.monotonic() + max(timeout - 1.0, 0.0)
+        started = time.monotonic()
+        self.proxy.drain_deadline = started + max(timeout - 1.0, 0.0)
         for watched in self.states.watched.values():
             self.states.notify(watched, left=False)
-        started = time.monotonic()
-        await server.shutdown(timeout)
+        while time.monotonic() < started + timeout:
+            grace_over = time.monotonic() >= started + IDLE_GRACE_S
+            open_now = [c for c in server.connections if c.transport is not None]
+            for idle in [c for c in open_now if not self.in_progress(c)] if grace_over else []:
+                idle.force_close()
+            if grace_over and not any(self.in_progress(c) for c in open_now):
+                break
+            # A short bounded poll: aiohttp tells no event when a connection's last answer is written.
+            await asyncio.sleep(DRAIN_POLL_S)
+        await server.shutdown(1.0)
         self.journal.say(f"stopped after {time.monotonic() - started:.1f} s of draining")
+
+    def in_progress(self, handler: web.RequestHandler) -> bool:
+        """Whether the connection has a request in progress, its answer being written included (aiohttp's flag,
+        which spans the write after the handler returns; the proxy's own count spans the handler)."""
+        return handler in self.proxy.busy or bool(getattr(handler, "_request_in_progress", False))
 
     def reload(self) -> None:
         """SIGHUP: read the config and instances_dir again; an added instance is served, a removed one finishes its
