@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from ..base.configload import load_front
 from ..base.errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_OK, ConfigError
@@ -88,19 +89,42 @@ def sizes(open_files: int, settings: FrontSection, instances: int) -> tuple[int,
     return clients, per_instance
 
 
+class Server(web.Server):
+    """aiohttp's server, counting its open connections as they come and go: the cap is checked at every accept, and
+    aiohttp's `connections` copies the whole list, which made a burst of thousands of connections cost time
+    quadratic in their number (seconds in which no request was answered)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.open = 0
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        self.open += 1
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        super().connection_lost(handler, exc)
+        self.open -= 1
+
+
+def in_progress(handler: RequestHandler, proxy: Proxy) -> bool:
+    """Whether the connection has a request in progress, its answer being written included: aiohttp's flag spans
+    the write after the handler returns, the proxy's own count the handler; closing it would cut that answer."""
+    return handler in proxy.busy or bool(getattr(handler, "_request_in_progress", False))
+
+
 class Door:
     """The protocol factory before aiohttp's: counts client connections and keeps them under the cap."""
 
-    def __init__(self, server: web.Server, proxy: Proxy, cap: int, journal: FrontJournal) -> None:
+    def __init__(self, server: Server, proxy: Proxy, cap: int, journal: FrontJournal) -> None:
         self.server = server
         self.proxy = proxy
         self.cap = cap
         self.journal = journal
 
     def __call__(self) -> asyncio.BaseProtocol:
-        open_now = [c for c in self.server.connections if c.transport is not None]
-        if len(open_now) >= self.cap:
-            idle = next((c for c in open_now if c not in self.proxy.busy), None)
+        if self.server.open >= self.cap:
+            idle = next((c for c in self.server.connections if c.transport is not None and not in_progress(c, self.proxy)), None)
             if idle is None:
                 self.journal.say(f"answered a new connection 503: all {self.cap} connections have a request in progress (front.max_connections)", 4, cause="cap busy")
                 return Turnaway()
@@ -170,7 +194,7 @@ class Front:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(self._loop_error)
         _quiet_aiohttp(self.journal)
-        server = web.Server(
+        server = Server(
             self.proxy.handle, handler_cancellation=True, keepalive_timeout=self.settings.idle_timeout_s,
             max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES, lingering_time=2.0,
         )
@@ -202,7 +226,7 @@ class Front:
             for watched in self.states.watched.values():
                 self.states.notify(watched, left=False)
 
-    async def _drain(self, listener: asyncio.Server, server: web.Server) -> None:
+    async def _drain(self, listener: asyncio.Server, server: Server) -> None:
         """Stop accepting, then give the requests in flight and the held ones front.drain_timeout_s. A connection
         accepted just before has IDLE_GRACE_S for its request to arrive (it is served, then closed); idle ones are
         closed after that; each answer from now on closes its connection."""
@@ -217,19 +241,14 @@ class Front:
         while time.monotonic() < started + timeout:
             grace_over = time.monotonic() >= started + IDLE_GRACE_S
             open_now = [c for c in server.connections if c.transport is not None]
-            for idle in [c for c in open_now if not self.in_progress(c)] if grace_over else []:
+            for idle in [c for c in open_now if not in_progress(c, self.proxy)] if grace_over else []:
                 idle.force_close()
-            if grace_over and not any(self.in_progress(c) for c in open_now):
+            if grace_over and not any(in_progress(c, self.proxy) for c in open_now):
                 break
             # A short bounded poll: aiohttp tells no event when a connection's last answer is written.
             await asyncio.sleep(DRAIN_POLL_S)
         await server.shutdown(1.0)
         self.journal.say(f"stopped after {time.monotonic() - started:.1f} s of draining")
-
-    def in_progress(self, handler: web.RequestHandler) -> bool:
-        """Whether the connection has a request in progress, its answer being written included (aiohttp's flag,
-        which spans the write after the handler returns; the proxy's own count spans the handler)."""
-        return handler in self.proxy.busy or bool(getattr(handler, "_request_in_progress", False))
 
     def reload(self) -> None:
         """SIGHUP: read the config and instances_dir again; an added instance is served, a removed one finishes its
