@@ -330,7 +330,7 @@ class Proxy:
                 if watched.held == 0 and watched.ready.serving:
                     self.journal.say(f"released the requests held for {instance.name} after {time.monotonic() - watched.hold_started:.1f} s: it serves")
         if isinstance(decision, Answer):
-            self.journal.say(f"rejected a request for {instance.name} ({decision.status}): {decision.message}", 4, cause=f"rejected {instance.name} {decision.status} {decision.message[:40]}")
+            self.journal.say(f"rejected a request for {instance.name} ({decision.status}): {decision.message}", 4, cause=f"rejected {instance.name} {decision.status}")
             self.metrics.rejected.labels(instance.name, str(decision.status)).inc()
             return decision
         self.metrics.requests.labels(instance.name).inc()
