@@ -42,6 +42,14 @@ GENERATION_TOKENS = "vllm:generation_tokens_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 SLEEP_STATE = "vllm:engine_sleep_state"  # one sample per sleep_state label: awake, weights_offloaded, discard_all
 _AWAKE = 'sleep_state="awake"'
+# /is_sleeping is a call into the engine core, answered in milliseconds, between two steps at worst; a hung engine
+# does not answer it at all, and waiting the whole probe timeout for that would only delay the hang's verdict.
+SLEEP_CHECK_TIMEOUT_S = 10.0
+
+
+def sleep_check_timeout(limits: LivenessSection) -> float:
+    """How long one GET /is_sleeping may take."""
+    return min(limits.probe_timeout_s, SLEEP_CHECK_TIMEOUT_S)
 _FAMILIES = (RUNNING, WAITING, GENERATION_TOKENS, PROMPT_TOKENS)
 
 

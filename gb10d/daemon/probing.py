@@ -18,7 +18,8 @@ from ..core.facts import ProbeKind, ProbeResult
 from ..core.lifecycle import served_name_problem, waits_for_listen
 from ..core.liveness import (
     AskIfAsleep, Asleep, Dead, Hung, LivenessState, MetricsSample, death, next_deadline, next_probe_due, observe_health, observe_metrics,
-    observe_probe, observe_sleep_check, parse_metrics, probe_may_go, probe_sent, sleep_check_sent, sleep_check_wanted, start, verdict,
+    observe_probe, observe_sleep_check, parse_metrics, probe_may_go, probe_sent, sleep_check_sent, sleep_check_timeout, sleep_check_wanted,
+    start, verdict,
 )
 from .probe import Prober
 from ..base.tasks import Probe
@@ -97,7 +98,7 @@ async def watch_liveness(
 
     def check_sleep(state: LivenessState, now: float) -> LivenessState:
         nonlocal checking
-        checking = asyncio.create_task(prober.is_sleeping(timeout_s=limits.probe_timeout_s))
+        checking = asyncio.create_task(prober.is_sleeping(timeout_s=sleep_check_timeout(limits)))
         return sleep_check_sent(state, now)
 
     async def sample() -> tuple[ProbeResult, MetricsSample | None]:
