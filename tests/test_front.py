@@ -25,7 +25,6 @@ import httpx
 import pytest
 
 from gb10d.front.lab import FrontChild
-from gb10d.front.wire import READ_SIZE
 from gb10d.daemon.lab import wait_until
 from gb10d.sim.tokens import token_text
 from gb10d.base.config import MemorySection
@@ -35,13 +34,16 @@ from harness import Daemon, NotifySocket, Setup, free_port
 
 pytestmark = pytest.mark.slow
 
+# More than the front reads from vLLM at once: bytes beyond it waiting in the kernel show the front stopped reading.
+READ_SIZE = 65536
+
 
 class Deployment:
     """A front and its instances' configs; instances are started by the test that needs them running."""
 
     def __init__(
         self, root: Path, front: dict[str, object] | None = None, on_demand: dict[str, object] | None = None,
-        extra: dict[str, object] | None = None, each: dict[str, dict[str, object]] | None = None, **setup: Any,
+        extra: dict[str, object] | None = None, each: dict[str, dict[str, object]] | None = None, front_nofile: int | None = None, **setup: Any,
     ) -> None:
         """`on_demand` and `extra` go into both instances' configs, `each` into the one it names."""
         self.root = root
@@ -63,7 +65,7 @@ class Deployment:
         lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
         (root / "front.toml").write_text("[front]\n" + lines)
         self.daemons: list[Daemon] = []
-        self.front = FrontChild(root / "front.toml")
+        self.front = FrontChild(root / "front.toml", front_nofile)
         self.front.wait_line(r"serving alpha, beta on ")
 
     def start(self, name: str, serving: bool = True, notify: NotifySocket | None = None) -> Daemon:

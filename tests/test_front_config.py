@@ -34,8 +34,8 @@ def test_an_instance_on_the_fronts_port_or_a_model_served_twice_is_refused(tmp_p
     write_instance(tmp_path / "instances", "b", 8102, "qwen")
     status, said = front(tmp_path, capsys, f'instances_dir = "{tmp_path / "instances"}"\n')
     assert status == 78
-    assert "a.toml: vllm.port: is 8000, the front's own port (front.listen)" in said
-    assert "b.toml: vllm.served_model_name: serves 'qwen', which instance a serves too" in said
+    assert "a.toml:5: vllm.port: is 8000, the front's own port (front.listen)" in said
+    assert "b.toml:4: vllm.served_model_name: serves 'qwen', which instance a serves too" in said
 
 
 def test_no_instance_at_all_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

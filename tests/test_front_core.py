@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from gb10d.front.core import (
-    Answer, ApiKey, Forward, Go, Instance, Readiness, Wait, admit, authorized, forwarded_headers, model_of, readiness_of, route, sse_error_event,
-)
+from gb10d.front.core import Answer, Go, Instance, Readiness, Wait, admit, readiness_of, sse_error_event
+from gb10d.front.routes import ApiKey, Forward, authorized, forwarded_headers, model_of, route
 from gb10d.core.statefile import DaemonState, Progress, StateRecord
 
 QWEN = Instance("qwen", ("qwen", "qwen-fast"), "127.0.0.1", 8101)
@@ -107,7 +106,7 @@ def test_a_stopped_instance_is_not_waited_for() -> None:
 @pytest.mark.parametrize("state,alive,serving,coming,detail", [
     (None, False, False, False, "not running (no state file)"),
     (StateRecord(pid=1, state=DaemonState.SERVING), True, True, True, "serving"),
-    (StateRecord(pid=1, state=DaemonState.SERVING), False, False, False, "not running (pid 1 has exited)"),
+    (StateRecord(pid=1, state=DaemonState.STOPPED), False, False, False, "not running (pid 1 has exited)"),
     (StateRecord(pid=1, state=DaemonState.FAILED), True, False, False, "not running (state is failed)"),
     (StateRecord(pid=1, state=DaemonState.STARTING, phase="loading_weights", progress=Progress(12, 66)), True, False, True, "starting: loading_weights 12/66"),
     (StateRecord(pid=1, state=DaemonState.RESTARTING), True, False, True, "restarting"),

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import difflib
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Iterator, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
@@ -98,20 +99,18 @@ def _is_union_tag(part: str | int) -> bool:
     return isinstance(part, str) and (part in ("str", "list[str]") or part.startswith("function-"))
 
 
-@dataclass(frozen=True)
-class LoadedConfig:
-    """A merged config with where each value came from.
+@dataclass(frozen=True, kw_only=True)
+class _Located(ABC):
+    """Effective settings with the files read (main file first) and the (file, line) of each dotted key some file set,
+    for problems located at their line and for --explain."""
 
-    `locations` maps dotted keys (`vllm.port`, `vllm.args.max-model-len`) of
-    the values set in some file to (file, line); keys missing from it are
-    defaults. `files` lists the files read, main file first, so a watcher
-    knows what to watch.
-    """
-
-    config: Config
     files: tuple[Path, ...]
     locations: dict[str, tuple[str, int | None]] = field(default_factory=dict)
     derived: dict[str, str] = field(default_factory=dict)  # defaults of its own an instance got, and why
+
+    @abstractmethod
+    def tables(self) -> Iterator[tuple[str, Table]]:
+        """(name, table) of the effective settings, in schema order."""
 
     def location_of(self, dotted: str) -> tuple[str, int | None] | None:
         """(file, line) that set this key or a table holding it; None for a default."""
@@ -122,6 +121,11 @@ class LoadedConfig:
             probe = probe.rpartition(".")[0]
         return None
 
+    def problem(self, dotted: str, message: str) -> ConfigProblem:
+        """A problem with an effective value, located in the file that set it."""
+        file, line = self.location_of(dotted) or (str(self.files[0]), None)
+        return ConfigProblem(file, dotted, message, line=line)
+
     def source_of(self, dotted: str) -> str:
         """`FILE:LINE` of the file that set this key, else "default"."""
         where = self.location_of(dotted)
@@ -130,15 +134,10 @@ class LoadedConfig:
         file, line = where
         return f"{file}:{line}" if line else file
 
-    def problem(self, dotted: str, message: str) -> ConfigProblem:
-        """A problem with an effective value, located in the file that set it."""
-        file, line = self.location_of(dotted) or (str(self.files[0]), None)
-        return ConfigProblem(file, dotted, message, line=line)
-
     def explain(self) -> list[tuple[str, Any, str]]:
         """(dotted key, effective value, source) for every setting, in schema order."""
         rows: list[tuple[str, Any, str]] = []
-        for section_name, section in self.config.tables():
+        for section_name, section in self.tables():
             for key in type(section).model_fields:
                 value = getattr(section, key)
                 dotted = f"{section_name}.{key}"
@@ -147,6 +146,22 @@ class LoadedConfig:
                 else:
                     rows.append((dotted, value, self.source_of(dotted)))
         return rows
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedConfig(_Located):
+    """A merged config with where each value came from.
+
+    `locations` maps dotted keys (`vllm.port`, `vllm.args.max-model-len`) of
+    the values set in some file to (file, line); keys missing from it are
+    defaults. `files` lists the files read, main file first, so a watcher
+    knows what to watch.
+    """
+
+    config: Config
+
+    def tables(self) -> Iterator[tuple[str, Table]]:
+        return self.config.tables()
 
 
 @dataclass
@@ -266,6 +281,26 @@ def _validate(layers: _Layers) -> Config:
         raise ConfigError(_problems_from(exc, layers)) from None
 
 
+def _read_layers(path: Path, dropin_dir: Path | None = None) -> _Layers:
+    """The main file and its drop-ins merged; a ConfigError names every file that cannot be read or parsed."""
+    layers = _Layers()
+    problems: list[ConfigProblem] = []
+    for file in [path, *dropins(dropin_dir or dropin_dir_for(path))]:
+        try:
+            data, text = read_toml(file)
+        except ConfigError as exc:
+            problems += exc.problems
+            continue
+        layers.add(file, data, text)
+    if problems:
+        raise ConfigError(problems)
+    return layers
+
+
+def _locations(layers: _Layers) -> dict[str, tuple[str, int | None]]:
+    return {".".join(key): layers.location(key) for key in layers.origin}
+
+
 def load_config_explained(path: Path | None = None, dropin_dir: Path | None = None) -> LoadedConfig:
     """Read the main file and its drop-ins, merge and validate them, remembering each value's file.
 
@@ -275,29 +310,37 @@ def load_config_explained(path: Path | None = None, dropin_dir: Path | None = No
     validated, so syntax errors in several files are reported together.
     """
     path = path or default_config_path()
-    dropin_dir = dropin_dir or dropin_dir_for(path)
-    layers = _Layers()
-    problems: list[ConfigProblem] = []
-    for file in [path, *dropins(dropin_dir)]:
-        try:
-            data, text = read_toml(file)
-        except ConfigError as exc:
-            problems += exc.problems
-            continue
-        layers.add(file, data, text)
-    if problems:
-        raise ConfigError(problems)
+    layers = _read_layers(path, dropin_dir)
     derived: dict[str, str] = {}
     if layers.data:
         derived = fill_defaults(layers.data, path)
     config = _validate(layers)
-    locations = {".".join(key): layers.location(key) for key in layers.origin}
-    return LoadedConfig(config=config, files=tuple(layers.files), locations=locations, derived=derived)
+    return LoadedConfig(config=config, files=tuple(layers.files), locations=_locations(layers), derived=derived)
 
 
 def load_config(path: Path | None = None, dropin_dir: Path | None = None) -> Config:
     """Read, merge and validate the config file and its drop-ins; the only error raised is ConfigError."""
     return load_config_explained(path, dropin_dir).config
+
+
+# --- the front's config ------------------------------------------------------------------
+
+
+def tables_of(path: Path) -> frozenset[str]:
+    """The tables the config file and its drop-ins set together; a ConfigError when one cannot be read."""
+    return frozenset(_read_layers(path).data)
+
+
+def front_only(path: Path) -> bool:
+    """Whether the config is the front's alone: `[front]` and no `[vllm]`, so it runs no model itself.
+
+    False when the files cannot be read: the command's own loading says why.
+    """
+    try:
+        tables = tables_of(path)
+    except ConfigError:
+        return False
+    return "front" in tables and "vllm" not in tables
 
 
 class _FrontFile(Table):
@@ -307,14 +350,49 @@ class _FrontFile(Table):
     front: FrontSection = Field(default_factory=FrontSection)
 
 
-def load_front(path: Path) -> FrontSection:
-    """`[front]` of `path` (defaults when the file or the table is absent), problems located like load_config's."""
+@dataclass(frozen=True, kw_only=True)
+class LoadedFront(_Located):
+    """`[front]` with where each value came from, for problems and warnings located at their line."""
+
+    front: FrontSection
+
+    def tables(self) -> Iterator[tuple[str, Table]]:
+        yield "front", self.front
+
+
+def load_front_explained(path: Path) -> LoadedFront:
+    """`[front]` of the config and its drop-ins (defaults when the file or the table is absent), problems located like
+    load_config's.
+
+    In the front's own config (no `[vllm]`) another table is a problem: nothing would read it, as the instances read
+    only their own files. Beside `[vllm]` the other tables belong to the instance that file runs.
+    """
     if not path.exists():
-        return FrontSection()
-    data, text = read_toml(path)
-    layers = _Layers()
-    layers.add(path, data, text)
+        return LoadedFront(front=FrontSection(), files=(path,))
+    layers = _read_layers(path)
+    problems: list[ConfigProblem] = []
+    front: FrontSection | None = None
     try:
-        return _FrontFile.model_validate(data).front
+        front = _FrontFile.model_validate(layers.data).front
     except ValidationError as exc:
-        raise ConfigError(_problems_from(exc, layers)) from None
+        problems += _problems_from(exc, layers)
+    if "vllm" not in layers.data:
+        problems += [layers.problem((table,), _stray_table(table, front)) for table in layers.data if table != "front"]
+    if problems or front is None:
+        raise ConfigError(problems)
+    return LoadedFront(front=front, files=tuple(layers.files), locations=_locations(layers))
+
+
+def _stray_table(table: str, front: FrontSection | None) -> str:
+    """Why a table other than [front] in the front's own config is refused, and where it belongs."""
+    if table in Config.model_fields:
+        where = front.instances_dir if front is not None else "[front] instances_dir"
+        return (f"is a table of a gb10d instance, and this config ([front] and no [vllm]) is the front's: nothing reads it here; "
+                f"move it into the instance configs in {where}, or remove it")
+    close = difflib.get_close_matches(table, ["front"], n=1)
+    return "unknown table; the front's config has only [front]" + ("; did you mean front?" if close else "; remove it")
+
+
+def load_front(path: Path) -> FrontSection:
+    """`[front]` of `path` and its drop-ins (defaults when the file or the table is absent); see load_front_explained."""
+    return load_front_explained(path).front

@@ -20,8 +20,10 @@ from ..core.cluster import cluster_env, ray_argv, vllm_flags
 from ..base.command import REDACTED, build_argv, container_argv, env_additions, is_secret_name, redact_setting, shell_line
 from ..base.config import ClusterSection, MemorySection, VllmSection
 from ..base.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH, default_config_path, dropin_dir_for
-from ..base.configload import LoadedConfig, load_config_explained
-from ..base.errors import EXIT_OK, ConfigError, Gb10dError, UsageError
+from ..base.configload import LoadedConfig, LoadedFront, front_only, load_config_explained
+from ..base.errors import EXIT_OK, ConfigError, ConfigProblem, Gb10dError, UsageError
+from ..base.frontconfig import FrontSection, open_to_everyone
+from ..base.instance import INSTANCE_DIR
 from ..machine.journal import connected_to_journal
 
 Handler = Callable[[argparse.Namespace], int]
@@ -32,7 +34,14 @@ def _config_path(args: argparse.Namespace) -> Path:
 
 
 def _load(args: argparse.Namespace) -> LoadedConfig:
-    return load_config_explained(_config_path(args))
+    """The instance's config; the front's own config is refused in one line that says what runs it."""
+    path = _config_path(args)
+    if front_only(path):
+        raise UsageError(
+            f"{path} is the front's config ([front] and no [vllm]): gb10d front runs it (gb10d-front.service); gb10d {args.command} "
+            f"needs an instance's config with a [vllm] table, such as --config {INSTANCE_DIR}/NAME.toml"
+        )
+    return load_config_explained(path)
 
 
 def _toml_value(value: Any) -> str:
@@ -54,7 +63,7 @@ def _toml_value(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _explain(loaded: LoadedConfig, prefix: str | tuple[str, ...] = "") -> None:
+def _explain(loaded: LoadedConfig | LoadedFront, prefix: str | tuple[str, ...] = "") -> None:
     """Print each effective value with the file it came from; secrets stay hidden."""
     print("files: " + ", ".join(str(f) for f in loaded.files))
     rows = [r for r in loaded.explain() if r[0].startswith(prefix)]
@@ -69,6 +78,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from ..machine.pathcheck import PathsUnreachable, check_paths
     from ..machine.service import query, unit_for_config
 
+    if front_only(_config_path(args)):
+        return _check_front(_config_path(args), args.explain)
     loaded = _load(args)
     _refuse_what_others_hold(loaded, _config_path(args))
     unit = args.unit or unit_for_config(_config_path(args))
@@ -76,6 +87,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     report = check_paths(loaded, context)
     for warning in report.warnings:
         _say(f"warning: {warning}")
+    if loaded.config.front is not None:
+        _warn_if_open(loaded, loaded.config.front)
     if report.problems:
         raise PathsUnreachable(report)
     v = loaded.config.vllm
@@ -97,6 +110,51 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     if args.explain:
         _explain(loaded)
     return EXIT_OK
+
+
+def _check_front(path: Path, explain: bool) -> int:
+    """check-config of the front's own config: [front], every instance config it stands before (each problem at its own
+    file and line) and the API keys; OK and what the front would serve. The instances' paths are checked by their own
+    check-config, as the user of their own unit."""
+    from ..base.configload import load_front_explained
+    from ..front.instances import api_keys, discover
+
+    loaded = load_front_explained(path)
+    front = loaded.front
+    problems: list[ConfigProblem] = []
+    known = []
+    try:
+        known = discover(front, path)
+    except ConfigError as exc:
+        problems += exc.problems
+    keys = []
+    try:
+        keys = api_keys(front)
+    except ConfigError as exc:
+        problems += exc.problems
+    if problems:
+        raise ConfigError(problems)
+    _warn_if_open(loaded, front)
+    dropins = len(loaded.files) - 1
+    guard = f"{len(keys)} API key{'s' if len(keys) != 1 else ''}" if keys else "no API key"
+    print("OK")
+    print(f"{loaded.files[0]}{f' + {dropins} drop-in(s)' if dropins else ''}: the front's config: listen on {front.listen} "
+          f"({guard}) before {len(known)} instance{'s' if len(known) != 1 else ''} from {front.instances_dir}:")
+    for k in known:
+        i = k.instance
+        parked = f", parked after {k.idle_timeout_s:g} s idle" if k.idle_timeout_s is not None else ""
+        print(f"  {i.name}: {', '.join(i.models)} on {i.host}:{i.port}{parked} ({front.instances_dir / f'{i.name}.toml'})")
+    print(f"each instance's paths are checked by its own check-config: gb10d check-config --config {front.instances_dir}/NAME.toml")
+    if explain:
+        _explain(loaded)
+    return EXIT_OK
+
+
+def _warn_if_open(loaded: LoadedConfig | LoadedFront, front: FrontSection) -> None:
+    """A warning line, located at front.listen, when anyone who reaches the front's port may use every model."""
+    warning = open_to_everyone(front)
+    if warning is not None:
+        _say(f"warning: {loaded.problem('front.listen', warning)}")
 
 
 def _refuse_what_others_hold(loaded: LoadedConfig, path: Path) -> None:
@@ -235,6 +293,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     from ..daemon.status import pid_alive
 
     path = _config_path(args).absolute()
+    if front_only(path):
+        return EXIT_OK  # the front's config runs no vLLM, so no container
     try:
         config = load_config_explained(path).config
     except ConfigError:
@@ -254,18 +314,54 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Summarise the running daemon from its state file, or every instance from the memory ledger (exit 3 when not running)."""
+    """Summarise the running daemon from its state file, or every instance from the memory ledger (exit 3 when not running).
+
+    The front's own config runs no daemon, so `gb10d status` on it shows what --all shows (the instances behind the
+    front, then its queues), after one line saying so: that is what the operator who asks for the status of the
+    machine's main config wants to see, where "not running" would be false and a pointer to --all one more command.
+    """
     from ..daemon.status import front_state_file, programs_of, show_all, show_status, state_file_path, status_config
 
+    named = bool(getattr(args, "config", None) or os.environ.get(CONFIG_ENV))
     if args.state_file and not args.all:
         config = None  # the state file is named: no config is read for it
+    elif front_only(_config_path(args)):
+        return _status_of_front(args, named)
     else:
-        config = status_config(_config_path(args), named=bool(getattr(args, "config", None) or os.environ.get(CONFIG_ENV)))
+        config = status_config(_config_path(args), named=named)
     state_file = state_file_path(args.state_file, config)
     if args.all:
         return show_all(config.memory if config is not None else MemorySection(), state_file, json_output=args.json,
-                        front=front_state_file(_config_path(args)))
-    return show_status(state_file, json_output=args.json, record=programs_of(config))
+                        out=sys.stdout, err=sys.stderr, front=front_state_file(_config_path(args)))
+    return show_status(state_file, json_output=args.json, out=sys.stdout, err=sys.stderr, record=programs_of(config))
+
+
+def _status_of_front(args: argparse.Namespace, named: bool) -> int:
+    """`gb10d status [--all]` of the front's own config: every instance (the ledger, else the instances' own state
+    files), then the front's queues or that it does not run."""
+    from ..base.configload import load_front
+    from ..daemon.status import StateFiles, show_all
+    from ..front.instances import discover
+
+    path = _config_path(args)
+    try:
+        front = load_front(path)
+    except ConfigError:
+        if named:
+            raise
+        front = FrontSection()  # as for an instance's config: the front may run from an earlier, valid version
+    try:
+        known = discover(front, path)
+    except ConfigError as exc:
+        known = []
+        more = f" and {len(exc.problems) - 1} more" if len(exc.problems) > 1 else ""
+        _say(f"warning: the front's instances are not known ({exc.problems[0]}{more}), so only the memory ledger tells "
+             f"which run; gb10d check-config{f' --config {args.config}' if getattr(args, 'config', None) else ''} says what to fix")
+    if not args.all and not args.json:
+        print(f"{path} is the front's config ([front] and no [vllm]): its instances and the front, as gb10d status --all shows them")
+    memory = known[0].memory if known else MemorySection()
+    states = StateFiles(files=tuple(dict.fromkeys(k.state_file for k in known)))
+    return show_all(memory, states, json_output=args.json, out=sys.stdout, err=sys.stderr, front=front.state_file)
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
@@ -307,17 +403,14 @@ def cmd_front(args: argparse.Namespace) -> int:
     import asyncio
 
     from ..base.configload import load_front
+    from ..front.door import serve
     from ..front.instances import api_keys, discover
-    from ..front.server import serve
 
-    settings = load_front(_config_path(args))
-    known = discover(settings, _config_path(args))
+    path = _config_path(args)
+    settings = load_front(path)
+    known = discover(settings, path)
     keys = api_keys(settings)
-    try:
-        asyncio.run(serve(settings, known, keys))
-    except KeyboardInterrupt:
-        pass
-    return EXIT_OK
+    return asyncio.run(serve(path, settings, known, keys))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -382,7 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
         "env_file, a local model directory, the Hugging Face cache and vLLM's compile caches. Print OK, a one-line summary "
         "and the user the paths were checked as (exit 0), with warnings (logind's RemoveIPC= for a login user) on stderr. "
         "Otherwise print each problem with its file, line and key, and exit 78. "
-        "The systemd unit runs this as ExecStartPre.",
+        "The systemd unit runs this as ExecStartPre. On the front's config ([front] and no [vllm]): [front], every instance "
+        "config in front.instances_dir and the API keys, then OK, the front's address and each instance with its models and "
+        "internal port; a warning when the front listens beyond loopback without API keys.",
     )
     p.add_argument("--explain", action="store_true", help="also list every effective value and the file it came from")
     p.add_argument("--user", metavar="NAME", help="check the paths as this user instead of the one the unit runs as "
@@ -436,7 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_run,
         "run the supervisor in the foreground",
         "Start vLLM from the config and supervise it in the foreground, as the systemd unit's ExecStart does: "
-        "READY=1 once vLLM serves, corrected restarts on known failures, vLLM's output on stdout for the journal.",
+        "READY=1 once vLLM serves, corrected restarts on known failures, vLLM's output on stdout for the journal. "
+        "The front's config ([front] and no [vllm]) is refused with exit 78: gb10d front runs it.",
     )
     add(
         "cleanup",
@@ -468,8 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"${CONFIG_ENV} names does not load. With --all: every gb10d instance of this "
         "machine from the memory ledger they share ([memory] ledger_dir, default /run/gb10d-ledger): state, phase, "
         "reservation, real use, whom a waiting one waits for, and the memory left; without a ledger, the running "
-        "instances the state files beside the config's name; exit 0 when any runs, 3 when none "
-        "does, 4 when neither can be read.",
+        "instances the state files beside the config's name; then, for a config with [front], the front's queue per model; "
+        "exit 0 when any runs, 3 when none does, 4 when neither can be read. On the front's config ([front] and no [vllm]), "
+        "with or without --all: the instances behind the front, then its queues.",
     )
     p.add_argument("--all", action="store_true", help="every gb10d instance of this machine, from the memory ledger")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")

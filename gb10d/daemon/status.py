@@ -4,8 +4,8 @@ The exit status follows `systemctl status` and LSB: 0 running, 3 not
 running (no state file, its pid gone, or the state says stopped or failed),
 4 when the state file cannot be read at all. `--all` reads the memory
 ledger the instances share instead (without one, the state files beside
-the config's): 0 when any instance runs, 3 when none does, 4 when neither
-can be read. Rendering is pure (state, now and whether the pid lives go
+the config's, or for the front's config those of its instances): 0 when
+any instance runs, 3 when none does, 4 when neither can be read. Rendering is pure (state, now and whether the pid lives go
 in, text comes out); only the `show_*` functions touch the file system and
 the process table.
 """
@@ -17,13 +17,14 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from ..core import budget, programs
 from ..core.budget import Reservation, Stage
 from ..base.config import Config, MemorySection
-from ..base.configload import load_config, load_front
+from ..base.configload import load_config, load_front, tables_of
 from ..base.frontconfig import FrontSection
 from ..base.errors import Gb10dError
 from ..machine.ledger import read_ledger
@@ -64,8 +65,14 @@ def state_file_path(explicit: str | None, config: Config | None) -> Path:
     return config.daemon.state_file if config is not None else DEFAULT_STATE_FILE
 
 
-def front_state_file(config_path: Path) -> Path:
-    """Where the config's front writes its queues ([front] state_file), or the default when the config does not load."""
+def front_state_file(config_path: Path) -> Path | None:
+    """Where the config's front writes its queues ([front] state_file); the default when its [front] does not load, and
+    None for a config without [front] (or one that cannot be read): no front of its own to show."""
+    try:
+        if "front" not in tables_of(config_path):
+            return None
+    except Gb10dError:
+        return None
     try:
         return load_front(config_path).state_file
     except Gb10dError:
@@ -334,57 +341,85 @@ def all_as_json(records: list[Reservation], mem: MemInfo | None, now: float, dir
     }
 
 
+@dataclass(frozen=True)
+class StateFiles:
+    """Where `--all` finds the running instances when the ledger cannot tell: every *.json of a directory (beside the
+    config's state file), or the given files (the front's instances, each in a run directory of its own)."""
+
+    directory: Path | None = None
+    files: tuple[Path, ...] = ()
+
+    def describe(self) -> str:
+        return f"in {self.directory}" if self.directory is not None else "of the front's instances"
+
+    def paths(self) -> list[Path]:
+        """The files to read; OSError when the directory cannot be listed."""
+        if self.directory is None:
+            return list(self.files)
+        try:
+            return sorted(path for path in self.directory.iterdir() if path.suffix == ".json")
+        except FileNotFoundError:
+            return []  # no gb10d ever ran here since boot
+
+    def as_json(self) -> dict[str, Any]:
+        return {"state_dir": str(self.directory)} if self.directory is not None else {"state_files": [str(f) for f in self.files]}
+
+
 def show_all(
-    memory: MemorySection, state_file: Path, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
+    memory: MemorySection, states: Path | StateFiles, json_output: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
     front: Path | None = None,
 ) -> int:
-    """Print every gb10d instance of the machine, then the front's queue per model when a front wrote its
-    state file (`front`); return the exit status (that of the instances).
+    """Print every gb10d instance of the machine, then the front's queue per model (`front`: its state file, given
+    when the config has a [front] table); return the exit status (that of the instances).
 
     The instances come from the memory ledger. Without a ledger (off in the
     config, or its directory missing), or with an empty one while an
     instance runs alone outside it (it could not use the ledger: one warning
-    in its journal), the state files beside this config's tell instead, and
-    the answer says so: an instance that runs must never be reported as absent.
+    in its journal), the state files tell instead, and the answer says so:
+    an instance that runs must never be reported as absent. `states` says
+    which: the config's state file (those beside it), or StateFiles.
     """
     from ..front import snapshot  # the front's module renders with this one's duration()
 
-    queues = snapshot.read(front) if front is not None else None
-    if queues is None or front is None:
-        return _show_instances(memory, state_file, json_output, out, err)
-    alive = pid_alive(queues.pid)
+    places = states if isinstance(states, StateFiles) else StateFiles(directory=states.parent)
+    if front is None:
+        return _show_instances(memory, places, json_output, out, err)
+    queues = snapshot.read(front)
+    alive = queues is not None and pid_alive(queues.pid)
     shown = io.StringIO()
-    status = _show_instances(memory, state_file, json_output, shown, err)
+    status = _show_instances(memory, places, json_output, shown, err)
     if json_output:
         answer = json.loads(shown.getvalue() or "{}")
-        answer["front"] = {**snapshot.as_json(queues), "running": alive}
+        answer["front"] = {**snapshot.as_json(queues), "running": alive} if queues is not None else {"running": False, "state_file": str(front)}
         out.write(json.dumps(answer, indent=2, sort_keys=True) + "\n")
-    else:
+    elif queues is not None:
         out.write(shown.getvalue() + snapshot.render(queues, alive, time.time(), front))
+    else:
+        out.write(shown.getvalue() + f"Front: not running (no state file {front}); systemctl status gb10d-front says why\n")
     return status
 
 
-def _show_instances(memory: MemorySection, state_file: Path, json_output: bool, out: TextIO, err: TextIO) -> int:
+def _show_instances(memory: MemorySection, places: StateFiles, json_output: bool, out: TextIO, err: TextIO) -> int:
     """The instances part of show_all."""
-    directory, state_dir = memory.ledger_path, state_file.parent
+    directory = memory.ledger_path
     if directory is None:
         why = 'the memory ledger is off in this config (memory.ledger_dir = "")'
-        return show_state_files(why, state_dir, json_output, out, err)
+        return show_state_files(why, places, json_output, out, err)
     try:
         records = read_ledger(directory)
     except FileNotFoundError:
         why = f"the memory ledger {directory} does not exist (the package creates it at boot: systemd-tmpfiles --create)"
-        return show_state_files(why, state_dir, json_output, out, err)
+        return show_state_files(why, places, json_output, out, err)
     except OSError as exc:
         message = f"cannot read the memory ledger {directory}: {exc.strerror or exc} (members of the group gb10d and root may)"
         return _cannot(message, {"ledger_dir": str(directory)}, json_output, out, err)
     if not records:
         try:
-            alone = _running_states(state_dir)
+            alone = _running_states(places)
         except OSError:
             alone = []  # the ledger's answer stands
         if alone:
-            return _print_state_files(f"no instance is in the memory ledger {directory}", state_dir, alone, json_output, out)
+            return _print_state_files(f"no instance is in the memory ledger {directory}", places, alone, json_output, out)
     try:
         mem: MemInfo | None = read_meminfo(memory.meminfo_path)
     except (OSError, ValueError):
@@ -397,14 +432,10 @@ def _show_instances(memory: MemorySection, state_file: Path, json_output: bool, 
     return EXIT_RUNNING if records else EXIT_NOT_RUNNING
 
 
-def _running_states(directory: Path) -> list[tuple[Path, StateRecord]]:
-    """The state files in `directory` whose daemon runs, by path; OSError when the directory cannot be listed."""
-    try:
-        paths = sorted(path for path in directory.iterdir() if path.suffix == ".json")
-    except FileNotFoundError:
-        return []  # no gb10d ever ran here since boot
+def _running_states(places: StateFiles) -> list[tuple[Path, StateRecord]]:
+    """The state files whose daemon runs, by path; OSError when their directory cannot be listed."""
     found = []
-    for path in paths:
+    for path in places.paths():
         try:
             state = read_state(path)
         except OSError:
@@ -415,11 +446,11 @@ def _running_states(directory: Path) -> list[tuple[Path, StateRecord]]:
     return found
 
 
-def render_state_files(why: str, directory: Path, found: list[tuple[Path, StateRecord]]) -> str:
+def render_state_files(why: str, places: StateFiles, found: list[tuple[Path, StateRecord]]) -> str:
     """`--all` without the ledger's answer: the honest reason, then each running instance its state file shows."""
     if not found:
-        return f"{why}; no state file in {directory} names a running gb10d\n"
-    lines = [f"{why}; the state files in {directory} name {len(found)} running:"]
+        return f"{why}; no state file {places.describe()} names a running gb10d\n"
+    lines = [f"{why}; the state files {places.describe()} name {len(found)} running:"]
     for path, state in found:
         name = state.state.value if state.state is not None else "unknown"
         model = f" {state.model}" if state.model else ""
@@ -427,21 +458,21 @@ def render_state_files(why: str, directory: Path, found: list[tuple[Path, StateR
     return "\n".join(lines) + "\n"
 
 
-def _print_state_files(why: str, directory: Path, found: list[tuple[Path, StateRecord]], json_output: bool, out: TextIO) -> int:
+def _print_state_files(why: str, places: StateFiles, found: list[tuple[Path, StateRecord]], json_output: bool, out: TextIO) -> int:
     if json_output:
         instances = [{**state.to_json(), "state_file": str(path)} for path, state in found]
-        answer = {"ledger": why, "state_dir": str(directory), "running": bool(found), "instances": instances}
+        answer = {"ledger": why, **places.as_json(), "running": bool(found), "instances": instances}
         out.write(json.dumps(answer, indent=2, sort_keys=True) + "\n")
     else:
-        out.write(render_state_files(why, directory, found))
+        out.write(render_state_files(why, places, found))
     return EXIT_RUNNING if found else EXIT_NOT_RUNNING
 
 
-def show_state_files(why: str, directory: Path, json_output: bool, out: TextIO, err: TextIO) -> int:
-    """Print the running instances the state files in `directory` show; return the exit status."""
+def show_state_files(why: str, places: StateFiles, json_output: bool, out: TextIO, err: TextIO) -> int:
+    """Print the running instances the state files show; return the exit status."""
     try:
-        found = _running_states(directory)
+        found = _running_states(places)
     except OSError as exc:
-        message = f"{why}, and the state files in {directory} cannot be listed: {exc.strerror or exc}"
-        return _cannot(message, {"state_dir": str(directory)}, json_output, out, err)
-    return _print_state_files(why, directory, found, json_output, out)
+        message = f"{why}, and the state files {places.describe()} cannot be listed: {exc.strerror or exc}"
+        return _cannot(message, places.as_json(), json_output, out, err)
+    return _print_state_files(why, places, found, json_output, out)

@@ -1,30 +1,19 @@
-"""The front's decisions, free of I/O: which instance a request goes to, and whether it goes now, waits, or is refused.
+"""The front's decisions on time, free of I/O: whether a request for an instance goes now, waits, or is refused;
+what an instance's state file means to a client; when to park or wake an on-demand model and how to make room.
 
-The shell (gb10d.front.server) reads sockets and state files and acts; everything it decides, it decides here, from
-values it passes in (the request's bytes, what each instance's state file says, how long a request has waited), so
-every case is a fast test.
+Where a request goes is gb10d.front.routes'. The shell (gb10d.front.proxy, states, swaps) reads sockets and state
+files and acts; everything it decides, it decides here, from values it passes in (what each instance's state file
+says, how long a request has waited), so every case is a fast test.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..core.statefile import DaemonState, StateRecord
 from ..daemon.status import not_running_reason
-
-# RFC 9110 §7.6.1: meaningful for one connection only; a proxy never forwards them. `Connection` may name more.
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade",
-})
-
-# Paths the front answers itself: a load balancer's health check must not wake or wait for any model.
-FRONT_HEALTH = "/health"
-MODELS = "/v1/models"
-
 
 @dataclass(frozen=True)
 class Instance:
@@ -60,11 +49,6 @@ class Readiness:
 
 
 @dataclass(frozen=True)
-class Forward:
-    instance: Instance
-
-
-@dataclass(frozen=True)
 class Answer:
     """A reply the front gives itself (an error, the model list, its health), as an OpenAI-style JSON body."""
 
@@ -79,108 +63,9 @@ class Answer:
         return str(err.get("message", "")) if isinstance(err, dict) else ""
 
 
-Route = Forward | Answer
-
-
 def error(status: int, message: str, kind: str, retry_after_s: int | None = None) -> Answer:
     """An error in the shape OpenAI clients parse (`{"error": {"message", "type", "code"}}`)."""
     return Answer(status, {"error": {"message": message, "type": kind, "code": status}}, retry_after_s)
-
-
-def forwarded_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The headers a proxy passes on: all but hop-by-hop ones, those `Connection` names, and Host and Content-Length
-    (the shell sets both for the connection it writes to)."""
-    pairs = [(name.lower(), value) for name, value in headers]
-    named = {token.strip().lower() for name, value in pairs if name == b"connection" for token in value.split(b",")}
-    dropped = {h.encode() for h in HOP_BY_HOP} | named | {b"host", b"content-length"}
-    return [(name, value) for name, value in pairs if name not in dropped]
-
-
-@dataclass(frozen=True)
-class ApiKey:
-    """A key clients may send, and the models it may use (none named: every model)."""
-
-    secret: bytes
-    models: frozenset[str] = frozenset()
-
-    @classmethod
-    def parse(cls, entry: str) -> ApiKey:
-        """`KEY`, or `KEY MODEL...` for a key restricted to those models (keys hold no spaces)."""
-        secret, *models = entry.split()
-        return cls(secret.encode(), frozenset(models))
-
-
-def authorized(path: str, headers: Iterable[tuple[bytes, bytes]], keys: Sequence[ApiKey]) -> ApiKey | Answer | None:
-    """The key the request carries, None when it needs none (no keys are set, or it is the front's /health), or 401.
-
-    Every key is compared, each in constant time, so neither a key nor which one matched leaks through timing."""
-    if not keys or path.split("?", 1)[0] == FRONT_HEALTH:
-        return None
-    given = b""
-    for name, value in headers:
-        name = name.lower()
-        if name == b"authorization" and value[:7].lower() == b"bearer ":
-            given = value[7:].strip()
-        elif name == b"x-api-key":
-            given = value.strip()
-    matched: ApiKey | None = None
-    for key in keys:
-        if hmac.compare_digest(given, key.secret) and matched is None:
-            matched = key
-    if matched is not None:
-        return matched
-    return error(401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)", "AuthenticationError")
-
-
-def model_of(body: bytes, content_type: str) -> tuple[str | None, Answer | None]:
-    """The request's `model` field, or None when the body names none, or a 400 for a body that is not JSON."""
-    if not body.strip() or "json" not in content_type.lower():
-        return None, None
-    try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        return None, error(400, f"the request body is not valid JSON: {exc}", "BadRequestError")
-    if not isinstance(parsed, dict):
-        return None, error(400, "the request body must be a JSON object", "BadRequestError")
-    model = parsed.get("model")
-    if model is None:
-        return None, None
-    if not isinstance(model, str):
-        return None, error(400, f'"model" must be a string (got {json.dumps(model)})', "BadRequestError")
-    return model, None
-
-
-def route(
-    method: str, path: str, body: bytes, content_type: str, instances: Sequence[Instance], readiness: Mapping[str, Readiness], now: float,
-    allowed: frozenset[str] = frozenset(),
-) -> Route:
-    """Where a request goes: the instance serving its `model`, or the only instance when it names none, or an answer
-    (the front's own /health and /v1/models among them). `allowed`: the models the request's key may use (empty:
-    every model); a restricted key sees only those, and gets 403 for the others."""
-    bare = path.split("?", 1)[0]
-    if bare == FRONT_HEALTH and method in ("GET", "HEAD"):
-        return Answer(200, {"status": "ok"})
-    if bare == MODELS and method == "GET":
-        return model_list(instances, readiness, now, allowed)
-    model, problem = model_of(body, content_type)
-    if problem is not None:
-        return problem
-    served = sorted(name for instance in instances for name in instance.models if not allowed or name in allowed)
-    if model is None:
-        if len(instances) == 1:
-            return _permitted(Forward(instances[0]), allowed, instances[0].models)
-        return error(400, f'the request names no "model"; this endpoint serves {", ".join(served) or "no model"}', "BadRequestError")
-    for instance in instances:
-        if model in instance.models:
-            return _permitted(Forward(instance), allowed, (model,))
-    return error(404, f"The model `{model}` does not exist. This endpoint serves: {', '.join(served) or 'none'}.", "NotFoundError")
-
-
-def _permitted(forward: Forward, allowed: frozenset[str], asked: Sequence[str]) -> Route:
-    """`forward` when the key may use one of the models `asked` for, else 403 naming those it may use."""
-    if not allowed or allowed.intersection(asked):
-        return forward
-    return error(403, f"this API key may not use {', '.join(asked)}; it may use {', '.join(sorted(allowed))}", "PermissionDeniedError")
 
 
 @dataclass(frozen=True)
@@ -236,14 +121,28 @@ def model_list(instances: Sequence[Instance], readiness: Mapping[str, Readiness]
     return Answer(200, {"object": "list", "data": data})
 
 
-def sse_error_event(message: str) -> bytes:
-    """The last event of a stream whose instance went away mid-answer: the client sees why instead of waiting."""
-    payload = json.dumps({"error": {"message": message, "type": "ServiceUnavailableError", "code": 503}})
+def sse_error_event(message: str, code: int = 503) -> bytes:
+    """The last event of a stream whose instance went away mid-answer, or that its hold ended without an answer:
+    the client sees why instead of waiting."""
+    kind = {400: "BadRequestError", 404: "NotFoundError", 504: "GatewayTimeoutError"}.get(code, "ServiceUnavailableError" if code == 503 else "APIError")
+    payload = json.dumps({"error": {"message": message, "type": kind, "code": code}})
     return f"event: error\ndata: {payload}\n\n".encode()
 
 
-def readiness_of(state: StateRecord | None, alive: bool) -> Readiness:
-    """An instance's readiness from its state file and whether its gb10d process lives."""
+# How long an instance whose gb10d died without stopping (kill -9, a crash) is waited for: systemd's Restart= brings
+# it back after RestartSec (30 s in gb10d@.service) and its start writes a new state file within a second.
+RESTART_GRACE_S = 90.0
+
+
+def readiness_of(state: StateRecord | None, alive: bool, dead_for_s: float = 0.0) -> Readiness:
+    """An instance's readiness from its state file and whether its gb10d process lives.
+
+    A gb10d that exited without saying it stopped or failed (its state is neither) died: its unit restarts it, so
+    it is waited for during RESTART_GRACE_S (`dead_for_s`: since the front first saw it dead), not refused."""
+    if state is not None and not alive and state.pid is not None and state.state is not None and not state.state.final:
+        if dead_for_s < RESTART_GRACE_S:
+            return Readiness(serving=False, coming=True, detail=f"restarting: its gb10d (pid {state.pid}) exited without stopping, and systemd restarts it")
+        return Readiness(serving=False, coming=False, detail=f"not running (pid {state.pid} has exited, and no gb10d came back in {RESTART_GRACE_S:.0f} s)")
     reason = not_running_reason(state, alive)
     if reason is not None or state is None or state.state is None:
         return Readiness(serving=False, coming=False, detail=f"not running ({reason or 'no state yet'})")
@@ -257,6 +156,22 @@ def readiness_of(state: StateRecord | None, alive: bool) -> Readiness:
     if state.progress is not None:
         detail += f" {state.progress.shards_done}/{state.progress.shards_total}"
     return Readiness(serving=False, coming=True, detail=detail)
+
+
+def reconnect_delay_s(refusals: int) -> float:
+    """How long a request waits before it tries an instance whose address refused it `refusals` times in a row
+    while its state file still said serving: 0.1 s doubling to 2 s, so a dead port costs a few connects a second,
+    never a loop."""
+    return min(2.0, 0.1 * 2.0 ** max(refusals - 1, 0))
+
+
+# A held stream hears from the front this often: proxies before it (nginx: 60 s) and clients keep waiting.
+HOLD_COMMENT_S = 10.0
+
+
+def sse_comment(text: str) -> bytes:
+    """An SSE comment line, which clients ignore: what a held stream is told while its model starts."""
+    return b": " + text.replace("\n", " ").replace("\r", " ").encode() + b"\n\n"
 
 
 def should_wake(ready: Readiness, held: int, in_flight: int, asked: bool) -> bool:

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..base.config import Config, MemorySection
-from ..base.configfile import read_toml
-from ..base.configload import load_config
+from ..base.configload import LoadedConfig, load_config_explained, tables_of
 from ..base.frontconfig import API_KEY_FORM, FrontSection, api_key_problem
 from ..base.errors import ConfigError, ConfigProblem
 from ..vllm.sleepmode import control_path
-from .core import ApiKey, Instance
+from .core import Instance
+from .routes import ApiKey
 
 # An instance bound to every address is reached on the loopback one.
 _LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}
@@ -30,37 +30,48 @@ class Known:
     # where the machine's memory and ledger are read.
     utilization: float = 0.0
     memory: MemorySection = field(default_factory=MemorySection)
+    # How long its requests are held: front.hold_timeout_s, else what its start may take (startup.ready_timeout_s).
+    hold_timeout_s: float = 900.0
+    # The key its vLLM demands (vllm.api_key), which the front adds: clients use the front's keys, never this one.
+    api_key: str | None = None
 
 
-def _known(name: str, config: Config) -> Known:
+def _known(name: str, config: Config, front: FrontSection) -> Known:
     vllm = config.vllm
     host = _LOOPBACK.get(vllm.host, vllm.host)
     parks = config.on_demand.idle_timeout_s if config.on_demand else None
     control = control_path(config.daemon.state_file) if parks is not None else None
     return Known(
         Instance(name, tuple(vllm.served_names), host, vllm.port), config.daemon.state_file, parks, control,
-        vllm.gpu_memory_utilization, config.memory,
+        vllm.gpu_memory_utilization, config.memory, front.hold_timeout_s or config.startup.ready_timeout_s, vllm.api_key,
     )
 
 
 def discover(front: FrontSection, main: Path) -> list[Known]:
-    """The instances, in name order; a ConfigError for a broken instance config, a model served twice, or an
-    instance on the front's own port (the front owns the public address: the instance moves to an internal one)."""
-    found: list[tuple[Path, Known]] = []
-    if main.exists() and "vllm" in read_toml(main)[0]:
-        found.append((main, _known("gb10d", load_config(main))))
+    """The instances, in name order; a ConfigError for broken instance configs (all of them), a model served twice, or
+    an instance on the front's own port (the front owns the public address: the instance moves to an internal one)."""
+    named = [("gb10d", main)] if main.exists() and "vllm" in tables_of(main) else []
     if front.instances_dir.is_dir():
-        for path in sorted(front.instances_dir.glob("*.toml")):
-            found.append((path, _known(path.stem, load_config(path))))
+        named += [(path.stem, path) for path in sorted(front.instances_dir.glob("*.toml"))]
+    found: list[tuple[LoadedConfig, Known]] = []
     problems: list[ConfigProblem] = []
+    for name, path in named:
+        try:
+            loaded = load_config_explained(path)
+        except ConfigError as exc:
+            problems += exc.problems  # every broken instance config is told at once, each with its own file and line
+            continue
+        found.append((loaded, _known(name, loaded.config, front)))
     owner: dict[str, str] = {}
     _, front_port = front.address
-    for path, known in found:
+    for loaded, known in found:
         if known.instance.port == front_port:
-            problems.append(ConfigProblem(str(path), "vllm.port", f"is {front_port}, the front's own port (front.listen): give this instance an internal port such as {8100 + len(owner)}"))
+            problems.append(loaded.problem("vllm.port", f"is {front_port}, the front's own port (front.listen): give this instance an internal port such as {8100 + len(owner)}"))
+        # Without served_model_name the model's own name is served.
+        named_by = "vllm.served_model_name" if loaded.config.vllm.served_model_name is not None else "vllm.model"
         for model in known.instance.models:
             if model in owner:
-                problems.append(ConfigProblem(str(path), "vllm.served_model_name", f"serves {model!r}, which instance {owner[model]} serves too: each model name must be unique"))
+                problems.append(loaded.problem(named_by, f"serves {model!r}, which instance {owner[model]} serves too: each model name must be unique"))
             owner.setdefault(model, known.instance.name)
     if problems:
         raise ConfigError(problems)

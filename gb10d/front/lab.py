@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +14,16 @@ from ..daemon.lab import DEADLINE_S, LineReader, clean_env, kill_group
 class FrontChild:
     """`gb10d --config CONFIG front` in a session of its own, its journal lines read as they come."""
 
-    def __init__(self, config: Path) -> None:
+    def __init__(self, config: Path, nofile: int | None = None) -> None:
+        """`nofile`: the front's open-file limit, soft and hard (as a unit's LimitNOFILE= sets it)."""
+
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gb10d", "--config", str(config), "front"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True, preexec_fn=limit,
         )
         assert self.proc.stdout is not None
         self.out = LineReader(self.proc.stdout)
