@@ -519,3 +519,17 @@ def test_container_settings_are_listed_only_for_an_image() -> None:
     assert "container" not in dict(venv.tables())
     assert dict(image.tables())["container"] == image.container
     assert image.container.engine == "auto" and image.container.pull == "missing" and image.container.cache_dir == Path("/var/cache/gb10d")
+
+
+@pytest.mark.parametrize(("body", "shown"), [
+    ('"" = 0\n', '"": unknown key'),
+    ('"a\\nb" = 0\n', '"a\\nb": unknown key'),
+    ('[vllm.env]\n"NAME WITH SPACE" = "x"\n', 'vllm.env."NAME WITH SPACE": is not an environment variable name'),
+])
+def test_a_key_that_is_empty_or_holds_a_space_or_newline_is_named_quoted_on_one_line(tmp_path: Path, vllm_exe: Path, body: str, shown: str) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(GOOD_HEAD.format(exe=vllm_exe) + body)
+    with pytest.raises(ConfigError) as raised:
+        load_config(config)
+    [problem] = [str(p) for p in raised.value.problems]
+    assert shown in problem and "\n" not in problem

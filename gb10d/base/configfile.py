@@ -9,6 +9,7 @@ depends on the default path.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -110,6 +111,18 @@ def locate_key(text: str, dotted: str | tuple[str, ...]) -> int | None:
         if tuple(parts[:length]) in header_lines:
             return header_lines[tuple(parts[:length])]
     return None
+
+
+def dotted_key(parts: tuple[str, ...]) -> str:
+    """A key path as TOML spells it, for messages: bare parts as they are, others quoted (`vllm.env."A B"`, `""`).
+
+    A key that is empty, or holds a space, a dot or a newline, would otherwise vanish from the message, read as two
+    keys, or break the message over two lines.
+    """
+    return ".".join(p if _BARE_KEY.fullmatch(p) else json.dumps(p, ensure_ascii=False) for p in parts)
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _split_dotted(key: str) -> list[str]:
