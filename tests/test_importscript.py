@@ -410,3 +410,9 @@ def test_tilde_without_a_known_owner_is_reported_once_and_not_called_relative() 
     imported = import_script((SCRIPTS / "home-tilde.sh").read_text())
     assert not any("relative to the directory" in w for w in imported.warnings)
     assert imported.warnings == ["line 3: ~ (the home directory of whoever ran the script) is not set in the script; the value was kept as written, replace it"]
+
+
+def test_an_image_or_a_model_from_a_variable_the_script_never_sets_is_a_warning_in_a_docker_run_line() -> None:
+    warnings = import_script("docker run --gpus all $IMAGE --model $MODEL --port 9000\n").warnings
+    assert "line 1: $IMAGE is not set in the script; the value was kept as written, replace it" in warnings
+    assert "line 1: $MODEL is not set in the script; the value was kept as written, replace it" in warnings
