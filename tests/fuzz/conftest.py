@@ -18,5 +18,7 @@ settings.load_profile(PROFILE)
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if "tests/fuzz/" in str(item.fspath).replace("\\", "/"):
+        if "tests/fuzz/" in str(item.fspath):
             item.add_marker(pytest.mark.fuzz)
+            if PROFILE == "long":
+                item.add_marker(pytest.mark.timeout(1800))  # a long run's target takes minutes, past the suite's 300 s
