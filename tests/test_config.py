@@ -533,3 +533,19 @@ def test_a_key_that_is_empty_or_holds_a_space_or_newline_is_named_quoted_on_one_
         load_config(config)
     [problem] = [str(p) for p in raised.value.problems]
     assert shown in problem and "\n" not in problem
+
+
+def test_a_config_saved_with_a_utf8_byte_order_mark_loads(tmp_path: Path, vllm_exe: Path) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_bytes(b"\xef\xbb\xbf" + GOOD_HEAD.format(exe=vllm_exe).encode() + b"port = 9000\n")
+    loaded = load_config_explained(config)
+    assert loaded.config.vllm.port == 9000 and loaded.source_of("vllm.port") == f"{config}:4"
+
+
+@pytest.mark.parametrize(("encoding", "named"), [("utf-16", "UTF-16"), ("utf-32", "UTF-32")])
+def test_a_config_saved_as_utf16_or_utf32_is_named_as_such_with_the_fix(tmp_path: Path, vllm_exe: Path, encoding: str, named: str) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_bytes(GOOD_HEAD.format(exe=vllm_exe).encode(encoding))
+    with pytest.raises(ConfigError) as raised:
+        load_config(config)
+    assert [str(p) for p in raised.value.problems] == [f"{config}:1: is {named} text (it starts with a {named} byte-order mark); save it as UTF-8"]
