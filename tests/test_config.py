@@ -549,3 +549,11 @@ def test_a_config_saved_as_utf16_or_utf32_is_named_as_such_with_the_fix(tmp_path
     with pytest.raises(ConfigError) as raised:
         load_config(config)
     assert [str(p) for p in raised.value.problems] == [f"{config}:1: is {named} text (it starts with a {named} byte-order mark); save it as UTF-8"]
+
+
+def test_an_unknown_key_written_with_an_escape_is_found_on_its_line(tmp_path: Path, vllm_exe: Path) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(GOOD_HEAD.format(exe=vllm_exe) + '"tab\\there" = 1\n')
+    with pytest.raises(ConfigError) as raised:
+        load_config(config)
+    assert [str(p) for p in raised.value.problems] == [f'{config}:4: vllm."tab\\there": unknown key; remove it']

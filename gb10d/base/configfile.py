@@ -139,7 +139,13 @@ def _split_dotted(key: str) -> list[str]:
 
 
 def _unquote(part: str) -> str:
-    if len(part) >= 2 and part[0] == part[-1] and part[0] in "\"'":
+    if len(part) >= 2 and part[0] == part[-1] == '"':
+        # A basic string's escapes (`"\u0014"`, `"a\tb"`) are JSON's, but for TOML's \UXXXXXXXX and \e.
+        try:
+            return str(json.loads(part))
+        except ValueError:
+            return part[1:-1]
+    if len(part) >= 2 and part[0] == part[-1] == "'":
         return part[1:-1]
     return part
 
