@@ -416,3 +416,13 @@ def test_an_image_or_a_model_from_a_variable_the_script_never_sets_is_a_warning_
     warnings = import_script("docker run --gpus all $IMAGE --model $MODEL --port 9000\n").warnings
     assert "line 1: $IMAGE is not set in the script; the value was kept as written, replace it" in warnings
     assert "line 1: $MODEL is not set in the script; the value was kept as written, replace it" in warnings
+
+
+@pytest.mark.parametrize("opener", ["<<EOF", "<<'EOF'", '<< "EOF"', "<<-EOF"])
+def test_the_lines_of_a_here_document_are_data_not_commands(opener: str) -> None:
+    end = "\tEOF" if opener.startswith("<<-") else "EOF"
+    script = f"cat {opener} > /etc/x.json\n{{\"a\": \"it's\"}}\nvllm serve fake/model\n{end}\n/opt/v/bin/vllm serve real/model --port 9000 &\n"
+    imported = import_script(script)
+    assert imported.data["vllm"]["model"] == "real/model"
+    assert imported.warnings == []
+    assert "line 5: & not needed: systemd runs gb10d in the background, and systemctl start gb10d returns once vLLM serves" in imported.notes
