@@ -426,3 +426,9 @@ def test_the_lines_of_a_here_document_are_data_not_commands(opener: str) -> None
     assert imported.data["vllm"]["model"] == "real/model"
     assert imported.warnings == []
     assert "line 5: & not needed: systemd runs gb10d in the background, and systemctl start gb10d returns once vLLM serves" in imported.notes
+
+
+def test_a_value_check_config_would_refuse_is_a_warning_in_the_imported_file() -> None:
+    text = render(import_script('/opt/v/bin/vllm serve m --host "a b"\n'), "start.sh")
+    assert "# warning: as written, check-config refuses vllm.host: must be an address such as \"0.0.0.0\" or \"127.0.0.1\" (got 'a b')" in text
+    assert "refuses" not in render(import_script("/opt/v/bin/vllm serve m --host 127.0.0.1\n"), "start.sh")

@@ -47,7 +47,9 @@ _OTHER_LINES = ["set -euo pipefail", "source ~/venv/bin/activate", ". /opt/venv/
                 "case $1 in a) MODEL=x;; esac", "{ echo a; echo b; } > f", "( cd /tmp && ls )", "echo \"unterminated", "echo 'also", "x=$((1+2))",
                 "arr=(a b c)", "echo ${arr[@]}", "echo ${#MODEL}", "echo ${MODEL/Qwen/qwen}", "[[ -f x ]] && echo y", "cat <<'JSON' > c.json",
                 "docker compose up -d", "docker stop vllm", "docker rm -f vllm"]
-_HEREDOC_BODIES = ['{"a": 1}', "vllm serve other/model --port 9", "it's \"quoted", "$(rm -rf /)", "EOF", "  indented"]
+# A model no command of the grammar names: only a here-document's body has it.
+_DECOY = "decoy/model-in-a-here-document"
+_HEREDOC_BODIES = ['{"a": 1}', f"vllm serve {_DECOY} --port 9", "it's \"quoted", "$(rm -rf /)", " EOF", "EOF2", "  indented"]
 
 
 def _quoted(word: str, how: int) -> str:
@@ -155,6 +157,7 @@ def _assert_validates_or_warns(raw: bytes) -> None:
         assert not out and err and all(line.startswith("gb10d: ") for line in err.splitlines()), err
         return
     data = tomllib.loads(out)  # what import-script writes is TOML, whatever it read
+    assert data.get("vllm", {}).get("model") != _DECOY, "a here-document's line was read as the script's command"
     warnings = [line for line in out.splitlines() if line.startswith("# warning: ")]
     try:
         parse_config(data)
