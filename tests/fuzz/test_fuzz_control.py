@@ -75,7 +75,7 @@ async def _scenario(path: Path, clients: list[Client]) -> tuple[list[bytes | Non
 
 
 @given(clients=st.lists(_CLIENTS, min_size=1, max_size=24))
-@budget(ci=60, long=4000)
+@budget(ci=60, long=2000)
 def test_any_bytes_get_an_answer_or_a_close_and_the_next_park_is_served(clients: list[Client]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         answers, served, posted, failures = asyncio.run(_scenario(Path(tmp) / "state.sock", clients))

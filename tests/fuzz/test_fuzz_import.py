@@ -175,19 +175,19 @@ def _assert_validates_or_warns(raw: bytes) -> None:
 
 
 @given(script=scripts())
-@budget(ci=120, long=30000)
+@budget(ci=100, long=4000)
 def test_import_script_of_a_start_script_gives_a_valid_config_or_warns(script: str) -> None:
     _assert_validates_or_warns(script.encode())
 
 
 @given(text=compose_files())
-@budget(ci=50, long=8000)
+@budget(ci=50, long=3000)
 def test_import_script_of_a_compose_file_gives_a_valid_config_or_warns(text: str) -> None:
     _assert_validates_or_warns(text.encode())
 
 
 @given(raw=scripts().map(str.encode).flatmap(mutated_bytes))
-@budget(ci=60, long=15000)
+@budget(ci=60, long=2000)
 def test_import_script_of_a_damaged_script_gives_a_valid_config_or_warns_or_exit_78(raw: bytes) -> None:
     _assert_validates_or_warns(raw)
 

@@ -25,6 +25,7 @@ from gb10d.vllm.logparse import BarCollapser, Classifier, EventScanner, Line, Li
 CORPUS = sorted((Path(__file__).parent.parent / "corpus").glob("*.log"))
 _MIN_UTILIZATION = MemorySection().min_gpu_memory_utilization
 # Every utilization an advice names: "gpu_memory_utilization 0.85", "gpu_memory_utilization = 0.85", "at 0.85 vLLM gets".
+_NUMBER = re.compile(rb"\d+(?:\.\d+)?")
 _ADVISED = re.compile(r"gpu_memory_utilization(?: =)? (\d+(?:\.\d+)?)\b|\bat (\d+(?:\.\d+)?) vLLM gets")
 
 
@@ -54,7 +55,16 @@ def logs(draw: st.DrawFn) -> bytes:
             lines[at] = lines[at] + draw(JUNK) + draw(st.binary(max_size=32))
         elif at + 1 < len(lines):
             lines[at : at + 2] = [lines[at] + lines[at + 1]]  # a lost newline
-    return draw(mutated_bytes(b"\n".join(lines), max_mutations=2))
+    raw = b"\n".join(lines)
+    numbers = list(_NUMBER.finditer(raw))
+    for _ in range(draw(st.integers(0, 4)) if numbers else 0):
+        # The numbers are what the advice is computed from: memory sizes, utilizations, lengths, ports.
+        found = draw(st.sampled_from(numbers))
+        value = draw(st.sampled_from([b"0", b"0.0", b"1", b"1.0", b"0.99", b"0.3", b"0.29", b"0.05", b"1.5", b"-1", b"nan", b"inf",
+                                      b"1e308", b"99999999999999999999", b"0.0001"]))
+        raw = raw[: found.start()] + value + raw[found.end() :]
+        numbers = list(_NUMBER.finditer(raw))
+    return draw(mutated_bytes(raw, max_mutations=2))
 
 
 def _daemon_read(raw: bytes, cuts: list[int]) -> tuple[list[Line], list[Event]]:
@@ -75,7 +85,7 @@ def _daemon_read(raw: bytes, cuts: list[int]) -> tuple[list[Line], list[Event]]:
 
 
 @given(raw=logs(), data=st.data())
-@budget(ci=100, long=10000)
+@budget(ci=80, long=2000)
 def test_the_daemon_reads_any_output_the_same_whatever_the_read_sizes(raw: bytes, data: st.DataObject) -> None:
     cuts = data.draw(st.lists(st.integers(0, len(raw)), max_size=12))
     whole_lines, whole_events = _daemon_read(raw, [])
@@ -102,13 +112,13 @@ def _assert_sound(raw: bytes) -> None:
 
 
 @given(raw=logs())
-@budget(ci=100, long=10000)
+@budget(ci=80, long=2000)
 def test_diagnose_of_a_damaged_log_gives_a_known_verdict_and_advises_utilizations_in_range(raw: bytes) -> None:
     _assert_sound(raw)
 
 
 @given(raw=st.binary(max_size=2048) | st.text(max_size=500).map(str.encode))
-@budget(ci=100, long=10000)
+@budget(ci=100, long=5000)
 def test_diagnose_of_bytes_that_are_no_log_gives_a_known_verdict(raw: bytes) -> None:
     _assert_sound(raw)
 
