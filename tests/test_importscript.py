@@ -432,3 +432,9 @@ def test_a_value_check_config_would_refuse_is_a_warning_in_the_imported_file() -
     text = render(import_script('/opt/v/bin/vllm serve m --host "a b"\n'), "start.sh")
     assert "# warning: as written, check-config refuses vllm.host: must be an address such as \"0.0.0.0\" or \"127.0.0.1\" (got 'a b')" in text
     assert "refuses" not in render(import_script("/opt/v/bin/vllm serve m --host 127.0.0.1\n"), "start.sh")
+
+
+def test_a_warning_that_quotes_a_newline_stays_one_comment_line_and_the_file_stays_toml() -> None:
+    text = render(import_script("docker run h 'quotes and $VARS\n"), "start.sh")
+    assert "# warning: line 1: 'quotes and $VARS\\n cannot be evaluated without running it" in text
+    assert tomllib.loads(text)["vllm"]["image"] == "h"

@@ -113,9 +113,14 @@ def render(imported: Imported, shown: str) -> str:
     warnings = imported.warnings + refusals(imported.data)
     if imported.notes or warnings:
         header.append("#")
-    header += [f"# note: {n}" for n in imported.notes]
-    header += [f"# warning: {w}" for w in warnings]
+    # A note may quote the script's text, newlines and all: each stays one comment line, or the TOML below breaks.
+    header += [f"# note: {_one_line(n)}" for n in imported.notes]
+    header += [f"# warning: {_one_line(w)}" for w in warnings]
     return "\n".join(header) + "\n\n" + tomli_w.dumps(imported.data)
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def refusals(data: dict[str, Any]) -> list[str]:

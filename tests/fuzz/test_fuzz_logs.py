@@ -57,7 +57,9 @@ def logs(draw: st.DrawFn) -> bytes:
             lines[at : at + 2] = [lines[at] + lines[at + 1]]  # a lost newline
     raw = b"\n".join(lines)
     numbers = list(_NUMBER.finditer(raw))
-    for _ in range(draw(st.integers(0, 4)) if numbers else 0):
+    for _ in range(draw(st.integers(0, 4))):
+        if not numbers:
+            break
         # The numbers are what the advice is computed from: memory sizes, utilizations, lengths, ports.
         found = draw(st.sampled_from(numbers))
         value = draw(st.sampled_from([b"0", b"0.0", b"1", b"1.0", b"0.99", b"0.3", b"0.29", b"0.05", b"1.5", b"-1", b"nan", b"inf",
