@@ -60,7 +60,8 @@ def _toml_value(value: Any) -> str:
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    return json.dumps(value, ensure_ascii=False)
+    # A string, or a value TOML writes as one (the cluster's head_address is an IPv4Address).
+    return json.dumps(value if isinstance(value, str) else str(value), ensure_ascii=False)
 
 
 def _explain(loaded: LoadedConfig | LoadedFront, prefix: str | tuple[str, ...] = "") -> None:
