@@ -243,8 +243,8 @@ def make_room(wanted: Slot, others: Sequence[Slot], room_bytes: int, total_bytes
     does not fit now waits while another parks, or makes the least recently used idle on-demand model park, one at
     a time until it fits; it waits (bounded by front.hold_timeout_s) when every such model is busy."""
     need = _gib(wanted.need_bytes)
-    if wanted.asleep:
-        return StartIt("a wake from sleep checks its own memory (on_demand.wake_margin_gib)")
+    # A model asleep gave back nearly its whole share (all but its CUDA context), and its wake takes it again: it is
+    # made room for as a stopped one is, by parking another; its wake still checks its own memory.
     room_bytes -= sum(o.need_bytes for o in others if o.waking)
     if wanted.need_bytes <= room_bytes:
         return StartIt(f"it needs {need} GiB, {_gib(room_bytes)} GiB is free")
@@ -265,6 +265,9 @@ def make_room(wanted: Slot, others: Sequence[Slot], room_bytes: int, total_bytes
     if parking:
         return AwaitRoom(f"{short}; waiting for the memory of {', '.join(parking)}, which parks")
     idle = [o for o in running if o.on_demand and o.serving and not o.busy]
+    if not idle and wanted.asleep:
+        # Nothing of gb10d's to park: its wake checks its own memory, and starts vLLM cold when it is short.
+        return StartIt("a wake from sleep checks its own memory (on_demand.wake_margin_gib)")
     if not idle:
         # What neither gb10d's models nor free memory account for is other programs' (MemAvailable counts it).
         others_bytes = total_bytes - max(room_bytes, 0) - sum(o.need_bytes for o in running)
