@@ -174,7 +174,8 @@ def cmd_service_user(args: argparse.Namespace) -> int:
     import pwd
 
     from ..machine.access import group_name
-    from ..machine.service import SYSTEM_USER, dropin_dir, install_user_dropin, systemd_running, unit_for_config, user_dropin
+    from ..machine.service import dropin_dir, install_user_dropin, systemd_running, unit_for_config, user_dropin
+    from ..base.instance import SYSTEM_USER
 
     unit = args.unit or unit_for_config(_config_path(args))
     try:
@@ -248,7 +249,7 @@ def _print_container_command(loaded: LoadedConfig, argv: list[str], with_env: bo
 
 def _print_ray_command(cluster: ClusterSection, vllm: VllmSection) -> dict[str, str]:
     """Print this machine's `ray start` with its interface variables (which interface and why to stderr); those variables."""
-    from ..launch.interfaces import find
+    from ..launch.netifs import find
 
     choice = find(cluster.role, cluster.head_address, cluster.interface)
     print(f"gb10d: cluster {cluster.role}: using {choice.interface.name} ({choice.address}) because {choice.reason}", file=sys.stderr)
@@ -289,7 +290,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
     from ..launch.container import ContainerLauncher
     from ..launch.engine import choose_engine
-    from ..core.statefile import read_state
+    from ..machine.statefile import read_state
     from ..daemon.status import pid_alive
 
     path = _config_path(args).absolute()
@@ -383,14 +384,15 @@ def cmd_forget(args: argparse.Namespace) -> int:
 def _forget_candidate(learned_file: Path) -> int:
     """Re-arm the rejected candidate program: the operator fixed it, so the config may run it again."""
     from ..core import programs
+    from ..machine import programsfile
 
     path = programs.programs_file(learned_file)
-    record = programs.load(path)
+    record = programsfile.load(path)
     if record.rejected is None:
         print(f"no candidate was rejected ({path} names none)")
         return EXIT_OK
     try:
-        programs.save(path, programs.forget_candidate(record))
+        programsfile.save(path, programs.forget_candidate(record))
     except OSError as exc:
         raise Gb10dError(f"cannot change {path}: {exc.strerror or exc}; run as root or as the gb10d user") from None
     print(f"forgot the rejection of {record.rejected.program.describe()} ({record.rejected.failure}); "

@@ -1,22 +1,19 @@
-"""GB10 unified-memory arithmetic, and the two bits of I/O it needs.
+"""GB10 unified-memory arithmetic.
 
 On GB10 the GPU has no memory of its own: vLLM's startup check compares
 `gpu_memory_utilization * total` with CUDA's free memory, which equals the
 kernel's MemFree, so the page cache (often the model files themselves)
 counts as used. The pure functions here decide whether a utilization fits,
 what the next one should be, and whether memory came back after vLLM
-exited; `read_meminfo` and `evict_page_cache` are the only I/O.
+exited, from figures already read: `gb10d.machine.memory` reads them and
+evicts the page cache.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterable, Mapping
 
-from ..base.hfcache import hub_cache, repo_folder
 
 GIB = 1024**3
 
@@ -106,11 +103,6 @@ def parse_meminfo(text: str) -> MemInfo:
         available=fields["MemAvailable"],
         cached=fields.get("Cached", 0),
     )
-
-
-def read_meminfo(path: Path) -> MemInfo:
-    """Read and parse a meminfo file (the real /proc/meminfo, or a test's file)."""
-    return parse_meminfo(path.read_text(encoding="ascii", errors="replace"))
 
 
 def floor2(value: float) -> float:
@@ -272,42 +264,3 @@ def memory_return(
     if waited_s < timeout_s:
         return False
     return MemoryNotReturned(now, baseline, taken, expected.available - now.available)
-
-
-def safetensors_files(model: str, env: Mapping[str, str]) -> list[Path]:
-    """The model's *.safetensors files: a local directory, or its Hugging Face cache snapshot.
-
-    Empty where this process may not look (a home of mode 0750 seen by the
-    service user): the path checks say what is in the way, with the fix.
-    """
-    try:
-        local = Path(model).expanduser()
-        if local.is_dir():
-            return sorted(local.glob("*.safetensors"))
-        hub = hub_cache(env, env.get("HOME") or os.path.expanduser("~"))
-        repo = Path(hub) / repo_folder(model) / "snapshots"
-        return sorted(repo.glob("*/*.safetensors")) if repo.is_dir() else []
-    except OSError:
-        return []
-
-
-def evict_page_cache(files: Iterable[Path]) -> int:
-    """Drop the page cache of `files` with posix_fadvise(DONTNEED); returns the bytes covered.
-
-    Unprivileged and targeted, unlike drop_caches: only the model's own pages
-    go, and only while nothing maps them (gb10d calls this before launching).
-    """
-    covered = 0
-    for path in files:
-        try:
-            fd = os.open(path.resolve(), os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            covered += os.fstat(fd).st_size
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return covered

@@ -26,16 +26,16 @@ from ..core.budget import Admit, Refuse, Reservation, Stage
 from ..base.command import Tunables, model_on_host
 from ..base.config import Config
 from ..machine.devices import check_gpu_access
-from ..core.host import HostFacts, read_host_facts, warnings
+from ..core.host import HostFacts, warnings
+from ..machine.host import read_host_facts
 from ..base.errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, GiveUp
 from .keeper import ConfigKeeper
 from ..machine.ledger import Booking
 from ..base.levels import PRIORITY_INFO, PRIORITY_WARNING
 from ..core.lifecycle import start_time_asked
-from ..core.modelfit import share_warning_for
-from ..core.memory import (
-    MemInfo, MemoryNotReturned, PreflightRefused, evict_page_cache, memory_return, parse_buddyinfo, preflight, read_meminfo, safetensors_files,
-)
+from ..machine.memory import share_warning_for
+from ..core.memory import MemInfo, MemoryNotReturned, PreflightRefused, memory_return, parse_buddyinfo, preflight
+from ..machine.memory import evict_page_cache, read_meminfo, safetensors_files
 from ..machine.procs import processes
 from ..machine.service import unit_name
 from .reporter import Reporter

@@ -28,9 +28,12 @@ from ..base.configload import load_config, load_front, tables_of
 from ..base.frontconfig import FrontSection
 from ..base.errors import Gb10dError
 from ..machine.ledger import read_ledger
-from ..core.memory import MemInfo, read_meminfo
+from ..core.memory import MemInfo
+from ..machine.memory import read_meminfo
 from ..core.programs import Programs
-from ..core.statefile import StateRecord, read_state
+from ..machine import programsfile
+from ..core.statefile import StateRecord
+from ..machine.statefile import read_state
 
 EXIT_RUNNING = 0
 EXIT_NOT_RUNNING = 3
@@ -180,7 +183,7 @@ def _header(state: StateRecord | None, alive: bool, now: float) -> str:
 
 def programs_of(config: Config | None) -> Programs:
     """The record of vLLM programs beside the config's learned settings; empty without a config."""
-    return programs.load(programs.programs_file(config.daemon.learned_file)) if config is not None else programs.NONE
+    return programsfile.load(programs.programs_file(config.daemon.learned_file)) if config is not None else programs.NONE
 
 
 def _program_rows(record: Programs) -> list[tuple[str, str | None]]:

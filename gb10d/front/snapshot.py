@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.statefile import write_atomically
+from ..machine.files import write_atomically
 from ..daemon.status import duration
 
 
