@@ -17,7 +17,7 @@ from gb10d.core.budget import Reservation, Stage
 from gb10d.core.memory import GIB, MemInfo
 from gb10d.core.statefile import DaemonState, StateRecord
 from gb10d.machine.statefile import write_state
-from gb10d.daemon.status import render, render_all
+from gb10d.cmdline.status import render, render_all
 
 from harness import meminfo_text
 

@@ -291,7 +291,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     from ..launch.container import ContainerLauncher
     from ..launch.engine import choose_engine
     from ..machine.statefile import read_state
-    from ..daemon.status import pid_alive
+    from ..machine.procs import pid_alive
 
     path = _config_path(args).absolute()
     if front_only(path):
@@ -321,7 +321,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     front, then its queues), after one line saying so: that is what the operator who asks for the status of the
     machine's main config wants to see, where "not running" would be false and a pointer to --all one more command.
     """
-    from ..daemon.status import front_state_file, programs_of, show_all, show_status, state_file_path, status_config
+    from .status import front_state_file, programs_of, show_all, show_status, state_file_path, status_config
 
     named = bool(getattr(args, "config", None) or os.environ.get(CONFIG_ENV))
     if args.state_file and not args.all:
@@ -341,7 +341,7 @@ def _status_of_front(args: argparse.Namespace, named: bool) -> int:
     """`gb10d status [--all]` of the front's own config: every instance (the ledger, else the instances' own state
     files), then the front's queues or that it does not run."""
     from ..base.configload import load_front
-    from ..daemon.status import StateFiles, show_all
+    from .status import StateFiles, show_all
     from ..front.instances import discover
 
     path = _config_path(args)

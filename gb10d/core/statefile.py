@@ -192,6 +192,17 @@ class StateRecord:
         )
 
 
+def not_running_reason(state: StateRecord | None, alive: bool) -> str | None:
+    """Why the daemon counts as not running, or None when it runs (its pid lives, no final state)."""
+    if state is None:
+        return "no state file"
+    if not alive:
+        return f"pid {state.pid} has exited" if state.pid is not None else "state file names no pid"
+    if state.state is not None and state.state.final:
+        return f"state is {state.state.value}"
+    return None
+
+
 def _num(data: Mapping[str, Any], key: str) -> float | None:
     value = data.get(key)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..machine.files import write_atomically
-from ..daemon.status import duration
+from ..base.units import duration
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from ..machine.statefile import read_state
-from ..daemon.status import pid_alive
+from ..machine.procs import pid_alive
 from .core import Readiness, readiness_of, reconnect_delay_s
 from .instances import Known
 from .journal import FrontJournal

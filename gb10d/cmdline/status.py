@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -32,7 +31,9 @@ from ..core.memory import MemInfo
 from ..machine.memory import read_meminfo
 from ..core.programs import Programs
 from ..machine import programsfile
-from ..core.statefile import StateRecord
+from ..base.units import duration
+from ..core.statefile import StateRecord, not_running_reason
+from ..machine.procs import pid_alive
 from ..machine.statefile import read_state
 
 EXIT_RUNNING = 0
@@ -82,46 +83,7 @@ def front_state_file(config_path: Path) -> Path | None:
         return FrontSection().state_file
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (owned by anyone)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def not_running_reason(state: StateRecord | None, alive: bool) -> str | None:
-    """Why the daemon counts as not running, or None when it runs (its pid lives, no final state)."""
-    if state is None:
-        return "no state file"
-    if not alive:
-        return f"pid {state.pid} has exited" if state.pid is not None else "state file names no pid"
-    if state.state is not None and state.state.final:
-        return f"state is {state.state.value}"
-    return None
-
-
 # --- rendering ---------------------------------------------------------------
-
-
-def duration(seconds: float) -> str:
-    """A span the way systemd prints it: `3s`, `5min 12s`, `2h 3min`, `4 days 1h`."""
-    s = max(int(seconds), 0)
-    days, s = divmod(s, 86400)
-    hours, s = divmod(s, 3600)
-    minutes, s = divmod(s, 60)
-    if days:
-        return f"{days} day{'s' if days > 1 else ''} {hours}h"
-    if hours:
-        return f"{hours}h {minutes}min"
-    if minutes:
-        return f"{minutes}min {s}s"
-    return f"{s}s"
 
 
 def _when(at: float, now: float) -> str:
@@ -382,7 +344,7 @@ def show_all(
     an instance that runs must never be reported as absent. `states` says
     which: the config's state file (those beside it), or StateFiles.
     """
-    from ..front import snapshot  # the front's module renders with this one's duration()
+    from ..front import snapshot
 
     places = states if isinstance(states, StateFiles) else StateFiles(directory=states.parent)
     if front is None:
