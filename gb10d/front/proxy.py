@@ -112,7 +112,10 @@ class Proxy:
         protocol = request.protocol
         self.busy[protocol] = self.busy.get(protocol, 0) + 1
         try:
-            return await self._handle(request)
+            response = await self._handle(request)
+            if self.drain_deadline is not None:
+                response.force_close()  # the front stops: this connection carries no further request
+            return response
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as exc:  # a defect of the front's own: one line, the client gets 500, the front goes on

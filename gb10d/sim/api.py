@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -82,6 +84,33 @@ class SimHTTPServer(ThreadingHTTPServer):
         self.console = console
         self.engine_dead = False
         self.routes = routes(ROUTES, config.tasks) + (DEV_ROUTES if config.dev_mode else [])
+        # Set when a SIGTERM aborts the engine's requests: an unanswered one is then never answered (vLLM 0.26's
+        # abort mode), and uvicorn waits for its connection to close before the process exits. `unanswered`: the
+        # connections of the plain (not streamed) completions under way, whose answer has not begun.
+        self.aborting = threading.Event()
+        self.unanswered: set[socket.socket] = set()
+        self.unanswered_lock = threading.Lock()
+
+    def wait_for_unanswered(self) -> None:
+        """uvicorn's shutdown: the connections of requests never answered are waited for until their clients
+        close them (a proxy that keeps one open keeps vLLM's process alive until gb10d's SIGKILL)."""
+        with self.unanswered_lock:
+            if self.unanswered:
+                self.console.uvicorn("Waiting for connections to close. (CTRL+C to force quit)")
+        while True:
+            with self.unanswered_lock:
+                left = list(self.unanswered)
+            if not left:
+                return
+            ready, _, _ = select.select(left, [], [], 1.0)
+            for conn in ready:
+                try:
+                    closed = conn.recv(65536, socket.MSG_PEEK) == b""
+                except OSError:
+                    closed = True
+                if closed:
+                    with self.unanswered_lock:
+                        self.unanswered.discard(conn)
 
     def server_bind(self) -> None:  # the socket is already bound
         pass
@@ -281,9 +310,17 @@ class Handler(BaseHTTPRequestHandler):
     def _complete(self, pending: Pending, chat: bool, ident: str, name: str, reason: str, prompt_tokens: int) -> None:
         pieces: list[str] = []
         done = False
+        with self.server.unanswered_lock:
+            self.server.unanswered.add(self.connection)
         for first, count, finished in self.tokens(pending):
             pieces += ["" if pending.empty else token_text(first + i) for i in range(count)]
             done = finished
+        if not done and self.server.aborting.is_set():
+            # Aborted by the shutdown: vLLM never answers it, and its connection stays open until the client leaves.
+            self.close_connection = True
+            threading.Event().wait()
+        with self.server.unanswered_lock:
+            self.server.unanswered.discard(self.connection)
         if not done:
             self.error(500, "InternalServerError", "EngineCore encountered an issue. See stack trace (above) for the root cause.")
             return
