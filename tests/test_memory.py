@@ -147,6 +147,9 @@ def test_safetensors_files_finds_local_and_hub_cache_checkpoints(tmp_path: Path)
     snapshot = tmp_path / "hf" / "hub" / "models--Qwen--Qwen3.6-27B-FP8" / "snapshots" / "abc"
     snapshot.mkdir(parents=True)
     (snapshot / "model.safetensors").write_bytes(b"y")
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc")
     assert len(safetensors_files("Qwen/Qwen3.6-27B-FP8", {"HF_HOME": str(tmp_path / "hf")})) == 1
 
 

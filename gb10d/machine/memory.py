@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping
 
 from ..base.command import model_on_host
 from ..base.config import Config
-from ..base.hfcache import hub_cache, repo_folder
+from ..base.hfcache import cached_snapshot, hub_cache, weight_files
 from ..core.memory import MemInfo, parse_meminfo
 from ..core.modelfit import ModelOnDisk, share_warning
 
@@ -21,7 +21,8 @@ def read_meminfo(path: Path) -> MemInfo:
 
 
 def safetensors_files(model: str, env: Mapping[str, str]) -> list[Path]:
-    """The model's *.safetensors files: a local directory, or its Hugging Face cache snapshot.
+    """The model's *.safetensors files: a local directory, or the snapshot of its Hugging Face cache that
+    refs/main names (the one vLLM loads; other revisions in the cache are not its weights).
 
     Empty where this process may not look (a home of mode 0750 seen by the
     service user): the path checks say what is in the way, with the fix.
@@ -29,12 +30,11 @@ def safetensors_files(model: str, env: Mapping[str, str]) -> list[Path]:
     try:
         local = Path(model).expanduser()
         if local.is_dir():
-            return sorted(local.glob("*.safetensors"))
-        hub = hub_cache(env, env.get("HOME") or os.path.expanduser("~"))
-        repo = Path(hub) / repo_folder(model) / "snapshots"
-        return sorted(repo.glob("*/*.safetensors")) if repo.is_dir() else []
+            return weight_files(local)
     except OSError:
         return []
+    snapshot = cached_snapshot(hub_cache(env, env.get("HOME") or os.path.expanduser("~")), model)
+    return weight_files(snapshot) if snapshot is not None else []
 
 
 def evict_page_cache(files: Iterable[Path]) -> int:
