@@ -47,6 +47,8 @@ def test_the_record_survives_a_round_trip_and_a_damaged_one_is_empty(tmp_path: P
     record = Programs(GOOD, "t0", Rejected(Program("/opt/vllm-new", "venv", None), "crash", "t1"))
     programsfile.save(path, record)
     assert programsfile.load(path) == record
+    assert path.stat().st_mode & 0o777 == 0o644, "readable by the operators gb10d status shows it to"
+    assert [p.name for p in path.parent.iterdir()] == [path.name], "no temporary left beside it"
     path.write_text("[good\n")
     assert programsfile.load(path) == Programs()
 

@@ -6,8 +6,6 @@ What the record means is decided in `gb10d.core.programs`.
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 import tomllib
 from pathlib import Path
 
@@ -15,6 +13,10 @@ import tomli_w
 
 from ..base.config import VllmSection
 from ..core.programs import Program, Programs, as_json, from_toml, program_kind, program_path
+from .files import write_atomically
+
+# Readable by operators, as the learned settings are: `gb10d status` shows it, and nothing in it is secret.
+PROGRAMS_FILE_MODE = 0o644
 
 
 def packages_hash(venv: Path) -> str | None:
@@ -40,14 +42,5 @@ def load(path: Path) -> Programs:
 
 
 def save(path: Path, programs: Programs) -> None:
-    """Replace the record atomically (a temporary file in the same directory, then a rename); raises OSError."""
-    data = as_json(programs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(tomli_w.dumps(data).encode("utf-8"))
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    """Replace the record atomically and durably, as the learned settings beside it are; raises OSError."""
+    write_atomically(path, tomli_w.dumps(as_json(programs)).encode("utf-8"), PROGRAMS_FILE_MODE, sync_directory=True)
