@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from .memory import meminfo_fields
+
 # sm_121a first appeared in the CUDA 12.9 toolkit's ptxas.
 PTXAS_MIN_RELEASE = (12, 9)
 
@@ -102,13 +104,9 @@ def driver_version(text: str) -> str | None:
 
 def cma(meminfo: str) -> tuple[int | None, int | None]:
     """CmaTotal and CmaFree of a /proc/meminfo text, in KiB (None where absent)."""
-    fields: dict[str, int] = {}
-    for line in meminfo.splitlines():
-        name, _, rest = line.partition(":")
-        words = rest.split()
-        if name in ("CmaTotal", "CmaFree") and words and words[0].isdigit():
-            fields[name] = int(words[0])
-    return fields.get("CmaTotal"), fields.get("CmaFree")
+    fields = meminfo_fields(meminfo)
+    total, free = fields.get("CmaTotal"), fields.get("CmaFree")
+    return (total // 1024 if total is not None else None), (free // 1024 if free is not None else None)
 
 
 def ptxas_release(version_output: str) -> tuple[int, int] | None:

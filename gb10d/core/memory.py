@@ -85,8 +85,8 @@ class MemInfoError(ValueError):
     """The meminfo text lacks a field gb10d needs."""
 
 
-def parse_meminfo(text: str) -> MemInfo:
-    """Parse /proc/meminfo text (`MemTotal:  127535208 kB` lines)."""
+def meminfo_fields(text: str) -> dict[str, int]:
+    """Every figure of /proc/meminfo text (`MemTotal:  127535208 kB` lines), in bytes."""
     fields: dict[str, int] = {}
     for line in text.splitlines():
         name, _, rest = line.partition(":")
@@ -94,6 +94,12 @@ def parse_meminfo(text: str) -> MemInfo:
         if parts and parts[0].isdigit():
             scale = 1024 if len(parts) > 1 and parts[1].lower() == "kb" else 1
             fields[name.strip()] = int(parts[0]) * scale
+    return fields
+
+
+def parse_meminfo(text: str) -> MemInfo:
+    """Parse /proc/meminfo text: the figures gb10d decides with; MemInfoError when one is missing."""
+    fields = meminfo_fields(text)
     missing = [k for k in ("MemTotal", "MemFree", "MemAvailable") if k not in fields]
     if missing:
         raise MemInfoError(f"meminfo lacks {', '.join(missing)}")
