@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gb10d.daemon.control import ask
-from gb10d.core.memory import GIB
+from gb10d.base.units import GIB
 from gb10d.machine.memory import read_meminfo
 from gb10d.vllm.sleepmode import control_path
 from gb10d.machine.statefile import read_state

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from gb10d.base.errors import EXIT_CONFIG, EXIT_MEMORY_NOT_RETURNED
-from gb10d.core.memory import GIB
+from gb10d.base.units import GIB
 from gb10d.machine.memory import read_meminfo
 from gb10d.launch.process import group_alive
 from gb10d.sim.memory import adjust

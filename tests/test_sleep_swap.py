@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gb10d.core.memory import GIB
+from gb10d.base.units import GIB
 from gb10d.machine.memory import read_meminfo
 from gb10d.sim.memory import adjust
 from gb10d.machine.statefile import read_state

@@ -14,7 +14,8 @@ import pytest
 import tomli_w
 
 from gb10d.core.budget import Reservation, Stage
-from gb10d.core.memory import GIB, MemInfo
+from gb10d.core.memory import MemInfo
+from gb10d.base.units import GIB
 from gb10d.core.statefile import DaemonState, StateRecord
 from gb10d.machine.statefile import write_state
 from gb10d.cmdline.status import render, render_all

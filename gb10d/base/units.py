@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+GIB = 1 << 30
+
+
+def gib(value: float, places: int = 2) -> str:
+    """A size in bytes as GiB with its unit: `12.34 GiB` (`places` decimals)."""
+    return f"{value / GIB:.{places}f} GiB"
+
 
 def duration(seconds: float) -> str:
     """A span the way systemd prints it: `3s`, `5min 12s`, `2h 3min`, `4 days 1h`."""

@@ -31,7 +31,7 @@ from ..core.memory import MemInfo
 from ..machine.memory import read_meminfo
 from ..core.programs import Programs
 from ..machine import programsfile
-from ..base.units import duration
+from ..base.units import duration, gib
 from ..core.statefile import StateRecord, not_running_reason
 from ..machine.procs import pid_alive
 from ..machine.statefile import read_state
@@ -42,7 +42,6 @@ EXIT_UNKNOWN = 4
 
 DEFAULT_STATE_FILE = Path("/run/gb10d/state.json")
 
-_GIB = 1 << 30
 
 
 def status_config(config_path: Path, named: bool) -> Config | None:
@@ -91,10 +90,6 @@ def _when(at: float, now: float) -> str:
     return f"{stamp}; {duration(now - at)} ago"
 
 
-def _gib(value: int) -> str:
-    return f"{value / _GIB:.1f} GiB"
-
-
 def _phase_line(state: StateRecord) -> str | None:
     progress = state.progress
     # The count matters while loading; afterwards "66/66" only repeats the phase.
@@ -111,8 +106,8 @@ def _memory_line(state: StateRecord, now: float) -> str | None:
         return None
     when = f"{duration(now - state.memory_at)} ago" if state.memory_at is not None else "at an unknown time"
     return (
-        f"{_gib(m.total_bytes)} total, {_gib(m.available_bytes)} available, {_gib(m.free_bytes)} free, "
-        f"{_gib(m.cached_bytes)} page cache (measured {when}, before the attempt started; free -g shows it now)"
+        f"{gib(m.total_bytes, 1)} total, {gib(m.available_bytes, 1)} available, {gib(m.free_bytes, 1)} free, "
+        f"{gib(m.cached_bytes, 1)} page cache (measured {when}, before the attempt started; free -g shows it now)"
     )
 
 
@@ -191,7 +186,7 @@ def render(state: StateRecord | None, now: float, alive: bool, record: Programs 
         rows.append(("Container", f"{state.container} ({state.engine})" if state.engine else state.container))
     rows.append(("Memory", _memory_line(state, now)))
     if state.instance is not None:
-        reserved = f": {_gib(state.reservation_bytes)} reserved" if state.reservation_bytes is not None else ""
+        reserved = f": {gib(state.reservation_bytes, 1)} reserved" if state.reservation_bytes is not None else ""
         rows.append(("Ledger", f"{state.instance}{reserved} in the machine's memory ledger (gb10d status --all shows every instance)"))
     if state.waiting_for:
         rows.append(("Waiting for", ", ".join(state.waiting_for)))
@@ -258,10 +253,6 @@ def show_status(
 # --- every instance of the machine -------------------------------------------------
 
 
-def _gib2(value: int) -> str:
-    return f"{value / _GIB:.2f} GiB"
-
-
 def render_all(records: list[Reservation], mem: MemInfo | None, now: float, directory: Path) -> str:
     """`gb10d status --all`: one line per instance in the order they asked, then what memory is left.
 
@@ -275,8 +266,8 @@ def render_all(records: list[Reservation], mem: MemInfo | None, now: float, dire
             r.name,
             r.stage.value,
             r.phase or "-",
-            _gib2(r.bytes),
-            _gib2(r.real_use) if r.real_use is not None else "-",
+            gib(r.bytes),
+            gib(r.real_use) if r.real_use is not None else "-",
             duration(now - r.since),
             ", ".join(r.waiting_for) if r.stage is Stage.WAITING else "",
         )
@@ -288,9 +279,9 @@ def render_all(records: list[Reservation], mem: MemInfo | None, now: float, dire
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in (header, *rows)]
     if mem is not None:
         starting = budget.pending(records)
-        beside = f"; {_gib2(max(budget.left(records, mem), 0))} left for a start beside the reservations of the starts in progress" if starting else ""
+        beside = f"; {gib(max(budget.left(records, mem), 0))} left for a start beside the reservations of the starts in progress" if starting else ""
         lines.append(
-            f"Memory: {_gib2(mem.total)} total, {_gib2(mem.available)} available, {_gib2(mem.free)} free{beside}"
+            f"Memory: {gib(mem.total)} total, {gib(mem.available)} available, {gib(mem.free)} free{beside}"
         )
     return "\n".join(lines) + "\n"
 

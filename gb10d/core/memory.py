@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..base.units import GIB, gib
 
-GIB = 1024**3
+
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Neighbours:
 
     def less(self) -> str:
         """` less 49.68 GiB reserved by the starts of gb10d@a`, or nothing."""
-        return f" less {self.reserved / GIB:.2f} GiB reserved by the starts of {self.reserved_by}" if self.reserved else ""
+        return f" less {gib(self.reserved)} reserved by the starts of {self.reserved_by}" if self.reserved else ""
 
     def beside(self) -> str:
         """`; other gb10d instances here: gb10d@a (...)`, or nothing."""
@@ -210,7 +211,7 @@ class Fragmentation:
 
     def describe(self) -> str:
         return (
-            f"unified memory is fragmented: {self.free / GIB:.2f} GiB free, but only {self.large / GIB:.2f} GiB of it in blocks "
+            f"unified memory is fragmented: {gib(self.free)} free, but only {gib(self.large)} of it in blocks "
             f"of {LARGE_BLOCK // 2**20} MiB or more (/proc/buddyinfo); after long uptimes loads stall or fail like this until "
             "a reboot: reboot recommended"
         )
@@ -248,10 +249,10 @@ class MemoryNotReturned:
     missing: int
 
     def describe(self) -> str:
-        others = f", less {self.taken / GIB:.2f} GiB other gb10d instances' starts took meanwhile" if self.taken else ""
+        others = f", less {gib(self.taken)} other gb10d instances' starts took meanwhile" if self.taken else ""
         return (
             f"memory was not returned after vLLM exited: MemAvailable is {self.now.available_gib:.2f} GiB, "
-            f"was {self.baseline.available_gib:.2f} GiB before it started{others} ({self.missing / GIB:.2f} GiB missing) "
+            f"was {self.baseline.available_gib:.2f} GiB before it started{others} ({gib(self.missing)} missing) "
             "and no vLLM process is left"
         )
 

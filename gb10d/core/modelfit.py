@@ -18,8 +18,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..base.units import gib
 
-GIB = 1 << 30
+
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
@@ -83,12 +84,12 @@ def share_warning(model: ModelOnDisk, utilization: float, total_bytes: int, leng
     if model.weights == 0 or model.weights + kv <= share:
         return None
     need = model.weights + kv
-    said_kv = f" plus the KV cache of one {length}-token sequence ({kv / GIB:.2f} GiB)" if kv else ""
+    said_kv = f" plus the KV cache of one {length}-token sequence ({gib(kv)})" if kv else ""
     fixes = [f"raise vllm.gpu_memory_utilization to at least {math.ceil(need / total_bytes * 100) / 100:g}"] if need < total_bytes else []
     if kv and model.weights < share and per_token:
         fixes.append(f"lower max_model_len to at most {int((share - model.weights) // per_token)}")
     return (
-        f"the share of {utilization:g} ({share / GIB:.2f} GiB of {total_bytes / GIB:.2f} GiB) cannot hold the weights "
-        f"({model.weights / GIB:.2f} GiB on disk){said_kv}: {need / GIB:.2f} GiB; vLLM would load for minutes and then exit "
+        f"the share of {utilization:g} ({gib(share)} of {gib(total_bytes)}) cannot hold the weights "
+        f"({gib(model.weights)} on disk){said_kv}: {gib(need)}; vLLM would load for minutes and then exit "
         f"with no_kv_memory" + (f"; {' or '.join(fixes)}" if fixes else "; the model does not fit this machine")
     )

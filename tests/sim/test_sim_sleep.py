@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from gb10d.core.memory import GIB
+from gb10d.base.units import GIB
 from gb10d.machine.memory import read_meminfo
 from gb10d.sim.memory import adjust
 from sim_support import Reply, http
