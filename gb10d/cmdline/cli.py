@@ -21,7 +21,7 @@ from ..base.command import REDACTED, build_argv, container_argv, env_additions, 
 from ..base.config import ClusterSection, MemorySection, VllmSection
 from ..base.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH, default_config_path, dropin_dir_for
 from ..base.configload import LoadedConfig, LoadedFront, front_only, load_config_explained
-from ..base.errors import EXIT_OK, ConfigError, ConfigProblem, Gb10dError, UsageError
+from ..base.errors import EXIT_INTERRUPTED, EXIT_NO_INPUT, EXIT_OK, EXIT_USAGE, ConfigError, ConfigProblem, Gb10dError, UsageError
 from ..base.frontconfig import FrontSection, open_to_everyone
 from ..base.instance import INSTANCE_DIR
 from ..machine.journal import connected_to_journal
@@ -303,7 +303,13 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         raise Gb10dError(f"{path} does not load, so no container of it is removed; gb10d check-config says what to fix") from None
     if config.vllm.image is None:
         return EXIT_OK
-    state = read_state(config.daemon.state_file)
+    try:
+        state = read_state(config.daemon.state_file)
+    except OSError as exc:
+        raise Gb10dError(
+            f"cannot read the state file {config.daemon.state_file} ({exc.strerror or exc}), so whether gb10d runs with {path} "
+            "is unknown and no container of it is removed; run as root or as the gb10d user"
+        ) from None
     if state is not None and state.pid is not None and state.state is not None and not state.state.final and pid_alive(state.pid):
         raise Gb10dError(f"gb10d (pid {state.pid}) is running with {path} and its container is in use; stop it first (systemctl stop gb10d)")
     engine, problem = choose_engine(config.container)
@@ -428,12 +434,12 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     if args.stall_timeout <= 0:
         print(f"gb10d: --stall-timeout must be > 0 seconds (got {args.stall_timeout:g})", file=sys.stderr)
-        return 64  # EX_USAGE
+        return EXIT_USAGE
     try:
         raw = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
     except OSError as exc:
         print(f"gb10d: cannot read {args.file}: {exc.strerror or exc}", file=sys.stderr)
-        return 66  # EX_NOINPUT
+        return EXIT_NO_INPUT
     result = diagnose(raw.decode("utf-8", "replace"), args.stall_timeout)
     sys.stdout.write(json.dumps(result.to_json()) + "\n" if args.json else result.render())
     return EXIT_OK
@@ -653,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report(exc, args)
         return exc.exit_status
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from ..core.budget import Reservation, Stage
 from ..base.config import Config, MemorySection
 from ..base.configload import load_config, load_front, tables_of
 from ..base.frontconfig import FrontSection
-from ..base.errors import Gb10dError
+from ..base.errors import EXIT_NOT_RUNNING, EXIT_OK, EXIT_STATUS_UNKNOWN, Gb10dError
 from ..machine.ledger import read_ledger
 from ..core.memory import MemInfo
 from ..machine.memory import read_meminfo
@@ -36,9 +36,6 @@ from ..core.statefile import StateRecord, not_running_reason
 from ..machine.procs import pid_alive
 from ..machine.statefile import read_state
 
-EXIT_RUNNING = 0
-EXIT_NOT_RUNNING = 3
-EXIT_UNKNOWN = 4
 
 DEFAULT_STATE_FILE = Path("/run/gb10d/state.json")
 
@@ -222,7 +219,7 @@ def as_json(state: StateRecord | None, path: Path, alive: bool) -> dict[str, Any
 # --- the command ----------------------------------------------------------------
 
 
-def _cannot(message: str, where: dict[str, str | None], json_output: bool, out: TextIO, err: TextIO, status: int = EXIT_UNKNOWN) -> int:
+def _cannot(message: str, where: dict[str, str | None], json_output: bool, out: TextIO, err: TextIO, status: int = EXIT_STATUS_UNKNOWN) -> int:
     """No status to show: one JSON object saying why (running unknown), or one `gb10d:` line on stderr."""
     if json_output:
         out.write(json.dumps({"running": None, **where, "error": message}) + "\n")
@@ -247,7 +244,7 @@ def show_status(
         out.write(json.dumps(shown, indent=2, sort_keys=True) + "\n")
     else:
         out.write(render(state, time.time(), alive, record))
-    return EXIT_RUNNING if not_running_reason(state, alive) is None else EXIT_NOT_RUNNING
+    return EXIT_OK if not_running_reason(state, alive) is None else EXIT_NOT_RUNNING
 
 
 # --- every instance of the machine -------------------------------------------------
@@ -385,7 +382,7 @@ def _show_instances(memory: MemorySection, places: StateFiles, json_output: bool
         out.write(json.dumps(all_as_json(records, mem, now, directory), indent=2, sort_keys=True) + "\n")
     else:
         out.write(render_all(records, mem, now, directory))
-    return EXIT_RUNNING if records else EXIT_NOT_RUNNING
+    return EXIT_OK if records else EXIT_NOT_RUNNING
 
 
 def _running_states(places: StateFiles) -> list[tuple[Path, StateRecord]]:
@@ -421,7 +418,7 @@ def _print_state_files(why: str, places: StateFiles, found: list[tuple[Path, Sta
         out.write(json.dumps(answer, indent=2, sort_keys=True) + "\n")
     else:
         out.write(render_state_files(why, places, found))
-    return EXIT_RUNNING if found else EXIT_NOT_RUNNING
+    return EXIT_OK if found else EXIT_NOT_RUNNING
 
 
 def show_state_files(why: str, places: StateFiles, json_output: bool, out: TextIO, err: TextIO) -> int:

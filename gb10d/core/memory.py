@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..base.errors import MemInfoError
 from ..base.units import GIB, gib
 
 
@@ -80,10 +81,6 @@ class Neighbours:
 
 # No other instance: a single gb10d on the machine, or a decision that does not concern them.
 ALONE = Neighbours()
-
-
-class MemInfoError(ValueError):
-    """The meminfo text lacks a field gb10d needs."""
 
 
 def meminfo_fields(text: str) -> dict[str, int]:
