@@ -1,7 +1,7 @@
 """`python -m bench`: run the benchmarks, write results JSON and Markdown tables, enforce the quick bounds.
 
 The full run (all six items of issue 7, item 7: vLLM in a container next
-to the venv, the front beside nginx and a model swap; about 20 minutes)
+to the venv, the front beside nginx and a model swap; about 17 minutes)
 writes `bench/results/latest.json` and `latest.md`; `--only front` or
 `--only swap` runs one item (as `python -m bench.front` and `bench.swap`,
 which keep their own results files). `--quick` (under 2 minutes:

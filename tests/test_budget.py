@@ -193,6 +193,11 @@ def test_a_record_survives_its_json_and_a_record_of_another_version_is_read_for_
         ([record("gb10d@a", Stage.SERVING)], [record("gb10d@a", Stage.RESTARTING, pid=999)], SHARE_04),
         # Waiters and those that left hold nothing now.
         ([record("gb10d@a", Stage.SERVING)], [record("gb10d@d", Stage.WAITING)], 0),
+        # Asleep at both ends, or fallen asleep since: it took nothing (a sleep gives memory back).
+        ([record("gb10d@a", Stage.ASLEEP)], [record("gb10d@a", Stage.ASLEEP)], 0),
+        ([record("gb10d@a", Stage.SERVING)], [record("gb10d@a", Stage.ASLEEP)], 0),
+        # Woken since: the wake took its memory back out of MemAvailable.
+        ([record("gb10d@a", Stage.ASLEEP)], [record("gb10d@a", Stage.SERVING)], SHARE_04),
     ],
 )
 def test_memory_other_starts_took_meanwhile_is_not_memory_this_one_failed_to_give_back(

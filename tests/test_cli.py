@@ -149,6 +149,14 @@ def test_check_config_explain_lists_defaults_and_hides_secrets(tmp_path: Path, f
     assert any(x.startswith("restart.max_attempts = 5") and x.endswith("# default") for x in out.splitlines())
 
 
+def test_check_config_explain_of_a_cluster_head_shows_its_head_address(tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(f'[vllm]\nvenv = "{fake_venv}"\nmodel = "m"\n[cluster]\nrole = "head"\nhead_address = "10.0.0.1"\n')
+    status, out, err = run(capsys, "check-config", "--explain", "--config", str(config))
+    assert status == 0, err
+    assert any(x.startswith('cluster.head_address = "10.0.0.1"') and x.endswith(f"# {config}:6") for x in out.splitlines())
+
+
 def test_explain_shows_where_webhooks_go_but_not_their_tokens(tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text(

@@ -76,7 +76,10 @@ def test_a_model_that_can_never_fit_is_refused_at_once_with_the_numbers() -> Non
 def test_memory_other_processes_hold_is_waited_for_not_refused() -> None:
     # Nothing gb10d runs holds the memory: it may come back, so the request is held (up to front.hold_timeout_s).
     decided = make_room(WANTED, [], 10 * GIB, TOTAL)
-    assert decided == AwaitRoom("it needs 50.00 GiB, 10.00 GiB is free; every model that could make room has requests or is pinned")
+    assert decided == AwaitRoom(
+        "it needs 50.00 GiB, 10.00 GiB is free; no model of gb10d holds memory: other programs hold about 110.00 GiB "
+        "(MemTotal less MemAvailable), waiting for them to give it back"
+    )
 
 
 def test_models_are_parked_one_at_a_time_until_the_wanted_one_fits() -> None:

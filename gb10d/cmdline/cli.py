@@ -60,7 +60,8 @@ def _toml_value(value: Any) -> str:
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    return json.dumps(value, ensure_ascii=False)
+    # A string, or a value TOML writes as one (the cluster's head_address is an IPv4Address).
+    return json.dumps(value if isinstance(value, str) else str(value), ensure_ascii=False)
 
 
 def _explain(loaded: LoadedConfig | LoadedFront, prefix: str | tuple[str, ...] = "") -> None:
@@ -151,10 +152,14 @@ def _check_front(path: Path, explain: bool) -> int:
 
 
 def _warn_if_open(loaded: LoadedConfig | LoadedFront, front: FrontSection) -> None:
-    """A warning line, located at front.listen, when anyone who reaches the front's port may use every model."""
-    warning = open_to_everyone(front)
-    if warning is not None:
-        _say(f"warning: {loaded.problem('front.listen', warning)}")
+    """A warning line, located at front.listen, when anyone who reaches the front's port may use every model, and
+    when gb10d-front.socket listens on another port than front.listen says."""
+    from ..base.frontconfig import socket_differs
+    from ..machine.service import socket_listens
+
+    for warning in (open_to_everyone(front), socket_differs(front, socket_listens())):
+        if warning is not None:
+            _say(f"warning: {loaded.problem('front.listen', warning)}")
 
 
 def _refuse_what_others_hold(loaded: LoadedConfig, path: Path) -> None:

@@ -44,6 +44,7 @@ class Stage(str, Enum):
     RESTARTING = "restarting"  # between attempts or in a later one: the share stays reserved
     SERVING = "serving"  # its memory shows in /proc/meminfo
     PARKED = "parked"  # on_demand.park = "stop": vLLM stopped, its memory given back; reserves nothing
+    ASLEEP = "asleep"  # on_demand.park = "sleep": vLLM runs asleep, all but its CUDA context given back, until it wakes
 
     @property
     def pending(self) -> bool:
@@ -275,8 +276,12 @@ def taken_since(then: Sequence[Reservation], now: Sequence[Reservation]) -> int:
     one failed to give back. Counted in full, so that no other start's
     memory is ever taken for a leak (a real leak is still seen when larger).
     """
-    settled = {(o.name, o.pid) for o in then if o.stage is Stage.SERVING}
-    return sum(o.bytes for o in now if o.stage is not Stage.WAITING and (o.name, o.pid) not in settled)
+    settled = {(o.name, o.pid): o.stage for o in then if o.stage in (Stage.SERVING, Stage.ASLEEP)}
+    # One asleep then and awake now took its memory back meanwhile.
+    return sum(
+        o.bytes for o in now
+        if o.stage is not Stage.WAITING and settled.get((o.name, o.pid)) not in (Stage.SERVING, o.stage)
+    )
 
 
 def moved(me: Reservation, now: float, **changes: Any) -> Reservation:

@@ -72,6 +72,13 @@ class WakeAsked:
 
 
 @dataclass(frozen=True)
+class SleptUnasked:
+    """The liveness watch of attempt `attempt` found vLLM asleep without gb10d having asked it to sleep: wake it."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
 class KernelSaid:
     """The kernel logged a message of the NVIDIA driver's: it ran out of memory, or an Xid error."""
 
@@ -130,6 +137,7 @@ class ProbeKind(enum.Enum):
     WRONG_NAME = "wrong_name"  # /v1/models does not list the served name clients use
     DEAD = "dead"  # while serving: /health 503, or nothing listens any more
     HUNG = "hung"  # while serving: the engine answers /health but generates nothing
+    ASLEEP = "asleep"  # while serving: vLLM sleeps, and gb10d did not put it to sleep
 
 
 @dataclass(frozen=True)
@@ -164,5 +172,5 @@ class Tick:
     io_bytes: int | None
 
 
-Fact = Union[Stop, Reload, Edited, ParkAsked, WakeAsked, KernelSaid, ClusterSeen, Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, PullEnded]
+Fact = Union[Stop, Reload, Edited, ParkAsked, WakeAsked, SleptUnasked, KernelSaid, ClusterSeen, Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, PullEnded]
 AttemptFact = Union[Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, Tick]

@@ -28,7 +28,9 @@ from ..base.command import Tunables, build_argv
 from ..base.config import Config
 from ..base.errors import EXIT_OK, GiveUp, SpawnError
 from ..vllm.events import DriverOutOfMemory, GpuXid
-from ..core.facts import ClusterSeen, DriverLine, Edited, Exited, Fact, KernelSaid, ParkAsked, Parsed, PullEnded, Pulled, Reload, Stop, Tick, WakeAsked
+from ..core.facts import (
+    ClusterSeen, DriverLine, Edited, Exited, Fact, KernelSaid, ParkAsked, Parsed, PullEnded, Pulled, Reload, SleptUnasked, Stop, Tick, WakeAsked,
+)
 from ..core.host import HostFacts
 from ..base.image import PreparedImage
 from .keeper import ConfigKeeper
@@ -248,7 +250,7 @@ class Supervisor:
                 ended = await self._config_change(attempt, requested=isinstance(fact, Reload))
             elif isinstance(fact, (ParkAsked, WakeAsked)) and sleepmode.stops(self.keeper.config):
                 ended = await self._park_by_stop(attempt) if isinstance(fact, ParkAsked) else None
-            elif isinstance(fact, (ParkAsked, WakeAsked)):
+            elif isinstance(fact, (ParkAsked, WakeAsked)) or (isinstance(fact, SleptUnasked) and fact.attempt == attempt.serial):
                 ended = await self.parking.handle(fact, attempt)
                 if ended is not None:
                     await attempt.runtime.stop(self.keeper.config.daemon.stop_timeout_s, self._on_escalate)
@@ -258,7 +260,7 @@ class Supervisor:
                 ended = self.pair.on_view(fact.view, attempt.start.start_view, attempt.runtime.pid, attempt.ready) if self.pair else None
                 if ended is not None:
                     await attempt.kill()
-            elif isinstance(fact, PullEnded) or fact.attempt != attempt.serial:
+            elif isinstance(fact, (PullEnded, SleptUnasked)) or fact.attempt != attempt.serial:
                 continue  # a late fact about an attempt (or a fetch) already over
             else:
                 ended = await attempt.handle(fact)

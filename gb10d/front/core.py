@@ -266,6 +266,10 @@ def make_room(wanted: Slot, others: Sequence[Slot], room_bytes: int, total_bytes
         return AwaitRoom(f"{short}; waiting for the memory of {', '.join(parking)}, which parks")
     idle = [o for o in running if o.on_demand and o.serving and not o.busy]
     if not idle:
+        # What neither gb10d's models nor free memory account for is other programs' (MemAvailable counts it).
+        others_bytes = total_bytes - max(room_bytes, 0) - sum(o.need_bytes for o in running)
+        if not running and others_bytes > 0:
+            return AwaitRoom(f"{short}; no model of gb10d holds memory: other programs hold about {_gib(others_bytes)} GiB (MemTotal less MemAvailable), waiting for them to give it back")
         return AwaitRoom(f"{short}; every model that could make room has requests or is pinned")
     victim = min(idle, key=lambda o: (o.active_at, o.name))
     return Evict(victim.name, f"{short}; parking {victim.name} ({_gib(victim.need_bytes)} GiB), the least recently used idle on-demand model")

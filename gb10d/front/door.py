@@ -46,7 +46,12 @@ from .swaps import Swaps
 # How often each instance's state file is read: a held request goes through at most this long after READY.
 STATE_POLL_S = 0.1
 # Descriptors kept free of clients and upstreams: state files, control sockets, the metrics listener, the journal.
-SPARE_FDS = 64
+SPARE_FDS = 128
+# asyncio accepts up to its `backlog` argument's count of connections at each turn of the loop before any of them is
+# counted (a socket a turn). This many a turn keeps a burst within SPARE_FDS of the cap; the kernel's own queue is
+# set back to LISTEN_BACKLOG, so a burst or a restart still waits there instead of being refused.
+ACCEPT_BATCH = 32
+LISTEN_BACKLOG = 4096
 # At a stop, a connection accepted just before gets this long for its request to arrive; then idle ones close.
 IDLE_GRACE_S = 1.0
 DRAIN_POLL_S = 0.05
@@ -140,7 +145,7 @@ def listen_socket(settings: FrontSection) -> socket.socket:
         return passed[0]
     host, port = settings.address
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=4096)
+    sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 
@@ -198,7 +203,8 @@ class Front:
             self.proxy.handle, handler_cancellation=True, keepalive_timeout=self.settings.idle_timeout_s,
             max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES, lingering_time=2.0,
         )
-        listener = await loop.create_server(Door(server, self.proxy, self.cap, self.journal), sock=sock, backlog=4096)
+        listener = await loop.create_server(Door(server, self.proxy, self.cap, self.journal), sock=sock, backlog=ACCEPT_BATCH)
+        sock.listen(LISTEN_BACKLOG)
         self.journal.say(
             f"serving {', '.join(m for w in self.states.watched.values() for m in w.known.instance.models)} on {listening_address(sock)}; "
             f"up to {self.cap} connections (open-file limit {self.open_files})"

@@ -297,7 +297,11 @@ class Proxy:
         """Wait until the instance serves (None), or the answer that refuses the request. The clock is the
         request's own (`exchange.started`): a refusal, a requeue or a restart does not reset it."""
         instance = watched.known.instance
-        self.states.refresh(watched)  # decided on a fresh read, not one up to a poll old
+        if not watched.ready.serving:
+            # A start may have just ended: decided on a fresh read, not one up to a poll old. One that serves is
+            # not read again per request (the poll reads it every 0.1 s, and a request vLLM has not answered when
+            # its instance leaves serving is held again).
+            self.states.refresh(watched)
         limit_s = watched.known.hold_timeout_s or self.settings.hold_timeout_s or 900.0
         room = self.swaps.first_room(watched)
         decision = admit(instance, self.states.current(watched), watched.held, self.settings.queue_limit, self._waited(exchange), limit_s, True, room)
@@ -326,7 +330,7 @@ class Proxy:
                 if watched.held == 0 and watched.ready.serving:
                     self.journal.say(f"released the requests held for {instance.name} after {time.monotonic() - watched.hold_started:.1f} s: it serves")
         if isinstance(decision, Answer):
-            self.journal.say(f"rejected a request for {instance.name} ({decision.status}): {decision.message}", 4, cause=f"rejected {instance.name} {decision.status} {decision.message[:40]}")
+            self.journal.say(f"rejected a request for {instance.name} ({decision.status}): {decision.message}", 4, cause=f"rejected {instance.name} {decision.status}")
             self.metrics.rejected.labels(instance.name, str(decision.status)).inc()
             return decision
         self.metrics.requests.labels(instance.name).inc()

@@ -199,14 +199,21 @@ def this_process(unit: str) -> ServiceContext:
     return ServiceContext(unit, current_principal(), dict(os.environ), Sandbox(), f"this process: systemd does not know {unit}")
 
 
-def _show(unit: str) -> dict[str, str]:
+def socket_listens(unit: str = "gb10d-front.socket") -> list[str]:
+    """The addresses a socket unit listens on as systemd has it (`systemctl show -p Listen`: "[::]:8000 (Stream)"
+    each), drop-ins included; empty without systemd or without the unit."""
+    value = _show(unit, ("Listen",)).get("Listen", "")
+    return [entry.rsplit(" (", 1)[0] for entry in value.split("\n") if entry.strip()] if value else []
+
+
+def _show(unit: str, properties: tuple[str, ...] = _SHOW_PROPERTIES) -> dict[str, str]:
     """The unit's properties from `systemctl show`; empty without systemd."""
     systemctl = shutil.which("systemctl")
     if systemctl is None:
         return {}
     try:
         done = subprocess.run(
-            [systemctl, "show", "-p", ",".join(_SHOW_PROPERTIES), "--", unit],
+            [systemctl, "show", "-p", ",".join(properties), "--", unit],
             capture_output=True, text=True, timeout=_QUERY_TIMEOUT_S, stdin=subprocess.DEVNULL,
         )
     except (OSError, subprocess.TimeoutExpired):

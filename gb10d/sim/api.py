@@ -125,6 +125,7 @@ class Handler(BaseHTTPRequestHandler):
     """vLLM's routes, with uvicorn's access log and headers."""
 
     protocol_version = "HTTP/1.1"
+    raw_body = b""  # this request's body, read whole before it is routed
     # uvicorn sets TCP_NODELAY; without it keep-alive answers wait for a delayed ACK (~40 ms).
     disable_nagle_algorithm = True
     server: SimHTTPServer
@@ -155,9 +156,27 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _body(self) -> Any:
+        """The request's JSON (an empty body reads as {}); ValueError when it is not JSON."""
+        return json.loads(self.raw_body or b"{}")
+
+    def _read_body(self) -> bytes:
+        """The whole request body, read before any route answers, as uvicorn reads it whatever the route does with it:
+        a body left in the connection would be parsed as the next request on a kept-alive connection.
+
+        Sized by content-length or sent chunked; ValueError when neither can be read.
+        """
+        if "chunked" in self.headers.get("transfer-encoding", "").lower():
+            parts = []
+            while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                parts.append(self.rfile.read(size))
+                self.rfile.readline()  # the CRLF after each chunk
+            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                pass  # trailers, up to the blank line that ends the request
+            return b"".join(parts)
         length = int(self.headers.get("content-length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        return json.loads(raw or b"{}")
+        if length < 0:
+            raise ValueError(f"content-length {length}")
+        return self.rfile.read(length) if length else b""
 
     def _authorized(self) -> bool:
         keys = self.server.config.api_keys
@@ -177,6 +196,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def _route(self, method: str) -> None:
         path = self.path.split("?", 1)[0]
+        try:
+            self.raw_body = self._read_body()
+        except ValueError:
+            # uvicorn's answer to a request it cannot parse; nothing after it on this connection can be trusted.
+            self.close_connection = True
+            self._send(400, b"Invalid HTTP request received.", "text/plain; charset=utf-8")
+            return
         if not self._authorized():
             self._send(401, _dumps({"error": "Unauthorized"}))
             return

@@ -104,6 +104,10 @@ def _interpret(shell: Shell, command: Command, result: Findings) -> None:
         if "sudo" in fields[:engine_at]:
             result.notes.append(f"line {line}: sudo not needed: the gb10d user is allowed on the engine's socket instead (see the README, \"vLLM in a container\")")
         wrappers([w for w in fields[:engine_at] if w != "sudo"], line, result)
+        if result.found == 0:
+            # An image or a model from a variable the script never sets is kept as written: say so, as for vllm serve.
+            for expanded in [*expansions, *(e for _, e in assignments)]:
+                _warn_unknowns(result, line, expanded)
         container_command(shell, fields[engine_at:], command, result)
         return
     start = vllm_start(fields)

@@ -13,6 +13,8 @@ from typing import Any
 import tomli_w
 
 from ..base.command import DRAIN_MARGIN_S
+from ..base.configload import parse_config
+from ..base.errors import ConfigError
 
 
 @dataclass
@@ -108,8 +110,24 @@ def render(imported: Imported, shown: str) -> str:
         "# Tables not written here ([startup], [memory], [restart], [liveness], [metrics], [daemon])",
         "# keep their defaults; the shipped /etc/gb10d.toml describes every key.",
     ]
-    if imported.notes or imported.warnings:
+    warnings = imported.warnings + refusals(imported.data)
+    if imported.notes or warnings:
         header.append("#")
-    header += [f"# note: {n}" for n in imported.notes]
-    header += [f"# warning: {w}" for w in imported.warnings]
+    # A note may quote the script's text, newlines and all: each stays one comment line, or the TOML below breaks.
+    header += [f"# note: {_one_line(n)}" for n in imported.notes]
+    header += [f"# warning: {_one_line(w)}" for w in warnings]
     return "\n".join(header) + "\n\n" + tomli_w.dumps(imported.data)
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
+def refusals(data: dict[str, Any]) -> list[str]:
+    """What check-config will refuse in these tables as written: a script's value gb10d cannot take (a host with a
+    space, an image from an unset variable) is said, not left for check-config to find."""
+    try:
+        parse_config(data)
+    except ConfigError as exc:
+        return [f"as written, check-config refuses {p.key}: {p.message}" for p in exc.problems]
+    return []

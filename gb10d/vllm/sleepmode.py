@@ -51,6 +51,8 @@ WAKE = (
     Call("POST", "/collective_rpc", body={"method": "reload_weights"}),
     Call("POST", "/wake_up", (("tags", "kv_cache"),)),
 )
+# Whether vLLM sleeps, asked by the liveness watch: a sleep nobody asked gb10d for holds every request.
+IS_SLEEPING = Call("GET", "/is_sleeping")
 
 
 def control_path(state_file: Path) -> Path:
