@@ -382,6 +382,9 @@ class Proxy:
             request.raw_headers, request.remote, request.host, watched.known.api_key, strip_credentials=bool(self.keys),
         )
         data: bytes | AsyncIterator[bytes] = exchange.body if exchange.rest is None else self._streamed(exchange)
+        if exchange.rest is not None and request.content_length is not None:
+            # The streamed rest is exactly the client's body: its length goes along (vLLM gets no chunked upload).
+            headers.append((b"content-length", str(request.content_length).encode()))
         sending = asyncio.ensure_future(watched.session.request(
             request.method, self._url(instance, request.raw_path), headers=CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in headers),
             data=data, allow_redirects=False, skip_auto_headers=("Content-Type", "Accept", "Accept-Encoding"),
