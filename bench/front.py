@@ -43,7 +43,7 @@ import tomli_w
 from gb10d.front.door import raise_open_files
 from gb10d.front.lab import FrontChild
 from gb10d.daemon.lab import free_port
-from gb10d.core.statefile import read_state
+from gb10d.machine.statefile import read_state
 
 from .lab import standalone, Deployment, Gb10d, Workspace, wait_until
 

@@ -20,7 +20,8 @@ from gb10d.core.budget import (
     share_bytes,
     taken_since,
 )
-from gb10d.core.memory import GIB, MemInfo
+from gb10d.core.memory import MemInfo
+from gb10d.base.units import GIB
 
 TOTAL = int(121.69 * GIB)
 MEM = MemInfo(total=TOTAL, free=int(100 * GIB), available=int(110 * GIB), cached=int(10 * GIB))

@@ -381,6 +381,18 @@ def test_cleanup_through_an_engine_that_is_not_running_says_how_to_start_it(tmp_
     assert result.stderr.startswith("gb10d: docker version failed: ") and "start it: sudo systemctl enable --now docker" in result.stderr
 
 
+def test_cleanup_with_an_unreadable_state_file_removes_nothing_and_says_why(tmp_path: Path) -> None:
+    # Whether gb10d still runs with the container is unknown: removing it could cut a serving vLLM.
+    state = tmp_path / "state.json"
+    state.mkdir()
+    config = tmp_path / "gb10d.toml"
+    config.write_text(f'[vllm]\nimage = "nvcr.io/nvidia/vllm:26.05-py3"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n[daemon]\nstate_file = "{state}"\n')
+    result = cli("cleanup", "--config", str(config))
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr.startswith(f"gb10d: cannot read the state file {state} (")
+    assert "is unknown and no container of it is removed" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_cleanup_of_a_config_that_does_not_load_says_so_once(tmp_path: Path) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text('[vllm]\nimage = "nvcr.io/NVIDIA/vllm:26.05"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n')

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gb10d.core.statefile import read_state
+from gb10d.machine.statefile import read_state
 from gb10d.daemon.lab import wait_until
 from test_front import Deployment, completion
 

@@ -23,7 +23,7 @@ from gb10d.base.command import build_argv
 from gb10d.base.configload import load_config
 from gb10d.base.flags import normalize_flag
 from gb10d.base.errors import ConfigError
-from gb10d.vllm.importscript import import_script, import_script_file
+from gb10d.vllm.importscript import import_script, read_script
 from gb10d.vllm.importtoml import render
 from gb10d.vllm.shellexpansion import ScriptOwner
 
@@ -70,6 +70,12 @@ def flags(argv: list[str]) -> dict[str, tuple[Any, ...]]:
         else:
             result[current] += (_by_value(word),)
     return result
+
+
+def import_script_file(path: Path) -> str:
+    """What `gb10d import-script FILE` prints: the gb10d.toml of the script in `path`."""
+    text, shown = read_script(path)
+    return render(import_script(text, shown), shown)
 
 
 def imported_argv(tmp_path: Path, script_text: str) -> tuple[list[str], str]:

@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gb10d.core.statefile import DaemonState, read_state
+from gb10d.core.statefile import DaemonState
+from gb10d.machine.statefile import read_state
 from gb10d.daemon.control import ask
 from gb10d.vllm.sleepmode import control_path
 

@@ -18,7 +18,8 @@ from ..base.levels import PRIORITY_INFO, PRIORITY_WARNING
 from ..core.memory import MemInfo
 from ..core.outcome import WakeFailed
 from .reporter import Reporter
-from ..vllm.sleepmode import CHECK_PROMPT, CHECK_TOKENS, GIB, PARK, WAKE, awake_line, check_failure, gib, parked_status, wake_refusal
+from ..vllm.sleepmode import CHECK_PROMPT, CHECK_TOKENS, PARK, WAKE, awake_line, check_failure, parked_status, wake_refusal
+from ..base.units import GIB, gib
 from ..core.statefile import DaemonState
 
 # How long one sleep or wake call may take: seconds measured, a minute allowed (a large model's reload from disk).

@@ -31,11 +31,13 @@ from ..machine.journal import Journal
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from ..core.lifecycle import Action, DriverOomSeen, Extend, LivenessFailed, Observe, Say, ShowPhase, XidSeen, kernel_said
 from ..machine.ledger import Booking
-from ..core.memory import MemInfo, read_meminfo
+from ..core.memory import MemInfo
+from ..machine.memory import read_meminfo
 from .metrics import Metrics
 from ..machine.notify import Notifier
 from ..core.phases import Phase, StartupState
-from ..core.statefile import ClusterRecord, DaemonState, LastFailure, Memory, Progress, StateRecord, write_delay, write_state
+from ..core.statefile import ClusterRecord, DaemonState, LastFailure, Memory, Progress, StateRecord, write_delay
+from ..machine.statefile import write_state
 
 # sd_notify's STATUS= is one line that `systemctl status` shows; longer texts only clutter it.
 STATUS_MAX = 200

@@ -35,6 +35,7 @@ from ..core.host import HostFacts
 from ..base.image import PreparedImage
 from .keeper import ConfigKeeper
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
+from ..base.units import gib
 from ..core.lifecycle import start_time_asked
 from .loop import FactLoop
 from ..core.memory import ALONE, MemInfo
@@ -278,7 +279,7 @@ class Supervisor:
         share = budget.share_bytes(config.vllm.gpu_memory_utilization, mem.total, config.memory.headroom_gib) if mem else 0
         self.reporter.parked(
             f"{sleepmode.PARKED_STATUS}: vLLM is not running, {config.vllm.served_names[0]} starts when a request for it "
-            f"arrives (on_demand.park = \"stop\"; a start reserves {budget.gib(share)} GiB)", share, reservation_bytes=share,
+            f"arrives (on_demand.park = \"stop\"; a start reserves {gib(share)})", share, reservation_bytes=share,
         )
         while True:
             fact = await self.loop.next(None)

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..core.statefile import DaemonState, StateRecord
-from ..daemon.status import not_running_reason
+from ..core.statefile import not_running_reason
 
 @dataclass(frozen=True)
 class Instance:

@@ -31,9 +31,8 @@ from pathlib import Path
 
 from .access import Principal, current_principal, group_name, principal
 from ..base.errors import UsageError
+from ..base.instance import MAIN_UNIT, SYSTEM_USER
 
-MAIN_UNIT = "gb10d.service"
-SYSTEM_USER = "gb10d"
 # The group of the memory ledger the instances of a machine share (/run/gb10d-ledger, made by the package's tmpfiles.d).
 LEDGER_GROUP = "gb10d"
 DROPIN_NAME = "50-service-user.conf"

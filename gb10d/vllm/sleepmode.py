@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..base.config import Config
+from ..base.units import GIB, gib
 
-GIB = 1024**3
 
 # The environment and flag that turn sleep mode and its endpoints on.
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
@@ -81,10 +81,6 @@ def vllm_flags(config: Config) -> tuple[str, ...]:
 
 def vllm_env(config: Config) -> dict[str, str]:
     return dict(DEV_MODE_ENV) if sleeps(config) else {}
-
-
-def gib(value: int) -> str:
-    return f"{value / GIB:.2f} GiB"
 
 
 def wake_refusal(available: int, freed: int, margin: int) -> str | None:

@@ -17,7 +17,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from fuzz_support import JUNK, budget, mutated_bytes
-from gb10d.core.statefile import read_state
+from gb10d.machine.statefile import read_state
 from test_front import Deployment, completion
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,8 @@ import threading
 from http.client import HTTPConnection
 from pathlib import Path
 
-from gb10d.core.memory import GIB, read_meminfo
+from gb10d.base.units import GIB
+from gb10d.machine.memory import read_meminfo
 from gb10d.sim.memory import adjust
 from sim_support import Reply, http
 from test_sim_memory import machine
