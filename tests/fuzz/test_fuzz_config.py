@@ -212,6 +212,8 @@ def config_files(draw: st.DrawFn, program: str | None = None, images: bool = Tru
     data = draw(configs(program, images))
     files: list[tuple[str, bytes]] = []
     for index in range(draw(st.integers(0, 2))):
+        if not data:
+            break
         table_name = draw(st.sampled_from(sorted(data)))
         overlay: dict[str, Any] = {}
         if isinstance(data[table_name], dict) and data[table_name]:
