@@ -95,7 +95,7 @@ def _value(name: str, annotation: Any, info: FieldInfo, clean: bool) -> st.Searc
     if annotation in (int, float):
         low, exclusive, high = _bounds(info)
         low = low if low is not None else 0.0
-        high = high if high is not None else (3600.0 if clean else 1e9)
+        high = high if high is not None else max(low * 10, 3600.0 if clean else 1e9)
         if annotation is int:
             return st.integers(int(low) + exclusive, int(high))
         return st.floats(low, high, exclude_min=exclusive, allow_nan=False)
