@@ -440,7 +440,9 @@ def test_a_value_check_config_would_refuse_is_a_warning_in_the_imported_file() -
     assert "refuses" not in render(import_script("/opt/v/bin/vllm serve m --host 127.0.0.1\n"), "start.sh")
 
 
-def test_a_warning_that_quotes_a_newline_stays_one_comment_line_and_the_file_stays_toml() -> None:
+def test_a_warning_that_quotes_a_newline_or_a_control_character_stays_one_comment_line_and_the_file_stays_toml() -> None:
     text = render(import_script("docker run h 'quotes and $VARS\n"), "start.sh")
     assert "# warning: line 1: 'quotes and $VARS\\n cannot be evaluated without running it" in text
     assert tomllib.loads(text)["vllm"]["image"] == "h"
+    text = render(import_script('if \x1b[31m[ -n "$X" ]; then\n  /opt/v/bin/vllm serve m\nfi\n'), "start.sh")
+    assert "`if \\x1b[31m[ -n" in text and tomllib.loads(text)["vllm"]["model"] == "m"

@@ -7,6 +7,7 @@ tables, the notes and warnings the operator reads, and the text written out are 
 from __future__ import annotations
 
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,14 +114,18 @@ def render(imported: Imported, shown: str) -> str:
     warnings = imported.warnings + refusals(imported.data)
     if imported.notes or warnings:
         header.append("#")
-    # A note may quote the script's text, newlines and all: each stays one comment line, or the TOML below breaks.
+    # A note may quote the script's text, newlines and escapes too: each stays one comment line, or the TOML below breaks.
     header += [f"# note: {_one_line(n)}" for n in imported.notes]
     header += [f"# warning: {_one_line(w)}" for w in warnings]
     return "\n".join(header) + "\n\n" + tomli_w.dumps(imported.data)
 
 
 def _one_line(text: str) -> str:
-    return text.replace("\r", "\\r").replace("\n", "\\n")
+    """`text` as TOML allows in a comment: its control characters but tab written as escapes (`\\n`, `\\x1b`)."""
+    return _CONTROL.sub(lambda m: {"\n": "\\n", "\r": "\\r"}.get(m.group(), f"\\x{ord(m.group()):02x}"), text)
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def refusals(data: dict[str, Any]) -> list[str]:

@@ -95,7 +95,7 @@ def _value(name: str, annotation: Any, info: FieldInfo, clean: bool) -> st.Searc
     if annotation in (int, float):
         low, exclusive, high = _bounds(info)
         low = low if low is not None else 0.0
-        high = high if high is not None else max(3600.0 if clean else 1e9, low * 4)
+        high = high if high is not None else max(low * 10, 3600.0 if clean else 1e9)
         if annotation is int:
             return st.integers(int(low) + exclusive, int(high))
         return st.floats(low, high, exclude_min=exclusive, allow_nan=False)
@@ -212,6 +212,8 @@ def config_files(draw: st.DrawFn, program: str | None = None, images: bool = Tru
     data = draw(configs(program, images))
     files: list[tuple[str, bytes]] = []
     for index in range(draw(st.integers(0, 2))):
+        if not data:
+            break
         table_name = draw(st.sampled_from(sorted(data)))
         overlay: dict[str, Any] = {}
         if isinstance(data[table_name], dict) and data[table_name]:

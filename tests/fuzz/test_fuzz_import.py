@@ -148,7 +148,7 @@ def import_script(raw: bytes) -> tuple[int, str, str]:
     return status, out.getvalue(), err.getvalue()
 
 
-def _assert_validates_or_warns(raw: bytes) -> None:
+def _assert_validates_or_warns(raw: bytes, damaged: bool = False) -> None:
     status, out, err = import_script(raw)
     assert status in (0, EXIT_CONFIG), (status, err)
     assert "Traceback" not in out + err
@@ -157,7 +157,8 @@ def _assert_validates_or_warns(raw: bytes) -> None:
         assert not out and err and all(line.startswith("gb10d: ") for line in err.splitlines()), err
         return
     data = tomllib.loads(out)  # what import-script writes is TOML, whatever it read
-    assert data.get("vllm", {}).get("model") != _DECOY, "a here-document's line was read as the script's command"
+    # Damage may cut a here-document's opener, and its lines become commands indeed.
+    assert damaged or data.get("vllm", {}).get("model") != _DECOY, "a here-document's line was read as the script's command"
     warnings = [line for line in out.splitlines() if line.startswith("# warning: ")]
     try:
         parse_config(data)
@@ -189,5 +190,5 @@ def test_import_script_of_a_compose_file_gives_a_valid_config_or_warns(text: str
 @given(raw=scripts().map(str.encode).flatmap(mutated_bytes))
 @budget(ci=60, long=2000)
 def test_import_script_of_a_damaged_script_gives_a_valid_config_or_warns_or_exit_78(raw: bytes) -> None:
-    _assert_validates_or_warns(raw)
+    _assert_validates_or_warns(raw, damaged=True)
 

@@ -143,11 +143,13 @@ _RUNAWAY = {
 def test_a_10_mb_line_is_read_in_under_a_second_by_the_daemon_and_by_diagnose(shape: str) -> None:
     line = (_RUNAWAY[shape] * (_HUGE // len(_RUNAWAY[shape]) + 1))[:_HUGE]
     head = (Path(__file__).parent.parent / "corpus" / "kv_insufficient__0.31__plain.log").read_bytes()
-    started = time.perf_counter()
-    _daemon_read(head + line + b"\n" + head, list(range(0, _HUGE, 65536)))
-    daemon_s = time.perf_counter() - started
-    started = time.perf_counter()
-    verdict = diagnose((head + line + b"\n" + head).decode("utf-8", "replace")).verdict
-    diagnose_s = time.perf_counter() - started
+    raw = head + line + b"\n" + head
+    # CPU time: the bound is about this work, not about the other tests and suites sharing the cores.
+    started = time.process_time()
+    _daemon_read(raw, list(range(0, _HUGE, 65536)))
+    daemon_s = time.process_time() - started
+    started = time.process_time()
+    verdict = diagnose(raw.decode("utf-8", "replace")).verdict
+    diagnose_s = time.process_time() - started
     assert verdict == "kv_cache_insufficient"
     assert daemon_s < 1.0 and diagnose_s < 1.0, f"{shape}: the daemon took {daemon_s:.2f} s, diagnose {diagnose_s:.2f} s"
