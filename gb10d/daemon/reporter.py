@@ -15,6 +15,7 @@ restarting once vLLM is gone; the admission itself is the preflight's.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 import os
 import time
 from dataclasses import replace
@@ -35,7 +36,7 @@ from ..core.memory import MemInfo, read_meminfo
 from .metrics import Metrics
 from ..machine.notify import Notifier
 from ..core.phases import Phase, StartupState
-from ..core.statefile import ClusterRecord, DaemonState, LastFailure, Memory, Progress, StateRecord, write_delay, write_state
+from ..core.statefile import DECISIONS_KEPT, ClusterRecord, DaemonState, Decision, LastFailure, Memory, Progress, StateRecord, write_delay, write_state
 
 # sd_notify's STATUS= is one line that `systemctl status` shows; longer texts only clutter it.
 STATUS_MAX = 200
@@ -78,6 +79,8 @@ class Reporter:
         self._state_warned = False
         self.alerts = AlertSender(config.alerts, config.vllm.served_names[0], self._alert_environment, self._alert_dropped)
         self._booked_phase = ""
+        # The latest decisions, written with the state file for the front's page.
+        self.decisions: deque[Decision] = deque(maxlen=DECISIONS_KEPT)
 
     # --- the journal -----------------------------------------------------
 
@@ -85,6 +88,7 @@ class Reporter:
         """One decision line in the journal, with its event kind and `GB10D_*` fields."""
         self.journal.event(kind, message, priority, **fields)
         self.alerts.journaled(kind, message, fields)
+        self.decisions.append(Decision(time.time(), priority, kind, message))
 
     # --- STATUS= and the state file ------------------------------------------
 
@@ -336,6 +340,7 @@ class Reporter:
             image_digest=self.image.info.identity if self.image else None,
             container=self.image.container or None if self.image else None,
             engine=self.image.engine or None if self.image else None,
+            decisions=tuple(self.decisions),
         )
         if self.cluster is not None and self.cluster.role == "worker":
             # vLLM and its API run on the head: here there is only Ray, ready once joined.
