@@ -231,9 +231,9 @@ def card(
     if not ready.coming and words not in ("failed", "stopped"):
         words = "not running"
     serving = state is not None and state.state is DaemonState.SERVING
-    progress = (state.progress.shards_done, state.progress.shards_total) if state is not None and state.progress else None
-    failure = state.last_failure if state is not None else None
     starting = state is not None and state.state in (DaemonState.STARTING, DaemonState.RESTARTING)
+    progress = (state.progress.shards_done, state.progress.shards_total) if starting and state is not None and state.progress else None
+    failure = state.last_failure if state is not None else None
     eta = ""
     if starting and state is not None and state.phase:
         begun = state.memory_at or state.started_at or now
@@ -261,6 +261,8 @@ def _detail(state: StateRecord | None, ready: Readiness) -> str:
         if state.progress is not None:
             words += f" {state.progress.shards_done}/{state.progress.shards_total}"
         return words
+    if state is not None and state.state is not None and state.state.final:
+        return ""  # the state says it; the failure, if any, is shown with its fix
     return ready.detail
 
 

@@ -92,6 +92,7 @@ function renderMemory(m) {
   if (!m) { bar.setAttribute("aria-label", "memory not shown"); return; }
   const words = m.segments.map((s) => s.label + " " + gib(s.bytes));
   bar.setAttribute("role", "img");
+  bar.dataset.total = m.total_bytes;
   bar.setAttribute("aria-label", "MemTotal " + gib(m.total_bytes) + ": " + words.join(", "));
   for (const s of m.segments) {
     const pct = (100 * s.bytes / m.total_bytes).toFixed(3) + "%";
