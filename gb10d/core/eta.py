@@ -9,8 +9,10 @@ so STATUS=, `gb10d status` and the front's page say the same.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from .phases import Phase
+from .statefile import DaemonState, StateRecord
 
 NO_ESTIMATE = "no estimate yet: this is its first start"
 _ORDER = [p.value for p in Phase]
@@ -43,6 +45,37 @@ def estimate(last_start: Mapping[str, float], phase: str, progress: tuple[int, i
     if left <= 0:
         return f"taking longer than the last start ({_span(total)})"
     return f"about {_span(left)} left ({took})"
+
+
+def of_state(state: StateRecord, now: float) -> str | None:
+    """The estimate for a start a state file shows (None when it shows no start in progress); `now`: wall clock."""
+    if state.state not in (DaemonState.STARTING, DaemonState.RESTARTING) or not state.phase:
+        return None
+    begun = state.memory_at or state.started_at or now
+    progress = (state.progress.shards_done, state.progress.shards_total) if state.progress is not None else None
+    return estimate(state.last_start, state.phase, progress, max(now - begun, 0.0))
+
+
+@dataclass(frozen=True)
+class PhaseClock:
+    """The seconds each phase of one start took so far: told each phase as it begins (`moved`), read at ready."""
+
+    phase: str | None = None
+    since: float = 0.0
+    seconds: Mapping[str, float] = field(default_factory=dict)
+
+    def moved(self, phase: str, since: float) -> PhaseClock:
+        """The clock once `phase` began at `since` (monotonic); the same phase told again changes nothing."""
+        if phase == self.phase:
+            return self
+        seconds = dict(self.seconds)
+        if self.phase is not None:
+            seconds[self.phase] = seconds.get(self.phase, 0.0) + max(since - self.since, 0.0)
+        return PhaseClock(phase, since, seconds)
+
+    def until(self, now: float) -> dict[str, float]:
+        """Every phase's seconds, the current one's counted up to `now`."""
+        return dict(self.moved("", now).seconds)
 
 
 def _span(seconds: float) -> str:

@@ -35,6 +35,7 @@ from ..machine.ledger import Booking
 from ..core.memory import MemInfo, read_meminfo
 from .metrics import Metrics
 from ..machine.notify import Notifier
+from ..core.eta import PhaseClock, estimate
 from ..core.phases import Phase, StartupState
 from ..core.statefile import DECISIONS_KEPT, ClusterRecord, DaemonState, Decision, LastFailure, Memory, Progress, StateRecord, write_delay, write_state
 
@@ -79,6 +80,10 @@ class Reporter:
         self._state_warned = False
         self.alerts = AlertSender(config.alerts, config.vllm.served_names[0], self._alert_environment, self._alert_dropped)
         self._booked_phase = ""
+        # Seconds per phase of this config's last complete start (the keeper loads them), and this start's so far.
+        self.last_start: dict[str, float] = {}
+        self._clock = PhaseClock()
+        self._attempt_began = time.monotonic()
         # The latest decisions, written with the state file for the front's page.
         self.decisions: deque[Decision] = deque(maxlen=DECISIONS_KEPT)
 
@@ -153,6 +158,7 @@ class Reporter:
         """A new attempt runs: the state file and the metrics describe it from now on."""
         self._number, self._tunables, self._pid, self._baseline = number, tunables, pid, baseline
         self._baseline_at = time.time() if baseline is not None else None
+        self._clock, self._attempt_began = PhaseClock(), time.monotonic()
         self.state = DaemonState.STARTING if number == 1 else DaemonState.RESTARTING
         with self.metrics.batch():
             self.metrics.start_attempt(reason)
@@ -163,8 +169,12 @@ class Reporter:
     def phase(self, startup: StartupState, text: str) -> None:
         """The start moved: STATUS=, the phase and progress metrics, and (throttled) the state file."""
         self._startup = startup
-        self.status_text = text
-        self.notifier.status(text[:STATUS_MAX])
+        now = time.monotonic()
+        self._clock = self._clock.moved(startup.phase.value, startup.phase_since if startup.phase_since is not None else now)
+        progress = (startup.shards_done, startup.shards_total) if startup.phase is Phase.LOADING_WEIGHTS and startup.shards_total else None
+        shown = f"{text}; {estimate(self.last_start, startup.phase.value, progress, now - self._attempt_began)}"
+        self.status_text = shown
+        self.notifier.status(shown[:STATUS_MAX])
         if self.booking is not None and startup.phase.value != self._booked_phase:
             self._booked_phase = startup.phase.value
             self.booking.update(phase=self._booked_phase)
@@ -173,7 +183,6 @@ class Reporter:
             if startup.shards_total:
                 self.metrics.set_load_progress(startup.shards_done / startup.shards_total)
         self._cancel_deferred()
-        now = time.monotonic()
         wait = write_delay(startup.phase is not self._written_phase, now - self._written_at)
         if wait <= 0:
             self._written_phase, self._written_at = startup.phase, now
@@ -208,6 +217,10 @@ class Reporter:
             gpu_memory_utilization=tunables.gpu_memory_utilization if tunables else None,
         )
         self.notifier.ready(self.status_text[:STATUS_MAX])
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Each phase's seconds in the start that just reached ready."""
+        return self._clock.until(time.monotonic())
 
     def joined(self, text: str) -> None:
         """The worker of a pair is part of the cluster: the state file and the journal first, then READY=1."""
@@ -341,6 +354,7 @@ class Reporter:
             container=self.image.container or None if self.image else None,
             engine=self.image.engine or None if self.image else None,
             decisions=tuple(self.decisions),
+            last_start=self.last_start,
         )
         if self.cluster is not None and self.cluster.role == "worker":
             # vLLM and its API run on the head: here there is only Ray, ready once joined.

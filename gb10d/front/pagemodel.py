@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..core.budget import Reservation, Stage
-from ..core.eta import estimate
+from ..core.eta import of_state
 from ..core.memory import MemInfo
 from ..core.statefile import DaemonState, StateRecord
 from .core import Answer, Readiness, error
@@ -234,10 +234,7 @@ def card(
     starting = state is not None and state.state in (DaemonState.STARTING, DaemonState.RESTARTING)
     progress = (state.progress.shards_done, state.progress.shards_total) if starting and state is not None and state.progress else None
     failure = state.last_failure if state is not None else None
-    eta = ""
-    if starting and state is not None and state.phase:
-        begun = state.memory_at or state.started_at or now
-        eta = estimate(state.last_start, state.phase, progress, max(now - begun, 0.0))
+    eta = (of_state(state, now) if state is not None else None) or ""
     since = state.ready_at if serving and state is not None else None
     last_start = (
         state.ready_at - state.memory_at if state is not None and state.ready_at is not None and state.memory_at is not None else None
