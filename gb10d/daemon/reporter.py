@@ -37,7 +37,7 @@ from .metrics import Metrics
 from ..machine.notify import Notifier
 from ..core.eta import PhaseClock, estimate
 from ..core.phases import Phase, StartupState
-from ..core.statefile import DECISIONS_KEPT, ClusterRecord, DaemonState, Decision, LastFailure, Memory, Progress, StateRecord, write_delay, write_state
+from ..core.statefile import DECISIONS_KEPT, ClusterRecord, DaemonState, Decision, LastFailure, Memory, Progress, StateRecord, WRITE_EVERY_S, write_delay, write_state
 
 # sd_notify's STATUS= is one line that `systemctl status` shows; longer texts only clutter it.
 STATUS_MAX = 200
@@ -86,6 +86,7 @@ class Reporter:
         self._attempt_began = time.monotonic()
         # The latest decisions, written with the state file for the front's page.
         self.decisions: deque[Decision] = deque(maxlen=DECISIONS_KEPT)
+        self._decisions_write: asyncio.TimerHandle | None = None
 
     # --- the journal -----------------------------------------------------
 
@@ -94,6 +95,22 @@ class Reporter:
         self.journal.event(kind, message, priority, **fields)
         self.alerts.journaled(kind, message, fields)
         self.decisions.append(Decision(time.time(), priority, kind, message))
+        self._write_decisions_soon()
+
+    def _write_decisions_soon(self) -> None:
+        """A decision said between two writes of the state file reaches it within WRITE_EVERY_S (one write for a
+        burst of them), so that the front's page shows it without waiting for the next change of state."""
+        if self._decisions_write is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # said outside the event loop (at the end of gb10d): the last write carries it
+        self._decisions_write = loop.call_later(WRITE_EVERY_S, self._write_decisions)
+
+    def _write_decisions(self) -> None:
+        self._decisions_write = None
+        self.write()
 
     # --- STATUS= and the state file ------------------------------------------
 
@@ -435,6 +452,8 @@ class Reporter:
 
     def close(self) -> None:
         self._cancel_deferred()
+        if self._decisions_write is not None:
+            self._decisions_write.cancel()
         self.metrics.close()
         self.alerts.close(ALERTS_CLOSE_S)
         self.journal.flush()
