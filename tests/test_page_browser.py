@@ -139,3 +139,28 @@ def test_the_page_shows_both_models_wakes_a_parked_one_live_and_passes_axe(tmp_p
         assert (tmp_path / "page-1280x800.png").stat().st_size > 0 and (tmp_path / "page-390x844.png").stat().st_size > 0
     finally:
         deployment.close()
+
+
+def test_with_keys_the_page_asks_for_one_once_per_tab_and_keeps_no_cookie(tmp_path: Path, browser: Any) -> None:
+    key = "front-key-for-the-page-test"
+    (tmp_path / "deployment").mkdir()
+    deployment = Deployment(tmp_path / "deployment", {"api_keys": [key]})
+    driver = browser
+    try:
+        driver.get(deployment.url + "/ui/")
+        assert wait_until(lambda: driver.find_element("id", "keyform").is_displayed(), 10), "the page asks for a key"
+        driver.find_element("id", "key").send_keys("not-the-key-of-this-front")
+        driver.find_element("css selector", "#keyform button").click()
+        assert wait_until(lambda: "not accepted" in driver.find_element("id", "keyproblem").text, 10)
+        driver.find_element("id", "key").send_keys(key)
+        driver.find_element("css selector", "#keyform button").click()
+        assert wait_until(lambda: state_of(driver, "alpha") == "not running", 10), driver.page_source
+        driver.refresh()
+        assert wait_until(lambda: state_of(driver, "beta") == "not running", 10), "the key is kept for the tab"
+        assert not driver.find_element("id", "keyform").is_displayed()
+        assert driver.get_cookies() == []
+        # A wrong key's 401 is the page's answer, not an error of the page.
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and "401" not in e["message"]]
+        assert errors == [], errors
+    finally:
+        deployment.close()

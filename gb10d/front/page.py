@@ -154,12 +154,14 @@ class Page:
     async def _events(self, request: web.BaseRequest, allowed: frozenset[str]) -> web.StreamResponse:
         """The page's data whenever it changed, at most every SEND_EVERY_S, and a comment after COMMENT_EVERY_S of
         silence; vLLM's /metrics is read while at least one stream is open."""
-        response = web.StreamResponse(status=200, headers={"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"})
+        # x-accel-buffering: nginx before the front (for TLS) passes each event as it comes instead of buffering them.
+        headers = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache", "x-accel-buffering": "no"}
+        response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(request)
         pace = pagemodel.Pace()
         origin = _origin(request)
         self.streams += 1
-        if self.scraper is None or self.scraper.done():
+        if self.scraper is None:
             self.scraper = asyncio.ensure_future(self._scrape())
         try:
             while not self.stopping.is_set():
@@ -176,6 +178,7 @@ class Page:
             self.streams -= 1
             if self.streams == 0 and self.scraper is not None:
                 self.scraper.cancel()
+                self.scraper = None
                 self.samples.clear()
 
     async def _scrape(self) -> None:

@@ -89,7 +89,8 @@ const KINDS = { model: "held by a model", reserved: "reserved by a start, not ye
 function renderMemory(m) {
   const bar = $("bar"), legend = $("legend"), short = $("short");
   bar.replaceChildren(); legend.replaceChildren(); short.replaceChildren();
-  if (!m) { bar.setAttribute("aria-label", "memory not shown"); return; }
+  bar.hidden = !m;
+  if (!m) { short.textContent = "The machine's memory is shown to a key that may use every model."; return; }
   const words = m.segments.map((s) => s.label + " " + gib(s.bytes));
   bar.setAttribute("role", "img");
   bar.dataset.total = m.total_bytes;
