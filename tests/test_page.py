@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gb10d.core.statefile import DaemonState, read_state
 from gb10d.daemon.lab import wait_until
 from harness import free_port
 from test_front import Deployment
@@ -82,7 +83,9 @@ def test_actions_are_refused_without_the_pages_header_and_for_what_cannot_be_wok
     with httpx.Client(base_url=keyed.url, timeout=10, headers=bearer(KEY)) as client:
         assert client.post("/ui/actions/alpha/wake").status_code == 403, "another site's form cannot send the page's header"
         pinned = client.post("/ui/actions/beta/park", headers=PAGE)
-        assert pinned.status_code == 409 and "systemctl restart gb10d@beta" in pinned.json()["error"]["message"]
+        assert pinned.status_code == 409 and "pinned" in pinned.json()["error"]["message"]
+        gone = client.post("/ui/actions/beta/restart", headers=PAGE)
+        assert gone.status_code == 502 and "systemctl restart gb10d@beta" in gone.json()["error"]["message"], "no gb10d@beta runs"
         assert client.post("/ui/actions/gamma/wake", headers=PAGE).status_code == 404
         assert client.post("/ui/actions/alpha/explode", headers=PAGE).status_code == 404
         assert client.get("/ui/actions/alpha/wake", headers=PAGE).status_code == 404
@@ -107,8 +110,11 @@ def test_without_keys_only_this_machine_may_act_and_a_woken_model_shows_on_the_s
     deployment = Deployment(tmp_path, {"listen": f"0.0.0.0:{port}"}, each={"alpha": {"on_demand": {"idle_timeout_s": 600}}})
     local, remote = f"http://127.0.0.1:{port}", f"http://{address}:{port}"
     try:
-        deployment.start("alpha", serving=False)
+        alpha = deployment.start("alpha", serving=False)
         deployment.wait_state("alpha", "parked")
+        # A restart of a parked model has nothing to restart: its gb10d says so, and it stays parked.
+        assert httpx.post(local + "/ui/actions/alpha/restart", headers=PAGE, timeout=10).status_code == 202
+        alpha.wait_line(r"asked to restart vLLM while parked: no vLLM runs, nothing to restart")
         refused = httpx.post(remote + "/ui/actions/alpha/wake", headers=PAGE, timeout=10)
         assert refused.status_code == 403 and "loopback" in refused.json()["error"]["message"]
         assert httpx.get(remote + "/ui/data", timeout=10).status_code == 200, "the data is as open as /v1/models"
@@ -158,5 +164,31 @@ def test_a_page_left_open_does_not_hold_up_the_fronts_stop(tmp_path: Path) -> No
             assert wait_until(lambda: deployment.front.proc.poll() is not None, 20) is not None
             assert deployment.front.proc.returncode == 0
             assert time.monotonic() - stopped < 10
+    finally:
+        deployment.close()
+
+
+def test_a_restart_from_the_page_stops_vllm_and_starts_it_again_without_counting_a_failure(tmp_path: Path) -> None:
+    deployment = Deployment(tmp_path)
+    try:
+        beta = deployment.start("beta")
+        before = read_state(deployment.setups["beta"].state_file)
+        assert before is not None and before.vllm_pid is not None
+        card = httpx.get(deployment.url + "/ui/data", timeout=10).json()["cards"][1]
+        assert card["instance"] == "beta" and card["can_restart"] and not card["can_park"], "a pinned instance is restarted, never parked"
+        asked = httpx.post(deployment.url + "/ui/actions/beta/restart", headers=PAGE, timeout=10)
+        assert asked.status_code == 202, asked.text
+        beta.wait_line(r"restarting vLLM \(.*\): asked over the control socket; a new start, no failure counted")
+        deployment.front.wait_line(r"asked beta to restart vLLM from the page \(127\.0\.0\.1\)")
+
+        def serving_anew() -> bool:
+            state = read_state(deployment.setups["beta"].state_file)
+            return state is not None and state.state is DaemonState.SERVING and state.vllm_pid not in (None, before.vllm_pid)
+
+        assert wait_until(serving_anew, 60) is not None, beta.tail()
+        after = read_state(deployment.setups["beta"].state_file)
+        assert after is not None and after.last_failure is None
+        reply = httpx.post(deployment.url + "/v1/completions", json={"model": "beta", "prompt": "hi", "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200
     finally:
         deployment.close()

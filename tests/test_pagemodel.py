@@ -168,9 +168,10 @@ def test_a_card_says_what_the_state_file_says_for_each_state() -> None:
     assert (failed.state, failed.detail, failed.failure, failed.fix) == ("failed", "", "vLLM exited with status 1", "check vllm.model")  # type: ignore[attr-defined]
 
     parked = card_of("a", StateRecord(state=DaemonState.PARKED), Readiness(False, True, "parked", parked=True))
-    assert parked.can_wake and not parked.can_park  # type: ignore[attr-defined]
+    assert parked.can_wake and not parked.can_park and not parked.can_restart  # type: ignore[attr-defined]
     pinned = card_of("a", StateRecord(state=DaemonState.SERVING), on_demand=False)
-    assert not pinned.can_park and not pinned.can_wake  # type: ignore[attr-defined]
+    assert not pinned.can_park and not pinned.can_wake and pinned.can_restart  # type: ignore[attr-defined]
+    assert loading.can_restart and not failed.can_restart  # type: ignore[attr-defined]
     gone = card_of("a", None, Readiness(False, False, "not running (no state file)"))
     assert (gone.state, gone.detail) == ("not running", "not running (no state file)")  # type: ignore[attr-defined]
 

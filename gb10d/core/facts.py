@@ -72,6 +72,11 @@ class WakeAsked:
 
 
 @dataclass(frozen=True)
+class RestartAsked:
+    """The operator asked, over the control socket (the front's page), to restart vLLM: a new start, not a failure."""
+
+
+@dataclass(frozen=True)
 class KernelSaid:
     """The kernel logged a message of the NVIDIA driver's: it ran out of memory, or an Xid error."""
 
@@ -164,5 +169,5 @@ class Tick:
     io_bytes: int | None
 
 
-Fact = Union[Stop, Reload, Edited, ParkAsked, WakeAsked, KernelSaid, ClusterSeen, Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, PullEnded]
+Fact = Union[Stop, Reload, Edited, ParkAsked, WakeAsked, RestartAsked, KernelSaid, ClusterSeen, Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, PullEnded]
 AttemptFact = Union[Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, Tick]

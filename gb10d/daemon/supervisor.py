@@ -28,7 +28,7 @@ from ..base.command import Tunables, build_argv
 from ..base.config import Config
 from ..base.errors import EXIT_OK, GiveUp, SpawnError
 from ..vllm.events import DriverOutOfMemory, GpuXid
-from ..core.facts import ClusterSeen, DriverLine, Edited, Exited, Fact, KernelSaid, ParkAsked, Parsed, PullEnded, Pulled, Reload, Stop, Tick, WakeAsked
+from ..core.facts import ClusterSeen, DriverLine, Edited, Exited, Fact, KernelSaid, ParkAsked, Parsed, PullEnded, Pulled, Reload, RestartAsked, Stop, Tick, WakeAsked
 from ..core.host import HostFacts
 from ..base.image import PreparedImage
 from .keeper import ConfigKeeper
@@ -245,6 +245,8 @@ class Supervisor:
                 return Stopped(fact.signame)
             elif isinstance(fact, (Reload, Edited)):
                 ended = await self._config_change(attempt, requested=isinstance(fact, Reload))
+            elif isinstance(fact, RestartAsked):
+                ended = await self._restart_asked(attempt)
             elif isinstance(fact, (ParkAsked, WakeAsked)) and sleepmode.stops(self.keeper.config):
                 ended = await self._park_by_stop(attempt) if isinstance(fact, ParkAsked) else None
             elif isinstance(fact, (ParkAsked, WakeAsked)):
@@ -346,6 +348,15 @@ class Supervisor:
         await attempt.runtime.stop(self.keeper.config.daemon.stop_timeout_s, self._on_escalate)
         return Reloaded(changes=diff.describe())
 
+    async def _restart_asked(self, attempt: Attempt) -> Reloaded:
+        """A restart asked over the control socket (the front's page): vLLM goes through the stop ladder and starts
+        again with the config in force, as after a reload that changes its command line; no failure is counted."""
+        self.reporter.say("restart_asked", f"restarting vLLM ({attempt.runtime.label}): asked over the control socket; a new start, no failure counted", PRIORITY_INFO)
+        # The state file says so before vLLM stops: the front holds new requests instead of sending them to it.
+        self.reporter.status("restarting: asked over the control socket", DaemonState.RESTARTING)
+        await attempt.runtime.stop(self.keeper.config.daemon.stop_timeout_s, self._on_escalate)
+        return Reloaded(changes="a restart asked over the control socket")
+
     def _served(self, tunables: Tunables) -> None:
         """The attempt reached ready: what it learned and the program it ran are kept."""
         self.keeper.served(tunables, self.attempt.state.version if self.attempt else None)
@@ -397,6 +408,8 @@ class Supervisor:
             self.pair.seen(fact.view)
         elif isinstance(fact, KernelSaid):
             self.reporter.kernel(fact.event)
+        elif isinstance(fact, RestartAsked):
+            self.reporter.say("restart_ignored", f"asked to restart vLLM while {self.reporter.doing()}: no vLLM runs, nothing to restart", PRIORITY_INFO)
         return False
 
     async def _pause(self, seconds: float) -> bool:

@@ -1,5 +1,6 @@
-"""The front's page (/ui/): its static files, its data as JSON and as a Server-Sent Events stream, and the wake and
-park buttons, which ask the instance's gb10d over its control socket as the front's own swaps do.
+"""The front's page (/ui/): its static files, its data as JSON and as a Server-Sent Events stream, and the wake, park
+and restart buttons, which ask the instance's gb10d over its control socket (wake and park as the front's own swaps
+do).
 
 Everything shown is decided by gb10d.front.pagemodel; this module reads the files (state files, /proc/meminfo, the
 memory ledger), vLLM's /metrics (every METRICS_EVERY_S, only while a page is open) and answers. The page's data
@@ -24,7 +25,9 @@ from aiohttp import web
 from ..core import budget
 from ..core.memory import MemInfo, read_meminfo
 from ..core.statefile import StateRecord, read_state
+from ..daemon.control import ask
 from ..machine.ledger import read_ledger
+from ..vllm.sleepmode import control_path
 from . import pagemodel
 from .core import Answer, error
 from .journal import FrontJournal
@@ -79,7 +82,7 @@ class Page:
             return await self._events(request, allowed)
         if name.startswith("actions/") and method == "POST":
             return await self._act(request, name.split("/")[1:], key, bool(keys))
-        return self._json(error(404, f"{path} is not one of the page's routes (/ui/, /ui/data, /ui/events, POST /ui/actions/INSTANCE/wake|park)", "NotFoundError"))
+        return self._json(error(404, f"{path} is not one of the page's routes (/ui/, /ui/data, /ui/events, POST /ui/actions/INSTANCE/wake|park|restart)", "NotFoundError"))
 
     @staticmethod
     def _json(answer: Answer) -> web.Response:
@@ -207,7 +210,7 @@ class Page:
     # --- the actions ------------------------------------------------------------------------------------------------
 
     async def _act(self, request: web.BaseRequest, parts: list[str], key: ApiKey | None, keys_set: bool) -> web.Response:
-        """Wake or park an on-demand instance through its gb10d's control socket."""
+        """Wake or park an on-demand instance, or restart any, through its gb10d's control socket."""
         if len(parts) != 2 or parts[1] not in pagemodel.ACTIONS:
             return self._json(error(404, f"the page's actions are POST /ui/actions/INSTANCE/{'|'.join(sorted(pagemodel.ACTIONS))}", "NotFoundError"))
         name, action = parts
@@ -219,13 +222,25 @@ class Page:
         )
         if refusal is not None:
             return self._json(refusal)
+        if action == "restart":
+            return await self._restart(watched, request.remote)
         control = watched.known.control
         if control is None:
-            return self._json(error(409, f"{name} is pinned (no [on_demand]): it is never woken or parked; systemctl restart gb10d@{name} restarts it", "ConflictError"))
+            return self._json(error(409, f"{name} is pinned (no [on_demand]): it is never woken or parked", "ConflictError"))
         # The swaps' own path: the same flags (a park holds new requests until it parked), the same journal lines.
         self.journal.say(f"asked to {action} {name} from the page ({request.remote or 'unknown client'})")
         self.swaps.ask(watched, action)
         return web.json_response({"ok": True, "instance": name, "action": action}, status=202)
+
+    async def _restart(self, watched: Watched, client: str | None) -> web.Response:
+        """Ask the instance's gb10d to restart vLLM, on the control socket every gb10d opens beside its state file."""
+        path, name = control_path(watched.known.state_file), watched.name
+        answer = await ask(path, "restart")
+        if answer != "ok":
+            why = answer or f"nothing answered on {path} (is gb10d@{name} running?)"
+            return self._json(error(502, f"{name}'s gb10d did not take the restart: {why}; systemctl restart gb10d@{name} does it", "BadGatewayError"))
+        self.journal.say(f"asked {name} to restart vLLM from the page ({client or 'unknown client'})")
+        return web.json_response({"ok": True, "instance": name, "action": "restart"}, status=202)
 
 
 def _origin(request: web.BaseRequest) -> str:

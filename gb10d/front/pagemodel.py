@@ -28,7 +28,9 @@ COMMENT_EVERY_S = 15.0
 # vLLM's /metrics is read this often for each serving instance, and only while a page is open.
 METRICS_EVERY_S = 10.0
 # What the page may ask of an instance's gb10d over its control socket.
-ACTIONS = frozenset({"wake", "park"})
+ACTIONS = frozenset({"wake", "park", "restart"})
+# The states in which a vLLM runs (or starts) for a restart to stop and start again.
+RESTARTABLE = frozenset({DaemonState.SERVING, DaemonState.STARTING, DaemonState.RESTARTING, DaemonState.ASLEEP})
 # The recent decisions shown: the front's and its instances' together, the latest.
 DECISIONS = 50
 
@@ -216,6 +218,7 @@ class Card:
     ttft_s: float | None = None
     can_wake: bool = False
     can_park: bool = False
+    can_restart: bool = False
     curl: str = ""
 
 
@@ -224,7 +227,8 @@ def card(
     on_demand: bool, measured: Rates, front_url: str, keyed: bool, now: float,
 ) -> Card:
     """The card of one instance: its state in words, the failure and its fix from the state file, its times, its
-    queue and vLLM's figures; wake and park offered to an on-demand instance where they mean something.
+    queue and vLLM's figures; wake and park offered to an on-demand instance where they mean something, a restart
+    while a vLLM runs or starts.
     The time left comes from the phase durations of its last complete start, which its state file carries; `now`:
     wall clock."""
     words = state.state.value if state is not None and state.state is not None else "not running"
@@ -247,6 +251,7 @@ def card(
         eta=eta, serving_since=since, restarts=restarts, last_start_s=last_start, in_flight=in_flight, held=held,
         tokens_per_s=measured.tokens_per_s if serving else None, ttft_s=measured.ttft_s if serving else None,
         can_wake=on_demand and ready.parked, can_park=on_demand and ready.serving,
+        can_restart=ready.coming and state is not None and state.state in RESTARTABLE,
         curl=curl_for(front_url, models[0] if models else "", keyed),
     )
 
@@ -293,7 +298,7 @@ def may_act(key: ApiKey | None, keys_set: bool, loopback: bool, has_header: bool
             return error(403, f"this API key may not use {', '.join(models)}", "PermissionDeniedError")
         return None
     if not loopback:
-        return error(403, "without front.api_keys, models are woken, parked or restarted only from this machine (loopback)", "PermissionDeniedError")
+        return error(403, "without front.api_keys, models are woken, parked or restarted only from this machine (loopback): use an SSH tunnel, or set front.api_keys", "PermissionDeniedError")
     return None
 
 

@@ -144,7 +144,9 @@ function renderCards(cards) {
     card.append(stats);
     card.append(el("div", { class: "actions" },
       el("button", { id: "wake-" + id, type: "button", disabled: !c.can_wake, "aria-label": "Wake " + c.instance, on: () => act(c.instance, "wake"), text: "Wake" }),
-      el("button", { id: "park-" + id, type: "button", disabled: !c.can_park, "aria-label": "Park " + c.instance, on: () => act(c.instance, "park"), text: "Park" })));
+      el("button", { id: "park-" + id, type: "button", disabled: !c.can_park, "aria-label": "Park " + c.instance, on: () => act(c.instance, "park"), text: "Park" }),
+      el("button", { id: "restart-" + id, type: "button", disabled: !c.can_restart, "aria-label": "Restart " + c.instance,
+        on: () => { if (confirm("Restart " + c.instance + "? Requests in flight on it are cut.")) act(c.instance, "restart"); }, text: "Restart" })));
     card.append(el("div", { class: "curl" },
       el("code", { id: "c-" + id, text: c.curl }),
       el("button", { id: "copy-" + id, type: "button", "aria-label": "Copy the curl command for " + c.models[0], on: () => copy(c.curl), text: "Copy" })));
