@@ -73,6 +73,8 @@ def test_with_keys_the_pages_data_follows_the_key_rules_of_the_model_list(keyed:
         alpha = client.get("/ui/data", headers=bearer(ALPHA_KEY)).json()
         assert [c["instance"] for c in alpha["cards"]] == ["alpha"]
         assert alpha["memory"] is None, "the machine's memory shows what every model holds: only for a key that may see them all"
+        assert all(d["who"] == "alpha" for d in alpha["decisions"]), "the front's lines name every model"
+        assert any(d["who"] == "front" for d in every["decisions"])
         assert [c["instance"] for c in first_event(keyed.url, bearer(ALPHA_KEY))["cards"]] == ["alpha"]
         # With keys, a valid key may act from anywhere; a key for alpha may not act on beta.
         refused = client.post("/ui/actions/beta/wake", headers={**PAGE, **bearer(ALPHA_KEY)})

@@ -44,8 +44,7 @@ FILES_MAX_AGE_S = 60
 class Page:
     """The page's routes. `keys` gives the front's keys now (a reload may change them)."""
 
-    def __init__(
-        self, states: States, swaps: Swaps, journal: FrontJournal, keys: Callable[[], Sequence[ApiKey]]) -> None:
+    def __init__(self, states: States, swaps: Swaps, journal: FrontJournal, keys: Callable[[], Sequence[ApiKey]]) -> None:
         self.states = states
         self.swaps = swaps
         self.journal = journal
@@ -98,7 +97,9 @@ class Page:
         records = {w.name: self._state(w) for w in watched}
         cards = pagemodel.visible((self._card(w, records[w.name], now, origin, bool(self.keys())) for w in watched), allowed)
         shown = {c.instance for c in cards}
-        said = [(at, level, "front", line) for at, level, line in self.journal.recent]
+        # The front's lines and the machine's memory name every model: only for a key that may see them all.
+        everything = not allowed or len(shown) == len(watched)
+        said = [(at, level, "front", line) for at, level, line in self.journal.recent] if everything else []
         for w in watched:
             record = records[w.name]
             if w.name in shown and record is not None:
@@ -106,7 +107,7 @@ class Page:
         said.sort()
         decisions = [{"at": at, "level": level, "who": who, "line": line} for at, level, who, line in said]
         return {
-            "memory": self._memory(watched, records) if not allowed or len(shown) == len(watched) else None,
+            "memory": self._memory(watched, records) if everything else None,
             "cards": [asdict(c) for c in cards],
             "decisions": decisions[-pagemodel.DECISIONS:],
             "keyed": bool(self.keys()),
