@@ -1,8 +1,10 @@
 """`python -m bench`: run the benchmarks, write results JSON and Markdown tables, enforce the quick bounds.
 
-The full run (all six items of issue 7, and item 7: vLLM in a container
-next to the venv; about 14 minutes) writes
-`bench/results/latest.json` and `latest.md`. `--quick` (under 2 minutes:
+The full run (all six items of issue 7, item 7: vLLM in a container next
+to the venv, the front beside nginx and a model swap; about 17 minutes)
+writes `bench/results/latest.json` and `latest.md`; `--only front` or
+`--only swap` runs one item (as `python -m bench.front` and `bench.swap`,
+which keep their own results files). `--quick` (under 2 minutes:
 readiness and forwarding only, fewer repeats) writes `quick.json` and
 `quick.md`. Either run exits 1 when a regression bound (readiness or
 forwarding against its same-run baseline) does not hold, so CI can gate on
@@ -19,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import container, footprint, forwarding, readiness, recovery, report, shutdown, stall
+from . import container, footprint, forwarding, front, readiness, recovery, report, shutdown, stall, swap
 from .lab import Workspace
 
 SUITES: dict[str, ModuleType] = {
@@ -30,13 +32,17 @@ SUITES: dict[str, ModuleType] = {
     "footprint": footprint,
     "shutdown": shutdown,
     "container": container,
+    "front": front,
+    "swap": swap,
 }
 QUICK = ("readiness", "forwarding")
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    items = "\n".join(f"  {name:<11} {(module.__doc__ or '').strip().splitlines()[0]}" for name, module in SUITES.items())
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0], epilog=f"items:\n{items}",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the CI version: readiness and forwarding, under 2 minutes")
     parser.add_argument("--only", action="append", choices=sorted(SUITES), help="run only this item (repeatable)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results", help="where to write the results")

@@ -1,6 +1,6 @@
 """`gb10d front` side by side with nginx as a reverse proxy, both before the same `gb10d run` over the stand-in.
 
-Run: `python -m bench.front` (about two minutes); writes bench/results/front.json and prints a Markdown table.
+Run: `python -m bench.front` (about three minutes), or as part of `python -m bench`; writes bench/results/front.json and prints a Markdown table.
 
 In one run, in interleaved rounds so that both see the same machine: streams straight to the stand-in (the
 baseline), through the front, and through Debian's nginx (one worker, `proxy_buffering off`, HTTP/1.1 upstream
@@ -10,7 +10,13 @@ completion; the client is asyncio with raw sockets, the same code for all three.
 - First byte: the time from sending the request to the first SSE event, with 64 streams at once; the added
   latency is each path's median (and p99) minus the baseline's.
 - Throughput: SSE events per second with 256 streams at once, against the baseline's.
-- The front's RSS (VmRSS) sampled while the 256 streams are open.
+- The front's RSS (VmRSS) sampled while the 256 streams are open, and the CPU time per request of the front and
+  of nginx's worker in both.
+- Idle connections: 1,000 and then 10,000 client connections opened to the front, then to nginx, and held without
+  a request (as a client between requests, or a slow one); the proxy's RSS with 1,000 and with 10,000 open; the
+  first request after the burst, and, while the 10,000 are held, whole streamed requests on new connections
+  through the proxy and straight to the stand-in, one after another. The bench raises its own open-file limit;
+  the front raises its own.
 - A reload that restarts vLLM (gpu_memory_utilization changed, SIGHUP): a request every 50 ms straight to the
   stand-in and another through the front, side by side; the refusals and errors each saw.
 """
@@ -20,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -32,18 +40,25 @@ from typing import Any
 
 import tomli_w
 
+from gb10d.front.door import raise_open_files
 from gb10d.front.lab import FrontChild
 from gb10d.daemon.lab import free_port
-from gb10d.core.statefile import read_state
+from gb10d.machine.statefile import read_state
 
 from .lab import standalone, Deployment, Gb10d, Workspace, wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results" / "front.json"
+# Idle client connections held at once, and the count at which RSS is read on the way there.
+IDLE = 10_000
+RSS_AT = 1_000
+# Whole requests timed, one after another, on each path while the idle connections are held.
+ANSWERS = 30
 NGINX_CONF = """
 worker_processes 1;
+worker_rlimit_nofile {files};
 pid {dir}/nginx.pid;
 error_log {dir}/error.log warn;
-events {{ worker_connections 4096; }}
+events {{ worker_connections {connections}; }}
 http {{
     access_log off;
     client_body_temp_path {dir}/body;
@@ -117,14 +132,108 @@ def _p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
-def _nginx(directory: Path, upstream: int) -> tuple[subprocess.Popen[bytes], int]:
+def _nginx(directory: Path, upstream: int, open_files: int) -> tuple[subprocess.Popen[bytes], int] | None:
+    """Debian's nginx as a reverse proxy to `upstream`, on a port of its own; None when nginx is not installed."""
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if nginx is None:
+        return None
     port = free_port()
     directory.mkdir(parents=True, exist_ok=True)
     conf = directory / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(dir=directory, port=port, upstream=upstream))
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    conf.write_text(NGINX_CONF.format(dir=directory, port=port, upstream=upstream, files=open_files, connections=open_files - 64))
     proc = subprocess.Popen([nginx, "-c", str(conf), "-p", str(directory), "-g", "daemon off;"], start_new_session=True)
     return proc, port
+
+
+def _nginx_worker(master: int) -> int:
+    """The pid of nginx's one worker (the process that holds the connections)."""
+    children = Path(f"/proc/{master}/task/{master}/children")
+    if wait_until(lambda: bool(children.read_text().split()), 10, 0.05) is None:
+        raise RuntimeError("nginx started no worker")
+    return int(children.read_text().split()[0])
+
+
+def _accepted(pid: int, port: int) -> int:
+    """How many connections to `port` the process `pid` has accepted: its socket descriptors that the kernel lists as
+    established on that local port (a connection still in the accept queue has no descriptor yet)."""
+    local = f":{port:04X}"
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[1].endswith(local) and fields[3] == "01":
+                    inodes.add(fields[9])
+    count = 0
+    fds = f"/proc/{pid}/fd"
+    for fd in os.listdir(fds):
+        try:
+            target = os.readlink(f"{fds}/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            count += 1
+    return count
+
+
+def _closed_by_peer(socks: list[socket.socket]) -> int:
+    """How many of the held connections the server has closed or answered (readable, or hung up)."""
+    poller = select.poll()
+    for sock in socks:
+        poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return len(poller.poll(0))
+
+
+async def _answer_times(ports: dict[str, int], count: int) -> dict[str, list[float]]:
+    """Seconds from connect to the last event of a whole 8-token stream, `count` per path, the paths taking turns."""
+    request = _request(8)
+    out: dict[str, list[float]] = {name: [] for name in ports}
+    for _ in range(count):
+        for name, port in ports.items():
+            started = time.perf_counter()
+            await _stream(port, request)
+            out[name].append(time.perf_counter() - started)
+    return out
+
+
+def _ms_summary(values: list[float]) -> dict[str, float]:
+    return {"median": 1000 * statistics.median(values), "max": 1000 * max(values), "n": len(values)}
+
+
+def _idle_connections(name: str, port: int, pids: list[int], direct: int, count: int) -> dict[str, Any]:
+    """Hold `count` idle connections to the proxy at `port` (pids[0] accepts them; RSS is the sum over `pids`),
+    then time whole requests through it and straight to the stand-in while they are held."""
+    socks: list[socket.socket] = []
+    out: dict[str, Any] = {"held": count, "rss_mib_before": sum(map(_rss_kib, pids)) / 1024}
+    started = time.monotonic()
+
+    def hold(target: int) -> float:
+        """Open connections up to `target`, wait until the proxy has accepted them all; its RSS (MiB) then."""
+        while len(socks) < target:
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=30))
+        if wait_until(lambda: _accepted(pids[0], port) >= target, 60, 0.2) is None:
+            raise RuntimeError(f"{name} accepted {_accepted(pids[0], port)} of {target} connections")
+        return sum(map(_rss_kib, pids)) / 1024
+
+    before = asyncio.run(_answer_times({"direct": direct, name: port}, ANSWERS))
+    out["answer_ms_none_held"] = {path: _ms_summary(values) for path, values in before.items()}
+    try:
+        out[f"rss_mib_at_{RSS_AT}"] = hold(RSS_AT)
+        out["rss_mib_held"] = hold(count)
+        out["open_s"] = time.monotonic() - started
+        # The kernel hands over a connection before the proxy has set it up: this first request waits for the rest
+        # of the burst, the timed ones after it see the connections held.
+        out["first_after_burst_ms"] = 1000 * asyncio.run(_answer_times({name: port}, 1))[name][0]
+        times = asyncio.run(_answer_times({"direct": direct, name: port}, ANSWERS))
+        out["answer_ms"] = {path: _ms_summary(values) for path, values in times.items()}
+        out["closed_by_server"] = _closed_by_peer(socks)
+        out["held_s"] = time.monotonic() - started
+    finally:
+        for sock in socks:
+            sock.close()
+    wait_until(lambda: _accepted(pids[0], port) == 0, 60, 0.2)
+    return out
 
 
 def _ports_answer(ports: list[int]) -> bool:
@@ -138,9 +247,18 @@ def _ports_answer(ports: list[int]) -> bool:
     return True
 
 
-def _latency_and_throughput(paths: dict[str, int], rounds: int, front_pid: int) -> dict[str, Any]:
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds the process has used (utime + stime of /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _latency_and_throughput(paths: dict[str, int], rounds: int, front_pid: int, proxies: dict[str, int]) -> dict[str, Any]:
+    """First bytes at 64 streams, events per second at 256, and the CPU each proxy (`proxies`: name to the pid that
+    serves) spent per request in each: the measure a loaded machine moves least."""
     first: dict[str, list[float]] = {name: [] for name in paths}
     rates: dict[str, list[float]] = {name: [] for name in paths}
+    cpu = {name: {"64x8": 0.0, "256x64": 0.0} for name in proxies}
     rss_peak = 0
     sampling = True
 
@@ -154,14 +272,20 @@ def _latency_and_throughput(paths: dict[str, int], rounds: int, front_pid: int) 
     sampler.start()
     for _ in range(rounds):
         for name, port in paths.items():
+            before = _cpu_s(proxies[name]) if name in proxies else 0.0
             times, _ = asyncio.run(_batch(port, 64, 8))
             first[name].extend(times)
+            between = _cpu_s(proxies[name]) if name in proxies else 0.0
             _, rate = asyncio.run(_batch(port, 256, 64))
             rates[name].append(rate)
+            if name in proxies:
+                cpu[name]["64x8"] += between - before
+                cpu[name]["256x64"] += _cpu_s(proxies[name]) - between
     sampling = False
     sampler.join()
     base = first["direct"]
     out: dict[str, Any] = {"first_byte_ms": {}, "events_per_s": {}, "front_rss_mib": rss_peak / 1024}
+    out["cpu_ms_per_request"] = {name: {"64x8": 1000 * c["64x8"] / (64 * rounds), "256x64": 1000 * c["256x64"] / (256 * rounds)} for name, c in cpu.items()}
     for name in paths:
         out["first_byte_ms"][name] = {"median": 1000 * statistics.median(first[name]), "p99": 1000 * _p99(first[name]), "n": len(first[name])}
         out["events_per_s"][name] = statistics.median(rates[name])
@@ -218,6 +342,10 @@ def _reload_gap(deployment: Deployment, gb10d: Gb10d, front_port: int) -> dict[s
 
 
 def run(ws: Workspace, quick: bool) -> dict[str, Any]:
+    # The bench holds IDLE client sockets at once, past the usual soft limit of 1,024.
+    open_files = raise_open_files()
+    idle = min(IDLE, open_files - 512)
+    load_at_start = os.getloadavg()
     directory = ws.scratch("front")
     deployment = Deployment(directory, ws.venv, sim_env={"GB10D_SIM_SPEED": "0.002"}, utilization=0.5)
     (directory / "instances").mkdir()
@@ -230,33 +358,103 @@ def run(ws: Workspace, quick: bool) -> dict[str, Any]:
     with Gb10d(deployment) as gb10d, FrontChild(directory / "front.toml") as front:
         gb10d.wait_ready()
         front.wait_line("serving tiny on")
-        nginx, nginx_port = _nginx(directory / "nginx", deployment.port)
+        nginx = _nginx(directory / "nginx", deployment.port, open_files)
         try:
-            paths = {"direct": deployment.port, "front": front_port, "nginx": nginx_port}
+            paths = {"direct": deployment.port, "front": front_port}
+            if nginx is not None:
+                paths["nginx"] = nginx[1]
             if wait_until(lambda: _ports_answer(list(paths.values())), 30, 0.1) is None:
                 raise RuntimeError("a path never answered")
-            result = _latency_and_throughput(paths, 3 if quick else 10, front.proc.pid)
+            proxies = {"front": front.proc.pid}
+            if nginx is not None:
+                proxies["nginx"] = _nginx_worker(nginx[0].pid)
+            result = _latency_and_throughput(paths, 3 if quick else 10, front.proc.pid, proxies)
+            result["idle"] = {"front": _idle_connections("front", front_port, [front.proc.pid], deployment.port, idle)}
+            if nginx is not None:
+                result["idle"]["nginx"] = _idle_connections("nginx", nginx[1], [proxies["nginx"], nginx[0].pid], deployment.port, idle)
         finally:
-            nginx.terminate()
-            nginx.wait(10)
+            if nginx is not None:
+                nginx[0].terminate()
+                nginx[0].wait(10)
         result["reload"] = _reload_gap(deployment, gb10d, front_port)
+    result["machine"] = {"nproc": os.cpu_count(), "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg()}
+    result["goals"] = goals(result)
     return result
+
+
+def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 40's goals for the front, each with the front's figure, nginx's beside it (same run), and whether the
+    front met it."""
+    fb, ev, idle = result["first_byte_ms"], result["events_per_s"], result["idle"]
+    front, nginx = fb["front"], fb.get("nginx")
+    rows: list[dict[str, Any]] = []
+
+    def goal(name: str, target: str, ours: float, theirs: float | None, met: bool, unit: str) -> None:
+        rows.append({"goal": name, "target": target, "front": f"{ours:.2f} {unit}".strip(),
+                     "nginx": "-" if theirs is None else f"{theirs:.2f} {unit}".strip(), "met": bool(met)})
+
+    goal("first byte added at 64 streams, median", "<= 2 ms", front["added_median"], nginx and nginx["added_median"], front["added_median"] <= 2, "ms")
+    goal("first byte added at 64 streams, p99", "<= 10 ms", front["added_p99"], nginx and nginx["added_p99"], front["added_p99"] <= 10, "ms")
+    if nginx is not None:
+        for which in ("median", "p99"):
+            ours, theirs = front[f"added_{which}"], nginx[f"added_{which}"]
+            # nginx's added latency can come out negative (it keeps its upstream connections, the baseline does
+            # not): then "within 2x" is read as no more than nginx's own.
+            goal(f"first byte added, {which}, against nginx's", "<= 2x nginx's", ours, theirs, ours <= max(2 * theirs, theirs), "ms")
+    share = ev["front_of_direct"]
+    goal("throughput at 256 streams, of direct", ">= 97%", 100 * share, ev.get("nginx_of_direct", 0) * 100 if nginx else None, share >= 0.97, "%")
+    held = idle["front"]
+    answer = held["answer_ms"]["front"]
+    theirs_idle = idle.get("nginx")
+    goal(f"a request with {held['held']:,} idle connections held, median", "< 50 ms", answer["median"],
+         theirs_idle and theirs_idle["answer_ms"]["nginx"]["median"], answer["median"] < 50 and held["closed_by_server"] == 0, "ms")
+    goal(f"the same, slowest of {answer['n']}", "< 50 ms", answer["max"], theirs_idle and theirs_idle["answer_ms"]["nginx"]["max"],
+         answer["max"] < 50 and held["closed_by_server"] == 0, "ms")
+    rss = held[f"rss_mib_at_{RSS_AT}"]
+    goal(f"RSS with {RSS_AT:,} connections open", "<= 80 MB", rss * 1.048576, theirs_idle and theirs_idle[f"rss_mib_at_{RSS_AT}"] * 1.048576,
+         rss * 2**20 <= 80e6, "MB")
+    return rows
 
 
 def markdown(result: dict[str, Any]) -> str:
     fb, ev, rl = result["first_byte_ms"], result["events_per_s"], result["reload"]
+    names = [name for name in ("direct", "front", "nginx") if name in fb]
+    load = result["machine"]
     lines = [
+        f"{load['nproc']} CPUs, load average {load['load_avg_at_start'][0]:.1f} at the start and {load['load_avg_at_end'][0]:.1f} at the end.",
+        "",
+        "| goal | target | front | nginx | met |",
+        "|---|---|---|---|---|",
+        *(f"| {g['goal']} | {g['target']} | {g['front']} | {g['nginx']} | {'yes' if g['met'] else '**no**'} |" for g in result["goals"]),
+        "",
         "| path | first byte median (ms) | p99 (ms) | added median (ms) | added p99 (ms) | events/s at 256 streams | of direct |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name in ("direct", "front", "nginx"):
+    for name in names:
         row = fb[name]
         added = (f"{row['added_median']:.2f}", f"{row['added_p99']:.2f}") if name != "direct" else ("", "")
         share = f"{ev[f'{name}_of_direct']:.0%}" if name != "direct" else ""
         lines.append(f"| {name} | {row['median']:.2f} | {row['p99']:.2f} | {added[0]} | {added[1]} | {ev[name]:.0f} | {share} |")
+    cpu = result["cpu_ms_per_request"]
     lines += [
         "",
+        "CPU per request (ms, user and system, of the process that serves): "
+        + "; ".join(f"{name} {c['64x8']:.2f} at 64 streams of 8 events, {c['256x64']:.2f} at 256 of 64" for name, c in cpu.items()) + ".",
+        "",
         f"Front RSS with 256 streams open: {result['front_rss_mib']:.1f} MiB.",
+        "",
+        "| idle connections held by | RSS before (MiB) | with 1,000 (MiB) | with all (MiB) | opened in (s) | first request after (ms) | then through it: median / slowest (ms) | straight meanwhile (ms) | before, none held: through / straight (ms) | closed by it |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, held in result["idle"].items():
+        ours, direct = held["answer_ms"][name], held["answer_ms"]["direct"]
+        none_held = held["answer_ms_none_held"]
+        lines.append(
+            f"| {name} ({held['held']:,}) | {held['rss_mib_before']:.1f} | {held[f'rss_mib_at_{RSS_AT}']:.1f} | {held['rss_mib_held']:.1f} | "
+            f"{held['open_s']:.1f} | {held['first_after_burst_ms']:.1f} | {ours['median']:.1f} / {ours['max']:.1f} | {direct['median']:.1f} / {direct['max']:.1f} | "
+            f"{none_held[name]['median']:.1f} / {none_held['direct']['median']:.1f} | {held['closed_by_server']} |"
+        )
+    lines += [
         "",
         f"Reload that restarts vLLM ({rl['restart_s']:.1f} s until it served again), a request every 50 ms on each path: "
         f"straight to vLLM {rl['direct_ok']} answered, {rl['direct_refused']} refused, {rl['direct_failed']} failed; "

@@ -14,6 +14,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from . import front, swap
+
 # Regression bounds of the quick run (stated in docs/BENCHMARKS.md).
 READY_MAX_MEDIAN_S = 0.5
 FORWARD_MIN_LINES_PER_S = 5_000
@@ -114,6 +116,10 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         if "real_time_idle" in p:
             rt = p["real_time_idle"]["cpu_s_per_hour"]
             goal("CPU per hour idle (real time)", f"{rt:.2f} s", "< 1 s", rt < 1)
+    fr = results.get("front")
+    if fr:
+        for g in fr["goals"]:
+            goal(f"front: {g['goal']}", f"{g['front']} (nginx {g['nginx']})", g["target"], g["met"])
     return out
 
 
@@ -282,4 +288,8 @@ def markdown(results: dict[str, Any]) -> str:
             parts += [f"| {label} | {what} | {show(way[key])} |" for key, what, show in measures]
         parts += ["", *(f"Not measured: {kind}: {why}." for kind, why in ct["skipped"].items())] if ct["skipped"] else []
         parts.append("")
+    if results.get("front"):
+        parts += ["### 8. The front beside nginx", "", front.markdown(results["front"]), ""]
+    if results.get("swap"):
+        parts += ["### 9. A model swap: park by stop and start, against sleep and wake", "", swap.markdown(results["swap"]), ""]
     return "\n".join(parts)

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from gb10d.daemon.control import ask
-from gb10d.core.memory import GIB, read_meminfo
+from gb10d.base.units import GIB
+from gb10d.machine.memory import read_meminfo
 from gb10d.vllm.sleepmode import control_path
-from gb10d.core.statefile import read_state
+from gb10d.machine.statefile import read_state
 
 from .lab import standalone, Deployment, Gb10d, Workspace, wait_until
 

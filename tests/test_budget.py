@@ -20,7 +20,8 @@ from gb10d.core.budget import (
     share_bytes,
     taken_since,
 )
-from gb10d.core.memory import GIB, MemInfo
+from gb10d.core.memory import MemInfo
+from gb10d.base.units import GIB
 
 TOTAL = int(121.69 * GIB)
 MEM = MemInfo(total=TOTAL, free=int(100 * GIB), available=int(110 * GIB), cached=int(10 * GIB))
@@ -192,6 +193,11 @@ def test_a_record_survives_its_json_and_a_record_of_another_version_is_read_for_
         ([record("gb10d@a", Stage.SERVING)], [record("gb10d@a", Stage.RESTARTING, pid=999)], SHARE_04),
         # Waiters and those that left hold nothing now.
         ([record("gb10d@a", Stage.SERVING)], [record("gb10d@d", Stage.WAITING)], 0),
+        # Asleep at both ends, or fallen asleep since: it took nothing (a sleep gives memory back).
+        ([record("gb10d@a", Stage.ASLEEP)], [record("gb10d@a", Stage.ASLEEP)], 0),
+        ([record("gb10d@a", Stage.SERVING)], [record("gb10d@a", Stage.ASLEEP)], 0),
+        # Woken since: the wake took its memory back out of MemAvailable.
+        ([record("gb10d@a", Stage.ASLEEP)], [record("gb10d@a", Stage.SERVING)], SHARE_04),
     ],
 )
 def test_memory_other_starts_took_meanwhile_is_not_memory_this_one_failed_to_give_back(

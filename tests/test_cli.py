@@ -149,6 +149,14 @@ def test_check_config_explain_lists_defaults_and_hides_secrets(tmp_path: Path, f
     assert any(x.startswith("restart.max_attempts = 5") and x.endswith("# default") for x in out.splitlines())
 
 
+def test_check_config_explain_of_a_cluster_head_shows_its_head_address(tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(f'[vllm]\nvenv = "{fake_venv}"\nmodel = "m"\n[cluster]\nrole = "head"\nhead_address = "10.0.0.1"\n')
+    status, out, err = run(capsys, "check-config", "--explain", "--config", str(config))
+    assert status == 0, err
+    assert any(x.startswith('cluster.head_address = "10.0.0.1"') and x.endswith(f"# {config}:6") for x in out.splitlines())
+
+
 def test_explain_shows_where_webhooks_go_but_not_their_tokens(tmp_path: Path, fake_venv: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "gb10d.toml"
     config.write_text(
@@ -371,6 +379,18 @@ def test_cleanup_through_an_engine_that_is_not_running_says_how_to_start_it(tmp_
     result = cli("cleanup", "--config", str(config))
     assert result.returncode == EXIT_GAVE_UP and result.stdout == ""
     assert result.stderr.startswith("gb10d: docker version failed: ") and "start it: sudo systemctl enable --now docker" in result.stderr
+
+
+def test_cleanup_with_an_unreadable_state_file_removes_nothing_and_says_why(tmp_path: Path) -> None:
+    # Whether gb10d still runs with the container is unknown: removing it could cut a serving vLLM.
+    state = tmp_path / "state.json"
+    state.mkdir()
+    config = tmp_path / "gb10d.toml"
+    config.write_text(f'[vllm]\nimage = "nvcr.io/nvidia/vllm:26.05-py3"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n[daemon]\nstate_file = "{state}"\n')
+    result = cli("cleanup", "--config", str(config))
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr.startswith(f"gb10d: cannot read the state file {state} (")
+    assert "is unknown and no container of it is removed" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_cleanup_of_a_config_that_does_not_load_says_so_once(tmp_path: Path) -> None:

@@ -519,3 +519,41 @@ def test_container_settings_are_listed_only_for_an_image() -> None:
     assert "container" not in dict(venv.tables())
     assert dict(image.tables())["container"] == image.container
     assert image.container.engine == "auto" and image.container.pull == "missing" and image.container.cache_dir == Path("/var/cache/gb10d")
+
+
+@pytest.mark.parametrize(("body", "shown"), [
+    ('"" = 0\n', '"": unknown key'),
+    ('"a\\nb" = 0\n', '"a\\nb": unknown key'),
+    ('[vllm.env]\n"NAME WITH SPACE" = "x"\n', 'vllm.env."NAME WITH SPACE": is not an environment variable name'),
+])
+def test_a_key_that_is_empty_or_holds_a_space_or_newline_is_named_quoted_on_one_line(tmp_path: Path, vllm_exe: Path, body: str, shown: str) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(GOOD_HEAD.format(exe=vllm_exe) + body)
+    with pytest.raises(ConfigError) as raised:
+        load_config(config)
+    [problem] = [str(p) for p in raised.value.problems]
+    assert shown in problem and "\n" not in problem
+
+
+def test_a_config_saved_with_a_utf8_byte_order_mark_loads(tmp_path: Path, vllm_exe: Path) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_bytes(b"\xef\xbb\xbf" + GOOD_HEAD.format(exe=vllm_exe).encode() + b"port = 9000\n")
+    loaded = load_config_explained(config)
+    assert loaded.config.vllm.port == 9000 and loaded.source_of("vllm.port") == f"{config}:4"
+
+
+@pytest.mark.parametrize(("encoding", "named"), [("utf-16", "UTF-16"), ("utf-32", "UTF-32")])
+def test_a_config_saved_as_utf16_or_utf32_is_named_as_such_with_the_fix(tmp_path: Path, vllm_exe: Path, encoding: str, named: str) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_bytes(GOOD_HEAD.format(exe=vllm_exe).encode(encoding))
+    with pytest.raises(ConfigError) as raised:
+        load_config(config)
+    assert [str(p) for p in raised.value.problems] == [f"{config}:1: is {named} text (it starts with a {named} byte-order mark); save it as UTF-8"]
+
+
+def test_an_unknown_key_written_with_an_escape_is_found_on_its_line(tmp_path: Path, vllm_exe: Path) -> None:
+    config = tmp_path / "gb10d.toml"
+    config.write_text(GOOD_HEAD.format(exe=vllm_exe) + '"tab\\there" = 1\n')
+    with pytest.raises(ConfigError) as raised:
+        load_config(config)
+    assert [str(p) for p in raised.value.problems] == [f'{config}:4: vllm."tab\\there": unknown key; remove it']

@@ -27,7 +27,7 @@ from gb10d.daemon.reporter import STATUS_MAX
 from gb10d.core.policy import GiveUp, History, Retry, after_failure, classify, event_kind, failure_line, next_attempt
 from gb10d.core.reload import ConfigSnapshot, diff_configs
 from gb10d.core.statefile import StateRecord
-from gb10d.daemon.status import render
+from gb10d.cmdline.status import render
 
 IMAGE = "nvcr.io/nvidia/vllm:26.05-py3"
 OLD = "sha256:" + "a" * 64

@@ -13,7 +13,7 @@ from gb10d.vllm.events import DriverOutOfMemory, ShardsProgressed
 from gb10d.core.facts import DriverLine, Parsed, ProbeKind, Probed, Tick
 from gb10d.base.levels import PRIORITY_ERR, PRIORITY_WARNING
 from gb10d.core.lifecycle import AttemptState, DriverOomSeen, Finish, LivenessFailed, Say, begin, deadline, kernel_said, step
-from gb10d.core.memory import GIB
+from gb10d.base.units import GIB
 from gb10d.core.outcome import Cause
 
 LINE = DriverOutOfMemory(detail="nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051)")

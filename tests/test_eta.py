@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from gb10d.core.eta import NO_ESTIMATE, PhaseClock, estimate, of_state
-from gb10d.core.statefile import DaemonState, Progress, StateRecord, read_state
+from gb10d.core.statefile import DaemonState, Progress, StateRecord
+from gb10d.machine.statefile import read_state
 from gb10d.daemon.lab import wait_until
 from gb10d.daemon.learnedfile import load_start_times, save_start_times, start_times_file
 from harness import Daemon, NotifySocket, Setup

@@ -62,3 +62,13 @@ def test_an_unreadable_api_keys_file_is_refused_with_the_way_out(tmp_path: Path,
     status, said = front(tmp_path, capsys, f'instances_dir = "{tmp_path / "instances"}"\napi_keys_file = "{tmp_path / "missing.keys"}"\n')
     assert status == 78 and f"{tmp_path / 'missing.keys'}: front.api_keys_file: cannot be read (No such file or directory)" in said
     assert "root:gb10d, mode 0640" in said
+
+
+def test_a_socket_unit_on_another_port_than_front_listen_is_named() -> None:
+    from gb10d.base.frontconfig import FrontSection, socket_differs
+
+    front = FrontSection(listen="0.0.0.0:8001")
+    assert socket_differs(front, []) is None
+    assert socket_differs(FrontSection(listen="0.0.0.0:8000"), ["[::]:8000"]) is None
+    warning = socket_differs(front, ["[::]:8000"])
+    assert warning is not None and "gb10d-front.socket listens on [::]:8000" in warning and "systemctl edit gb10d-front.socket" in warning

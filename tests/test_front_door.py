@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gb10d.core.statefile import read_state
+from gb10d.machine.statefile import read_state
 from gb10d.daemon.lab import wait_until
 from test_front import Deployment, completion
 
@@ -241,5 +241,38 @@ def test_a_slow_header_sender_is_cut_off_after_the_idle_timeout(tmp_path: Path) 
             started = time.monotonic()
             assert client.recv(65536) == b""
             assert time.monotonic() - started < 15
+    finally:
+        deployment.close()
+
+
+def running_requests(port: int) -> float:
+    """vllm:num_requests_running as the instance's vLLM reports it."""
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_request_vllm_had_not_answered_when_a_reload_stops_it_is_held_again_and_the_stop_waits_for_nothing(tmp_path: Path) -> None:
+    """vLLM (uvicorn) waits at its shutdown for the connections of requests it never answered: a plain completion
+    under way when the reload's SIGTERM comes would keep vLLM alive until gb10d's SIGKILL (stop_timeout_s). The
+    front drops it as the instance leaves serving and holds it again: vLLM stops at once, the request is answered
+    by the new vLLM, and gb10d never escalates to SIGKILL."""
+    deployment = Deployment(tmp_path, speed=0.05, extra={"daemon.stop_timeout_s": 120.0})
+    try:
+        daemon = deployment.start("alpha")
+        port = deployment.setups["alpha"].port
+        answers: list[httpx.Response] = []
+        asking = threading.Thread(target=lambda: answers.append(httpx.post(f"{deployment.url}/v1/completions", json=completion("alpha", 4000), timeout=300)))
+        asking.start()
+        assert wait_until(lambda: running_requests(port) >= 1, 60) is not None, "the completion never reached vLLM"
+        deployment.setups["alpha"].utilization = 0.35
+        deployment.setups["alpha"].write_config()
+        os.kill(daemon.proc.pid, signal.SIGHUP)
+        asking.join(300)
+        assert [a.status_code for a in answers] == [200], [a.text[:300] for a in answers]
+        lines = "\n".join(daemon.lines)
+        assert "sending SIGKILL" not in lines, daemon.tail()
+        deployment.front.wait_line(r"alpha left serving before it answered; its requests wait for it again")
     finally:
         deployment.close()

@@ -76,7 +76,10 @@ def test_a_model_that_can_never_fit_is_refused_at_once_with_the_numbers() -> Non
 def test_memory_other_processes_hold_is_waited_for_not_refused() -> None:
     # Nothing gb10d runs holds the memory: it may come back, so the request is held (up to front.hold_timeout_s).
     decided = make_room(WANTED, [], 10 * GIB, TOTAL)
-    assert decided == AwaitRoom("it needs 50.00 GiB, 10.00 GiB is free; every model that could make room has requests or is pinned")
+    assert decided == AwaitRoom(
+        "it needs 50.00 GiB, 10.00 GiB is free; no model of gb10d holds memory: other programs hold about 110.00 GiB "
+        "(MemTotal less MemAvailable), waiting for them to give it back"
+    )
 
 
 def test_models_are_parked_one_at_a_time_until_the_wanted_one_fits() -> None:
@@ -88,9 +91,16 @@ def test_models_are_parked_one_at_a_time_until_the_wanted_one_fits() -> None:
     assert isinstance(make_room(WANTED, others, 40 * GIB, TOTAL), Evict)
 
 
-def test_a_model_parked_by_sleep_is_woken_at_once_its_wake_checks_its_own_memory() -> None:
-    decided = make_room(replace(WANTED, asleep=True), [model("alpha", 70)], 10 * GIB, TOTAL)
-    assert decided == StartIt("a wake from sleep checks its own memory (on_demand.wake_margin_gib)")
+def test_a_model_parked_by_sleep_is_made_room_for_as_a_stopped_one_is() -> None:
+    # Its sleep gave its share back and its wake takes it again: beside a model that leaves too little, that one is
+    # parked first (before, the wake found its memory short and vLLM started cold at a lower utilization beside it).
+    asleep = replace(WANTED, asleep=True)
+    assert make_room(asleep, [model("alpha", 70)], 10 * GIB, TOTAL) == Evict(
+        "alpha", "it needs 50.00 GiB, 10.00 GiB is free; parking alpha (70.00 GiB), the least recently used idle on-demand model",
+    )
+    assert make_room(asleep, [model("alpha", 20)], 60 * GIB, TOTAL) == StartIt("it needs 50.00 GiB, 60.00 GiB is free")
+    # Nothing of gb10d's to park: the wake goes ahead and checks its own memory (other programs may hold it).
+    assert make_room(asleep, [], 10 * GIB, TOTAL) == StartIt("a wake from sleep checks its own memory (on_demand.wake_margin_gib)")
 
 
 def test_a_stopped_pinned_instance_holds_nothing_and_a_parked_model_gives_nothing_more() -> None:

@@ -23,7 +23,7 @@ from gb10d.base.command import build_argv
 from gb10d.base.configload import load_config
 from gb10d.base.flags import normalize_flag
 from gb10d.base.errors import ConfigError
-from gb10d.vllm.importscript import import_script, import_script_file
+from gb10d.vllm.importscript import import_script, read_script
 from gb10d.vllm.importtoml import render
 from gb10d.vllm.shellexpansion import ScriptOwner
 
@@ -70,6 +70,12 @@ def flags(argv: list[str]) -> dict[str, tuple[Any, ...]]:
         else:
             result[current] += (_by_value(word),)
     return result
+
+
+def import_script_file(path: Path) -> str:
+    """What `gb10d import-script FILE` prints: the gb10d.toml of the script in `path`."""
+    text, shown = read_script(path)
+    return render(import_script(text, shown), shown)
 
 
 def imported_argv(tmp_path: Path, script_text: str) -> tuple[list[str], str]:
@@ -410,3 +416,33 @@ def test_tilde_without_a_known_owner_is_reported_once_and_not_called_relative() 
     imported = import_script((SCRIPTS / "home-tilde.sh").read_text())
     assert not any("relative to the directory" in w for w in imported.warnings)
     assert imported.warnings == ["line 3: ~ (the home directory of whoever ran the script) is not set in the script; the value was kept as written, replace it"]
+
+
+def test_an_image_or_a_model_from_a_variable_the_script_never_sets_is_a_warning_in_a_docker_run_line() -> None:
+    warnings = import_script("docker run --gpus all $IMAGE --model $MODEL --port 9000\n").warnings
+    assert "line 1: $IMAGE is not set in the script; the value was kept as written, replace it" in warnings
+    assert "line 1: $MODEL is not set in the script; the value was kept as written, replace it" in warnings
+
+
+@pytest.mark.parametrize("opener", ["<<EOF", "<<'EOF'", '<< "EOF"', "<<-EOF"])
+def test_the_lines_of_a_here_document_are_data_not_commands(opener: str) -> None:
+    end = "\tEOF" if opener.startswith("<<-") else "EOF"
+    script = f"cat {opener} > /etc/x.json\n{{\"a\": \"it's\"}}\nvllm serve fake/model\n{end}\n/opt/v/bin/vllm serve real/model --port 9000 &\n"
+    imported = import_script(script)
+    assert imported.data["vllm"]["model"] == "real/model"
+    assert imported.warnings == []
+    assert "line 5: & not needed: systemd runs gb10d in the background, and systemctl start gb10d returns once vLLM serves" in imported.notes
+
+
+def test_a_value_check_config_would_refuse_is_a_warning_in_the_imported_file() -> None:
+    text = render(import_script('/opt/v/bin/vllm serve m --host "a b"\n'), "start.sh")
+    assert "# warning: as written, check-config refuses vllm.host: must be an address such as \"0.0.0.0\" or \"127.0.0.1\" (got 'a b')" in text
+    assert "refuses" not in render(import_script("/opt/v/bin/vllm serve m --host 127.0.0.1\n"), "start.sh")
+
+
+def test_a_warning_that_quotes_a_newline_or_a_control_character_stays_one_comment_line_and_the_file_stays_toml() -> None:
+    text = render(import_script("docker run h 'quotes and $VARS\n"), "start.sh")
+    assert "# warning: line 1: 'quotes and $VARS\\n cannot be evaluated without running it" in text
+    assert tomllib.loads(text)["vllm"]["image"] == "h"
+    text = render(import_script('if \x1b[31m[ -n "$X" ]; then\n  /opt/v/bin/vllm serve m\nfi\n'), "start.sh")
+    assert "`if \\x1b[31m[ -n" in text and tomllib.loads(text)["vllm"]["model"] == "m"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.core.memory import GIB
+from gb10d.base.units import GIB
 
 from harness import Daemon, NotifySocket, Setup, free_port, meminfo_text, vllm_groups, wait_until
 from test_metrics import scrape_port, value

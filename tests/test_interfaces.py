@@ -324,7 +324,8 @@ NEEDS_ROOT_AND_IP = pytest.mark.skipif(
 IN_NAMESPACE = """
 import json, sys
 from ipaddress import IPv4Address
-from gb10d.launch.interfaces import InterfaceError, find, read_interfaces
+from gb10d.launch.interfaces import InterfaceError
+from gb10d.launch.netifs import find, read_interfaces
 if sys.argv[1] == "read":
     print(json.dumps([{"name": i.name, "addresses": [str(a) for a in i.addresses], "up": i.up,
                        "driver": i.driver, "speed_mbps": i.speed_mbps, "loopback": i.loopback}

@@ -17,7 +17,8 @@ import pytest
 from gb10d.core.budget import Admit, Stage, Wait
 from gb10d.base.errors import EXIT_CONFIG, GiveUp
 from gb10d.machine.ledger import Booking, instance_name, open_booking, read_ledger, record_path
-from gb10d.core.memory import GIB, MemInfo
+from gb10d.core.memory import MemInfo
+from gb10d.base.units import GIB
 
 MEM = MemInfo(total=int(121.69 * GIB), free=int(100 * GIB), available=int(110 * GIB), cached=0)
 SHARE = int(49.68 * GIB)
@@ -29,7 +30,8 @@ HOLDER = textwrap.dedent(
     from pathlib import Path
     from gb10d.core.budget import Stage
     from gb10d.machine.ledger import Booking
-    from gb10d.core.memory import GIB, MemInfo
+    from gb10d.core.memory import MemInfo
+    from gb10d.base.units import GIB
 
     directory, name = Path(sys.argv[1]), sys.argv[2]
     booking = Booking.open(directory, name, "/etc/gb10d/" + name + ".toml", print)

@@ -15,7 +15,7 @@ import pytest
 
 from gb10d.core.lifecycle import LISTEN_GRACE_S, waits_for_listen
 from gb10d.base.command import Tunables
-from gb10d.base.config import Config
+from gb10d.base.config import Config, OnDemandSection
 from gb10d.vllm.events import (
     CompileProgressed,
     EngineDied,
@@ -27,7 +27,7 @@ from gb10d.vllm.events import (
 )
 from gb10d.core.facts import AttemptFact, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Pulled, Tick
 from gb10d.base.image import PullProgress
-from gb10d.base.levels import PRIORITY_ERR
+from gb10d.base.levels import PRIORITY_ERR, PRIORITY_WARNING
 from gb10d.core.lifecycle import (
     EXIT_GRACE_S,
     IO_PROGRESS_MIN_BYTES,
@@ -42,6 +42,7 @@ from gb10d.core.lifecycle import (
     Say,
     ShowPhase,
     StartReadiness,
+    WakeUnasked,
     begin,
     begin_pull,
     deadline,
@@ -272,6 +273,49 @@ def test_a_hung_engine_ends_the_attempt_at_once() -> None:
     assert [type(a) for a in actions] == [Say, LivenessFailed, Finish]
     assert actions[0] == Say("engine_hung", "vLLM's engine is hung: no generated token for 120 s; stopping its process group", PRIORITY_ERR, (("attempt", 1),))
     assert finished(actions) == Failed(cause=Cause.ENGINE_HUNG, was_ready=True, detail="no generated token for 120 s")
+
+
+ASLEEP = Probed(1, ProbeKind.ASLEEP, "vllm:engine_sleep_state says awake 0", "asleep")
+FOUND = (
+    "vLLM is asleep, and gb10d did not ask it to sleep (someone called /sleep on its port 8000 directly, not through gb10d "
+    "or its front): vllm:engine_sleep_state says awake 0; asleep, it holds every request unanswered"
+)
+
+
+def parks_by(park: str | None) -> Config:
+    return CONFIG.model_copy(update={"on_demand": OnDemandSection(park=park) if park else None})
+
+
+@pytest.mark.parametrize(
+    ("park", "when", "expected"),
+    [
+        # gb10d parks it by sleep, so it knows how to wake it and check the wake: it wakes it.
+        ("sleep", "serving", [Say("slept_unasked", f"{FOUND}: waking it (weights, reload_weights, kv_cache) and checking that it answers",
+                                  PRIORITY_WARNING, (("attempt", 1),)), LivenessFailed("asleep"), WakeUnasked()]),
+        # Any other instance has no checked wake: it is stopped and started again.
+        (None, "serving", [Say("slept_unasked", f"{FOUND}: stopping its process group and starting it again (gb10d wakes only a vLLM it "
+                                                "parks by sleep)", PRIORITY_ERR, (("attempt", 1),)), LivenessFailed("asleep"),
+                           Finish(Failed(cause=Cause.ENGINE_HUNG, was_ready=True, detail="asleep, not asked to by gb10d: vllm:engine_sleep_state says awake 0"))]),
+        ("stop", "serving", [Say("slept_unasked", f"{FOUND}: stopping its process group and starting it again (gb10d wakes only a vLLM it "
+                                                  "parks by sleep)", PRIORITY_ERR, (("attempt", 1),)), LivenessFailed("asleep"),
+                             Finish(Failed(cause=Cause.ENGINE_HUNG, was_ready=True, detail="asleep, not asked to by gb10d: vllm:engine_sleep_state says awake 0"))]),
+        ("sleep", "starting", []),  # not serving yet: nothing to say about a sleep
+        ("sleep", "exited", []),  # the exit is what matters
+        ("sleep", "dead", []),  # a dead verdict waits for its exit
+    ],
+)
+def test_a_vllm_asleep_that_gb10d_did_not_put_to_sleep_is_woken_where_gb10d_parks_by_sleep_else_restarted(
+    park: str | None, when: str, expected: list[Action]
+) -> None:
+    config = parks_by(park)
+    state, _ = begin(1, Tunables(0.8), T0, config)
+    if when != "starting":
+        state, _ = step(state, Probed(1, ProbeKind.READY, "/health 200"), T0 + 60, config)
+    if when == "exited":
+        state, _ = step(state, ExitSeen(1, 0), T0 + 99, config)
+    if when == "dead":
+        state, _ = step(state, Probed(1, ProbeKind.DEAD, "/health answered 503", "health"), T0 + 99, config)
+    assert step(state, ASLEEP, T0 + 100, config)[1] == expected
 
 
 def test_an_exit_being_read_is_not_taken_for_a_stall() -> None:

@@ -15,6 +15,8 @@ import pytest
 from gb10d.base.config import LivenessSection
 from gb10d.core.liveness import (
     Alive,
+    AskIfAsleep,
+    Asleep,
     Dead,
     Hung,
     LivenessState,
@@ -24,8 +26,12 @@ from gb10d.core.liveness import (
     observe_health,
     observe_metrics,
     observe_probe,
+    observe_sleep_check,
     parse_metrics,
+    probe_may_go,
     probe_sent,
+    sleep_check_sent,
+    sleep_check_wanted,
     start,
     verdict,
 )
@@ -44,6 +50,7 @@ class M:
     tokens: float | None
     waiting: float | None = 0
     prompt: float | None = None
+    asleep: bool | None = None  # vllm:engine_sleep_state
 
 
 @dataclass(frozen=True)
@@ -72,14 +79,34 @@ class P:
     seconds: float
 
 
-Seen = Union[M, H, Sent, P]
+@dataclass(frozen=True)
+class Ask:
+    """GET /is_sleeping went out at `t`."""
+
+    t: float
 
 
-def replay(timeline: list[Seen]) -> LivenessState:
-    state = start(0.0)
+@dataclass(frozen=True)
+class Slept:
+    """/is_sleeping came back at `t`: `sleeping` as it answered, None when it did not (timed out)."""
+
+    t: float
+    sleeping: bool | None
+
+
+Seen = Union[M, H, Sent, P, Ask, Slept]
+
+
+def replay(timeline: list[Seen], sleep_checks: bool = False) -> LivenessState:
+    state = start(0.0, sleep_checks=sleep_checks)
     for item in timeline:
-        if isinstance(item, M):
-            state = observe_metrics(state, MetricsSample(item.running, item.waiting, item.tokens, item.prompt), item.t)
+        if isinstance(item, Ask):
+            state = sleep_check_sent(state, item.t)
+        elif isinstance(item, Slept):
+            answer = ProbeResult(200, "OK", 0.01) if item.sleeping is not None else ProbeResult(None, "timed out", 60.0)
+            state = observe_sleep_check(state, item.sleeping, answer, item.t)
+        elif isinstance(item, M):
+            state = observe_metrics(state, MetricsSample(item.running, item.waiting, item.tokens, item.prompt, item.asleep), item.t)
         elif isinstance(item, H):
             state = observe_health(state, ProbeResult(item.status, item.reason, 0.01), item.t)
         elif isinstance(item, Sent):
@@ -250,3 +277,75 @@ def test_parse_metrics(text: str, sample: MetricsSample) -> None:
 def test_unanswered_scrape_keeps_the_last_figures() -> None:
     state = replay([M(0, 2, 100)])
     assert observe_metrics(state, None, 50) == state
+
+
+# --- a vLLM asleep that gb10d did not put to sleep ----------------------------------------------------------
+# Asleep, vLLM answers /health 200 and holds every request: the idle probe and the busy rule would take it for hung.
+
+PROBE_TIMED_OUT = [M(0, 0, 500), Sent(60), M(70, 1, 500), P(120, None, "timed out", 60.0)]
+BUSY_STUCK = every(10, 230, 4, stuck_after(100))
+
+SLEEP_CASES = [
+    pytest.param([M(0, 0, 500), M(10, 0, 500, asleep=True)], False, 10, Asleep, "vllm:engine_sleep_state says awake 0",
+                 id="the_sleep_state_metric_says_asleep_without_any_endpoint_asked"),
+    pytest.param([M(0, 0, 500), M(10, 0, 500, asleep=False)], True, 10, Alive, None, id="the_sleep_state_metric_says_awake"),
+    pytest.param(PROBE_TIMED_OUT, True, 120, AskIfAsleep, None, id="a_timed_out_probe_asks_is_sleeping_before_a_hang_is_called"),
+    pytest.param([*PROBE_TIMED_OUT, Ask(120), Slept(120.01, True)], True, 120.01, Asleep, "GET /is_sleeping answered is_sleeping true",
+                 id="is_sleeping_true_after_the_probe_went_is_asleep"),
+    pytest.param([*PROBE_TIMED_OUT, Ask(120), Slept(120.01, False)], True, 120.01, Hung, "probe_timeout",
+                 id="is_sleeping_false_after_the_probe_went_is_hung"),
+    pytest.param([*PROBE_TIMED_OUT, Ask(120), Slept(180, None)], True, 180, Hung, "probe_timeout",
+                 id="is_sleeping_unanswered_leaves_the_hang_standing"),
+    pytest.param([M(0, 0, 500), Ask(59), Slept(59.01, False), Sent(60), M(70, 1, 500), P(120, None, "timed out", 60.0)], True, 120,
+                 AskIfAsleep, None, id="an_awake_answer_from_before_the_probe_went_proves_nothing_about_it"),
+    pytest.param(BUSY_STUCK, True, 230, AskIfAsleep, None, id="a_stuck_token_counter_asks_is_sleeping_first"),
+    pytest.param([*BUSY_STUCK, Ask(230), Slept(230.1, True)], True, 230.1, Asleep, "is_sleeping true", id="busy_and_asleep_is_asleep"),
+    pytest.param([*BUSY_STUCK, Ask(230), Slept(230.1, False)], True, 230.1, Hung, "hung", id="busy_stuck_and_awake_is_hung"),
+    pytest.param(PROBE_TIMED_OUT, False, 120, Hung, "probe_timeout", id="without_the_development_endpoints_a_hang_is_a_hang"),
+    pytest.param([M(0, 0, 500, asleep=True), H(10, 503, "Service Unavailable")], True, 10, Dead, "health", id="dead_beats_asleep"),
+]
+
+
+@pytest.mark.parametrize("timeline, sleep_checks, now, kind, said", SLEEP_CASES)
+def test_verdict_on_a_sleeping_vllm(timeline: list[Seen], sleep_checks: bool, now: float, kind: type, said: str | None) -> None:
+    found = verdict(replay(timeline, sleep_checks), now, LIMITS)
+    assert type(found) is kind, found
+    if isinstance(found, Asleep):
+        assert said is not None and said in found.evidence and found.cause == "asleep"
+    if isinstance(found, Hung):
+        assert found.cause == said
+
+
+@pytest.mark.parametrize(
+    "timeline, sleep_checks, may_go, wanted",
+    [
+        pytest.param([M(0, 0, 500)], False, True, False, id="without_the_endpoints_the_probe_goes_when_due"),
+        pytest.param([M(0, 0, 500)], True, False, True, id="with_them_is_sleeping_is_asked_first"),
+        pytest.param([M(0, 0, 500), Ask(60)], True, False, False, id="while_it_is_out_nothing_goes"),
+        pytest.param([M(0, 0, 500), Ask(60), Slept(60.01, False)], True, True, False, id="awake_since_due_the_probe_goes"),
+        pytest.param([M(0, 0, 500), Ask(30), Slept(30.01, False)], True, False, True, id="an_answer_from_before_due_is_asked_again"),
+        pytest.param([M(0, 0, 500), Ask(60), Slept(60.01, True)], True, False, False, id="asleep_no_probe_is_sent_to_be_held"),
+    ],
+)
+def test_the_idle_probe_goes_only_once_is_sleeping_said_awake(timeline: list[Seen], sleep_checks: bool, may_go: bool, wanted: bool) -> None:
+    state = replay(timeline, sleep_checks)
+    due = next_probe_due(state, 60, LIMITS)
+    assert due == 60
+    assert probe_may_go(state, due) is may_go
+    assert sleep_check_wanted(state, due) is wanted
+
+
+@pytest.mark.parametrize(
+    "text, asleep",
+    [
+        pytest.param('vllm:engine_sleep_state{engine="0",model_name="tiny",sleep_state="awake"} 1.0\n'
+                     'vllm:engine_sleep_state{engine="0",model_name="tiny",sleep_state="weights_offloaded"} 0.0\n', False, id="awake"),
+        pytest.param('vllm:engine_sleep_state{engine="0",model_name="tiny",sleep_state="awake"} 0.0\n'
+                     'vllm:engine_sleep_state{engine="0",model_name="tiny",sleep_state="weights_offloaded"} 1.0\n', True, id="level_1"),
+        pytest.param('vllm:engine_sleep_state{engine="0",sleep_state="awake"} 1\nvllm:engine_sleep_state{engine="1",sleep_state="awake"} 0\n',
+                     True, id="one_engine_of_two_asleep"),
+        pytest.param("vllm:num_requests_running 0\n", None, id="not_reported"),
+    ],
+)
+def test_the_sleep_state_is_read_from_metrics(text: str, asleep: bool | None) -> None:
+    assert parse_metrics(text).asleep is asleep

@@ -7,25 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.core.memory import (
-    GIB,
-    MemInfo,
-    MemInfoError,
-    Neighbours,
-    Preflight,
-    PreflightRefused,
-    evict_page_cache,
-    parse_buddyinfo,
-    fits,
-    fitting_utilization,
-    floor2,
-    MemoryNotReturned,
-    memory_return,
-    memory_returned,
-    parse_meminfo,
-    preflight,
-    safetensors_files,
-)
+from gb10d.core.memory import MemInfo, Neighbours, Preflight, PreflightRefused, parse_buddyinfo, fits, fitting_utilization, floor2, MemoryNotReturned, memory_return, memory_returned, parse_meminfo, preflight
+from gb10d.base.errors import MemInfoError
+from gb10d.base.units import GIB
+from gb10d.machine.memory import evict_page_cache, safetensors_files
 
 from harness import meminfo_text
 
@@ -164,6 +149,9 @@ def test_safetensors_files_finds_local_and_hub_cache_checkpoints(tmp_path: Path)
     snapshot = tmp_path / "hf" / "hub" / "models--Qwen--Qwen3.6-27B-FP8" / "snapshots" / "abc"
     snapshot.mkdir(parents=True)
     (snapshot / "model.safetensors").write_bytes(b"y")
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc")
     assert len(safetensors_files("Qwen/Qwen3.6-27B-FP8", {"HF_HOME": str(tmp_path / "hf")})) == 1
 
 

@@ -13,7 +13,9 @@ import pytest
 
 from harness import Daemon, NotifySocket, Setup
 from gb10d.daemon.lab import write_meminfo
-from gb10d.core.modelfit import GIB, ModelOnDisk, kv_bytes_per_token, max_model_len, share_warning
+from gb10d.core.modelfit import ModelOnDisk, kv_bytes_per_token, max_model_len, share_warning
+from gb10d.base.units import GIB
+from gb10d.machine.memory import model_on_disk
 
 # Qwen3-Embedding-8B's figures: 36 layers, 8 KV heads of 128, bfloat16, 40960 positions.
 QWEN3_8B: dict[str, Any] = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -59,6 +61,20 @@ def model_dir(root: Path, weights_gib: float) -> Path:
     with open(model / "model-00001-of-00001.safetensors", "wb") as f:
         f.truncate(int(weights_gib * GIB))
     return model
+
+
+def test_a_cache_holding_two_revisions_counts_the_weights_of_the_one_refs_main_names(tmp_path: Path) -> None:
+    repo = tmp_path / "hf" / "hub" / "models--Qwen--Qwen3-8B"
+    for commit, weights_gib in (("a" * 40, 15.1), ("b" * 40, 16.0)):
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text(json.dumps(QWEN3_8B))
+        with open(snapshot / "model-00001-of-00001.safetensors", "wb") as f:
+            f.truncate(int(weights_gib * GIB))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("b" * 40)
+    found = model_on_disk(("Qwen/Qwen3-8B", {"HF_HOME": str(tmp_path / "hf")}))
+    assert found is not None and found.weights == int(16.0 * GIB), "the revision vLLM loads, counted once"
 
 
 @pytest.mark.slow

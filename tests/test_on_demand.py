@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gb10d.core.memory import read_meminfo
-from gb10d.daemon.lab import write_meminfo
+from gb10d.machine.memory import read_meminfo
+from gb10d.daemon.lab import wait_until, write_meminfo
 from harness import NotifySocket
 from test_front import Deployment, completion
 
@@ -80,7 +80,8 @@ def test_a_parked_instance_starts_on_the_first_request_serves_it_and_parks_again
     alpha.wait_line(r"parking: stopping vLLM \(.*\) after \d+ s serving, as the front asked")
     parked.wait_state("alpha", "parked")
     assert read_meminfo(meminfo).available == idle, "the park gave back all the start took"
-    assert len([s for s in notify.statuses() if s.startswith("parked: starts on the first request")]) == 2
+    # The state file is written before STATUS= goes out: the second "parked" may still be on its way.
+    assert wait_until(lambda: len([s for s in notify.statuses() if s.startswith("parked: starts on the first request")]) == 2, 30) is not None, notify.statuses()
     assert starts(alpha.lines) == 1, "a park is not a failure: nothing restarts vLLM"
     assert not [line for line in alpha.own_lines() if re.search(r"restart|fail|gave up", line, re.I)], alpha.tail()
     assert parked.metric('gb10d_front_swaps_total{instance="alpha",kind="wake"}') == 1
@@ -175,3 +176,27 @@ def test_a_thousand_requests_at_once_for_a_parked_model_start_it_once_and_the_re
         assert deployment.metric('gb10d_front_requests_total{instance="alpha"}') == counted[200]
     finally:
         deployment.close()
+
+
+def test_a_model_parked_by_sleep_is_evicted_for_one_parked_by_stop_and_woken_back(tmp_path: Path) -> None:
+    """alpha parks by sleep, beta by stop, and they do not fit together: a request for beta evicts alpha (its
+    sleep gives the memory back), beta starts; the next request for alpha evicts beta and wakes alpha from sleep."""
+    swapping = Deployment(
+        tmp_path, extra={**one_machine(tmp_path), "vllm.gpu_memory_utilization": 0.5},
+        each={"alpha": {"on_demand": {"idle_timeout_s": 600.0, "park": "sleep"}}, "beta": {"on_demand": {"idle_timeout_s": 600.0}}},
+    )
+    try:
+        beta = swapping.start("beta", serving=False)
+        swapping.wait_state("beta", "parked")
+        alpha = swapping.start("alpha")
+        with httpx.Client(base_url=swapping.url, timeout=120) as client:
+            for model in ("alpha", "beta", "alpha"):
+                answered(client, model)
+        decisions = [line.split("gb10d-front: ", 1)[1].split(":")[0] for line in swapping.front.out.texts() if re.search(r"gb10d-front: (waking|evicting)", line)]
+        assert decisions == ["evicting alpha to make room for beta", "waking beta", "evicting beta to make room for alpha", "waking alpha"], decisions
+        assert starts(alpha.lines) == 1, "alpha was woken from sleep, never started cold"
+        assert not [line for line in alpha.own_lines() if "not waking vLLM" in line or "does not fit" in line], alpha.tail()
+        assert starts(beta.lines) == 1
+        swapping.wait_state("beta", "parked")
+    finally:
+        swapping.close()

@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gb10d.core.statefile import DaemonState, read_state
+from gb10d.core.statefile import DaemonState
+from gb10d.machine.statefile import read_state
 from gb10d.daemon.lab import wait_until
 from harness import free_port
 from test_front import Deployment

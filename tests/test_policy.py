@@ -20,7 +20,8 @@ from gb10d.vllm.events import (
     PortInUse,
     RayWorkerLost,
 )
-from gb10d.core.memory import GIB, Neighbours
+from gb10d.core.memory import Neighbours
+from gb10d.base.units import GIB
 from gb10d.core.outcome import Cause, Failed
 from gb10d.core.policy import (
     GiveUp,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gb10d.core import programs
+from gb10d.machine import programsfile
 from gb10d.base.config import Config
 from gb10d.core.programs import Program, Programs, Rejected
 
@@ -42,18 +43,20 @@ def test_falling_back_puts_the_good_program_in_place_of_any_kind() -> None:
 def test_the_record_survives_a_round_trip_and_a_damaged_one_is_empty(tmp_path: Path) -> None:
     path = programs.programs_file(tmp_path / "lib" / "state.toml")
     assert path == tmp_path / "lib" / "state.programs.toml"
-    assert programs.load(path) == Programs()
+    assert programsfile.load(path) == Programs()
     record = Programs(GOOD, "t0", Rejected(Program("/opt/vllm-new", "venv", None), "crash", "t1"))
-    programs.save(path, record)
-    assert programs.load(path) == record
+    programsfile.save(path, record)
+    assert programsfile.load(path) == record
+    assert path.stat().st_mode & 0o777 == 0o644, "readable by the operators gb10d status shows it to"
+    assert [p.name for p in path.parent.iterdir()] == [path.name], "no temporary left beside it"
     path.write_text("[good\n")
-    assert programs.load(path) == Programs()
+    assert programsfile.load(path) == Programs()
 
 
 def test_a_venvs_packages_hash_changes_with_what_is_installed(tmp_path: Path) -> None:
     site = tmp_path / "lib" / "python3.12" / "site-packages"
-    assert programs.packages_hash(tmp_path) is None
+    assert programsfile.packages_hash(tmp_path) is None
     (site / "vllm-0.33.0.dist-info").mkdir(parents=True)
-    before = programs.packages_hash(tmp_path)
+    before = programsfile.packages_hash(tmp_path)
     (site / "vllm-0.33.0.dist-info").rename(site / "vllm-0.34.0.dist-info")
-    assert before is not None and programs.packages_hash(tmp_path) not in (None, before)
+    assert before is not None and programsfile.packages_hash(tmp_path) not in (None, before)

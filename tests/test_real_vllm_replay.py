@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.core import programs
+from gb10d.machine import programsfile
 from gb10d.base.command import Tunables
 from gb10d.base.config import Config
 from gb10d.vllm.events import EngineDied, Event, Failure, FreeMemoryShort, RayWorkerLost, StartupCompleted
@@ -256,11 +256,11 @@ def test_a_real_candidate_venv_that_cannot_import_vllm_gives_way_to_the_real_goo
 
 @pytest.mark.parametrize("name", UPGRADES)
 def test_the_real_upgrade_kept_the_good_venv_and_the_rejected_candidate(name: str) -> None:
-    record = programs.load(UPGRADES[name].fixtures / "programs.toml")
+    record = programsfile.load(UPGRADES[name].fixtures / "programs.toml")
     assert record.good is not None and record.rejected is not None
     # After 0.23.0-to-0.26.0 the 0.26.0 venv is the good one: its package hash is the one the 0.26.0-only run recorded.
     assert (record.good.path, record.good.kind, record.good.vllm_version) == ("/opt/vllm-0.26.0", "venv", "0.26.0")
-    only = programs.load(UPGRADE_FIXTURES / "programs.toml").good
+    only = programsfile.load(UPGRADE_FIXTURES / "programs.toml").good
     assert only is not None and record.good.packages == only.packages
     assert record.rejected.program.path == "/opt/vllm-broken" and record.rejected.program.vllm_version is None
     assert record.rejected.failure == "crash: ModuleNotFoundError: No module named 'vllm'"

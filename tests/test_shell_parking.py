@@ -14,7 +14,8 @@ import pytest
 from gb10d.base.errors import EXIT_OK
 from gb10d.core.budget import Stage
 from gb10d.core.facts import ParkAsked, WakeAsked
-from gb10d.core.statefile import DaemonState, read_state
+from gb10d.core.statefile import DaemonState
+from gb10d.machine.statefile import read_state
 from gb10d.machine.ledger import read_ledger
 
 from harness import Setup

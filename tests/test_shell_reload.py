@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gb10d.base.errors import EXIT_MEMORY_NOT_RETURNED
+from gb10d.machine.statefile import read_state
 
 from harness import Setup
 from shell_support import Script, Shell, VirtualClock, finish, healthy_start, run_virtual, start_shell
@@ -110,8 +111,19 @@ def test_a_reload_that_restarts_vllm_waits_for_its_memory_as_a_failure_does(tmp_
             setup.write_meminfo(setup.free_gib - 10, setup.free_gib - 10)
             setup.served_name = "renamed"
             shell.reload()
+            seen: set[tuple[str, str | None]] = set()
+
+            def sample() -> bool:
+                record = read_state(setup.state_file)
+                if record is not None and record.state is not None:
+                    seen.add((record.state.value, record.phase))
+                return shell.task.done()
+
+            await shell.until(sample, "gb10d exited")
             assert await shell.exit_status() == EXIT_MEMORY_NOT_RETURNED
             assert len(shell.launcher.argvs) == 1
+            # While it waits for the memory, the front's hold reason is "restarting", not the last start's "ready 6/6".
+            assert ("restarting", None) in seen and not any(state != "serving" and phase == "ready" for state, phase in seen), seen
             assert shell.said(r"^<3>gb10d: memory was not returned after vLLM exited")
         finally:
             await finish(shell)

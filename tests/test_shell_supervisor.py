@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK
+from gb10d.core.statefile import Progress
+from gb10d.machine.statefile import read_state
 
 from harness import Setup
 from shell_support import Script, VirtualClock, corpus, engine_death, finish, healthy_start, run_virtual, start_shell
@@ -319,6 +321,37 @@ def test_a_config_failure_exits_78_without_retry(tmp_path: Path, monkeypatch: py
             assert len(shell.launcher.argvs) == 1
             assert shell.said(expected), shell.own()
             assert shell.notify.count("READY") == 0
+        finally:
+            await finish(shell)
+
+    run_virtual(monkeypatch, main)
+
+
+def test_the_state_file_shows_the_phase_of_the_start_under_way_never_the_one_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first vLLM loads its 6 shards, serves, and its engine dies; the next one is slow to print its first line.
+    setup = Setup(tmp_path, extra={"liveness.health_interval_s": 0.5})
+    slow = Script(HEALTHY, gaps={0: 3.0})  # within startup.stall_timeout_s 5
+
+    async def main(clock: VirtualClock) -> None:
+        shell = await start_shell(setup, [dies_after_serving(2.0), slow], clock)
+        try:
+            await shell.ready()
+            first = read_state(setup.state_file)
+            assert first is not None and first.phase == "ready" and first.progress == Progress(6, 6)
+            seen: list[tuple[str, str | None, Progress | None, str]] = []
+
+            def sample() -> bool:
+                record = read_state(setup.state_file)
+                if record is not None and record.state is not None:
+                    seen.append((record.state.value, record.phase, record.progress, record.status_text or ""))
+                return record is not None and record.phase == "loading_weights"  # the new start's own progress
+
+            await shell.until(sample, "the second start loading its weights")
+            serving = ("serving", "ready", Progress(6, 6))
+            after = [s[:3] for s in seen if s[:3] != serving or not s[3].startswith("serving tiny")]
+            assert after and all(s[0] == "restarting" and s[1] in (None, "spawning", "loading_weights") for s in after), after
+            assert ("restarting", None, None) in after, "between the starts: restarting, no start's phase"
+            assert ("restarting", "spawning", None) in after, "the new start's own phase, while it is under way"
         finally:
             await finish(shell)
 

@@ -20,9 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gb10d.core.memory import GIB, read_meminfo
+from gb10d.base.units import GIB
+from gb10d.machine.memory import read_meminfo
 from gb10d.sim.memory import adjust
-from gb10d.core.statefile import read_state
+from gb10d.machine.statefile import read_state
 from harness import vllm_groups
 from test_front import Deployment, completion
 

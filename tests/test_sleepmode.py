@@ -11,7 +11,8 @@ from gb10d.base.configload import load_config
 from gb10d.base.errors import ConfigError
 from gb10d.core.reload import ConfigSnapshot, diff_configs
 from gb10d.front.core import Readiness, readiness_of, should_park, should_wake
-from gb10d.vllm.sleepmode import GIB, PARK, WAKE, check_failure, control_path, sleep_freed, vllm_env, vllm_flags, wake_refusal
+from gb10d.vllm.sleepmode import PARK, WAKE, check_failure, control_path, sleep_freed, vllm_env, vllm_flags, wake_refusal
+from gb10d.base.units import GIB
 from gb10d.core.statefile import DaemonState, StateRecord
 
 

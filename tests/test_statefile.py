@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from gb10d.core.statefile import PHASE_WRITE_GAP_S, WRITE_EVERY_S, StateRecord, read_state, write_delay, write_state
+from gb10d.core.statefile import PHASE_WRITE_GAP_S, WRITE_EVERY_S, StateRecord, write_delay
+from gb10d.machine.statefile import read_state, write_state
 
 
 def serving_state(**changes: Any) -> StateRecord:

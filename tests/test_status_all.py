@@ -14,9 +14,11 @@ import pytest
 import tomli_w
 
 from gb10d.core.budget import Reservation, Stage
-from gb10d.core.memory import GIB, MemInfo
-from gb10d.core.statefile import DaemonState, StateRecord, write_state
-from gb10d.daemon.status import render, render_all
+from gb10d.core.memory import MemInfo
+from gb10d.base.units import GIB
+from gb10d.core.statefile import DaemonState, StateRecord
+from gb10d.machine.statefile import write_state
+from gb10d.cmdline.status import render, render_all
 
 from harness import meminfo_text
 
@@ -75,7 +77,7 @@ HOLD = textwrap.dedent(
     from pathlib import Path
     from gb10d.core.budget import Stage
     from gb10d.machine.ledger import Booking
-    from gb10d.core.memory import read_meminfo
+    from gb10d.machine.memory import read_meminfo
 
     directory, name, utilization, meminfo = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), Path(sys.argv[4])
     booking = Booking.open(directory, name, "/etc/gb10d/" + name + ".toml", print)

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gb10d.core.statefile import DaemonState, read_state
+from gb10d.core.statefile import DaemonState
+from gb10d.machine.statefile import read_state
 
 from harness import Daemon, NotifySocket, Setup, free_port, vllm_groups
 

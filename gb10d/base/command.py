@@ -360,7 +360,7 @@ HF_CACHE_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_C
 
 
 def model_on_host(config: Config, env: Mapping[str, str]) -> tuple[str, dict[str, str]] | None:
-    """The model and the Hugging Face cache variables as this host finds its files (`memory.safetensors_files` takes them).
+    """The model and the Hugging Face cache variables as this host finds its files (`machine.memory.safetensors_files` takes them).
 
     For a venv that is the model and vLLM's environment as they are. For a
     container it is the host side of the mounts: a local model's directory,

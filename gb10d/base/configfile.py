@@ -9,6 +9,8 @@ depends on the default path.
 
 from __future__ import annotations
 
+import codecs
+import json
 import os
 import re
 import tomllib
@@ -19,6 +21,10 @@ from .errors import ConfigError, ConfigProblem
 
 DEFAULT_CONFIG_PATH = Path("/etc/gb10d.toml")
 CONFIG_ENV = "GB10D_CONFIG"
+
+
+# Byte-order marks of the encodings an editor may save in instead of UTF-8 (UTF-32's first: it begins like UTF-16's).
+_OTHER_ENCODINGS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
 
 
 def default_config_path() -> Path:
@@ -46,8 +52,12 @@ def read_toml(path: Path) -> tuple[dict[str, Any], str]:
         raise ConfigError([ConfigProblem(shown, "", f"permission denied; make it readable by the user running gb10d (uid {os.getuid()})")]) from None
     except OSError as exc:
         raise ConfigError([ConfigProblem(shown, "", f"cannot read: {exc.strerror or exc}")]) from None
+    other = next((name for bom, name in _OTHER_ENCODINGS if raw.startswith(bom)), None)
+    if other is not None:
+        raise ConfigError([ConfigProblem(shown, "", f"is {other} text (it starts with a {other} byte-order mark); save it as UTF-8", line=1)])
     try:
-        text = raw.decode("utf-8")
+        # An editor's UTF-8 byte-order mark is no part of the text: tomllib would call line 1 an invalid statement.
+        text = raw.removeprefix(codecs.BOM_UTF8).decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
         raise ConfigError([ConfigProblem(shown, "", f"not UTF-8 text (invalid byte at offset {exc.start}); is this really a TOML file?", line=line)]) from None
@@ -112,12 +122,30 @@ def locate_key(text: str, dotted: str | tuple[str, ...]) -> int | None:
     return None
 
 
+def dotted_key(parts: tuple[str, ...]) -> str:
+    """A key path as TOML spells it, for messages: bare parts as they are, others quoted (`vllm.env."A B"`, `""`).
+
+    A key that is empty, or holds a space, a dot or a newline, would otherwise vanish from the message, read as two
+    keys, or break the message over two lines.
+    """
+    return ".".join(p if _BARE_KEY.fullmatch(p) else json.dumps(p, ensure_ascii=False) for p in parts)
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
 def _split_dotted(key: str) -> list[str]:
     return [p.strip() for p in re.findall(r'"[^"]*"|\'[^\']*\'|[^.]+', key)]
 
 
 def _unquote(part: str) -> str:
-    if len(part) >= 2 and part[0] == part[-1] and part[0] in "\"'":
+    if len(part) >= 2 and part[0] == part[-1] == '"':
+        # A basic string's escapes (`"\u0014"`, `"a\tb"`) are JSON's, but for TOML's \UXXXXXXXX and \e.
+        try:
+            return str(json.loads(part))
+        except ValueError:
+            return part[1:-1]
+    if len(part) >= 2 and part[0] == part[-1] == "'":
         return part[1:-1]
     return part
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
 from .config import PROGRAM_KEYS, Config
-from .configfile import default_config_path, dropin_dir_for, dropins, locate_key, read_toml
+from .configfile import default_config_path, dotted_key, dropin_dir_for, dropins, locate_key, read_toml
 from .configtable import Table
 from .errors import ConfigError, ConfigProblem
 from .flags import normalize_flag
@@ -229,7 +229,7 @@ class _Layers:
     def problem(self, loc: tuple[str, ...], message: str) -> ConfigProblem:
         index, key = self.where(loc)
         line = locate_key(self.texts[index], key) if loc else None
-        return ConfigProblem(str(self.files[index]), ".".join(loc), message, line=line)
+        return ConfigProblem(str(self.files[index]), dotted_key(loc), message, line=line)
 def _problems_from(exc: ValidationError, layers: _Layers) -> list[ConfigProblem]:
     problems: list[ConfigProblem] = []
     seen: set[tuple[str, str]] = set()

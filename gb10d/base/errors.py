@@ -10,9 +10,14 @@ from dataclasses import dataclass
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
+EXIT_NOT_RUNNING = 3  # `gb10d status`, as LSB's status action: not running
+EXIT_STATUS_UNKNOWN = 4  # `gb10d status`, as LSB's: the state cannot be read
+EXIT_USAGE = 64  # EX_USAGE: the command line is wrong
+EXIT_NO_INPUT = 66  # EX_NOINPUT: a file named on the command line cannot be read
 EXIT_GAVE_UP = 75  # EX_TEMPFAIL: retries exhausted; systemd may try again later
 EXIT_MEMORY_NOT_RETURNED = 76  # EX_PROTOCOL slot: memory stayed taken after vLLM exited
 EXIT_CONFIG = 78  # EX_CONFIG: the unit has RestartPreventExitStatus=78
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C at the terminal
 
 
 class Gb10dError(Exception):
@@ -62,6 +67,14 @@ class SpawnError(Gb10dError):
     """vLLM could not be started at all (missing or non-executable program)."""
 
     exit_status = EXIT_CONFIG
+
+
+class MemInfoError(Gb10dError, ValueError):
+    """A meminfo text lacks a figure gb10d needs."""
+
+
+class LedgerUnavailable(Gb10dError):
+    """The memory ledger's directory cannot be used; the message says why and what fixes it."""
 
 
 class GiveUp(Gb10dError):

@@ -133,3 +133,18 @@ def open_to_everyone(front: FrontSection) -> str | None:
         f"port {port} can use every model; set api_keys (each key e.g. from `openssl rand -hex 24`), or listen on "
         f"127.0.0.1:{port} behind a proxy that authenticates"
     )
+
+
+def socket_differs(front: FrontSection, socket_listens: list[str]) -> str | None:
+    """Why front.listen misleads when gb10d-front.socket listens elsewhere (under systemd the socket's address is the
+    one served; front.listen only when the front runs without it), or None when they agree or there is no socket."""
+    if not socket_listens:
+        return None
+    _, port = front.address
+    ports = {entry.rpartition(":")[2] for entry in socket_listens}
+    if ports == {str(port)}:
+        return None
+    return (
+        f"is {front.listen!r}, but gb10d-front.socket listens on {', '.join(socket_listens)}: under systemd the front serves "
+        "the socket's address; change it with `systemctl edit gb10d-front.socket` (ListenStream=), or set front.listen to match"
+    )

@@ -27,6 +27,9 @@ from .command import container_name
 from .config import Config
 
 INSTANCE_DIR = Path("/etc/gb10d")
+# The package's unit and the system user it runs as (units/gb10d.service).
+MAIN_UNIT = "gb10d.service"
+SYSTEM_USER = "gb10d"
 METRICS_HOST = "127.0.0.1"
 _FIRST_METRICS_PORT = 9401  # 9400 is the main instance's
 _METRICS_PORTS = 99

@@ -21,7 +21,7 @@ from ..base.command import REDACTED, build_argv, container_argv, env_additions, 
 from ..base.config import ClusterSection, MemorySection, VllmSection
 from ..base.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH, default_config_path, dropin_dir_for
 from ..base.configload import LoadedConfig, LoadedFront, front_only, load_config_explained
-from ..base.errors import EXIT_OK, ConfigError, ConfigProblem, Gb10dError, UsageError
+from ..base.errors import EXIT_INTERRUPTED, EXIT_NO_INPUT, EXIT_OK, EXIT_USAGE, ConfigError, ConfigProblem, Gb10dError, UsageError
 from ..base.frontconfig import FrontSection, open_to_everyone
 from ..base.instance import INSTANCE_DIR
 from ..machine.journal import connected_to_journal
@@ -60,7 +60,8 @@ def _toml_value(value: Any) -> str:
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    return json.dumps(value, ensure_ascii=False)
+    # A string, or a value TOML writes as one (the cluster's head_address is an IPv4Address).
+    return json.dumps(value if isinstance(value, str) else str(value), ensure_ascii=False)
 
 
 def _explain(loaded: LoadedConfig | LoadedFront, prefix: str | tuple[str, ...] = "") -> None:
@@ -151,10 +152,14 @@ def _check_front(path: Path, explain: bool) -> int:
 
 
 def _warn_if_open(loaded: LoadedConfig | LoadedFront, front: FrontSection) -> None:
-    """A warning line, located at front.listen, when anyone who reaches the front's port may use every model."""
-    warning = open_to_everyone(front)
-    if warning is not None:
-        _say(f"warning: {loaded.problem('front.listen', warning)}")
+    """A warning line, located at front.listen, when anyone who reaches the front's port may use every model, and
+    when gb10d-front.socket listens on another port than front.listen says."""
+    from ..base.frontconfig import socket_differs
+    from ..machine.service import socket_listens
+
+    for warning in (open_to_everyone(front), socket_differs(front, socket_listens())):
+        if warning is not None:
+            _say(f"warning: {loaded.problem('front.listen', warning)}")
 
 
 def _refuse_what_others_hold(loaded: LoadedConfig, path: Path) -> None:
@@ -174,7 +179,8 @@ def cmd_service_user(args: argparse.Namespace) -> int:
     import pwd
 
     from ..machine.access import group_name
-    from ..machine.service import SYSTEM_USER, dropin_dir, install_user_dropin, systemd_running, unit_for_config, user_dropin
+    from ..machine.service import dropin_dir, install_user_dropin, systemd_running, unit_for_config, user_dropin
+    from ..base.instance import SYSTEM_USER
 
     unit = args.unit or unit_for_config(_config_path(args))
     try:
@@ -248,7 +254,7 @@ def _print_container_command(loaded: LoadedConfig, argv: list[str], with_env: bo
 
 def _print_ray_command(cluster: ClusterSection, vllm: VllmSection) -> dict[str, str]:
     """Print this machine's `ray start` with its interface variables (which interface and why to stderr); those variables."""
-    from ..launch.interfaces import find
+    from ..launch.netifs import find
 
     choice = find(cluster.role, cluster.head_address, cluster.interface)
     print(f"gb10d: cluster {cluster.role}: using {choice.interface.name} ({choice.address}) because {choice.reason}", file=sys.stderr)
@@ -289,8 +295,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
     from ..launch.container import ContainerLauncher
     from ..launch.engine import choose_engine
-    from ..core.statefile import read_state
-    from ..daemon.status import pid_alive
+    from ..machine.statefile import read_state
+    from ..machine.procs import pid_alive
 
     path = _config_path(args).absolute()
     if front_only(path):
@@ -302,7 +308,13 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         raise Gb10dError(f"{path} does not load, so no container of it is removed; gb10d check-config says what to fix") from None
     if config.vllm.image is None:
         return EXIT_OK
-    state = read_state(config.daemon.state_file)
+    try:
+        state = read_state(config.daemon.state_file)
+    except OSError as exc:
+        raise Gb10dError(
+            f"cannot read the state file {config.daemon.state_file} ({exc.strerror or exc}), so whether gb10d runs with {path} "
+            "is unknown and no container of it is removed; run as root or as the gb10d user"
+        ) from None
     if state is not None and state.pid is not None and state.state is not None and not state.state.final and pid_alive(state.pid):
         raise Gb10dError(f"gb10d (pid {state.pid}) is running with {path} and its container is in use; stop it first (systemctl stop gb10d)")
     engine, problem = choose_engine(config.container)
@@ -320,7 +332,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     front, then its queues), after one line saying so: that is what the operator who asks for the status of the
     machine's main config wants to see, where "not running" would be false and a pointer to --all one more command.
     """
-    from ..daemon.status import front_state_file, programs_of, show_all, show_status, state_file_path, status_config
+    from .status import front_state_file, programs_of, show_all, show_status, state_file_path, status_config
 
     named = bool(getattr(args, "config", None) or os.environ.get(CONFIG_ENV))
     if args.state_file and not args.all:
@@ -340,7 +352,7 @@ def _status_of_front(args: argparse.Namespace, named: bool) -> int:
     """`gb10d status [--all]` of the front's own config: every instance (the ledger, else the instances' own state
     files), then the front's queues or that it does not run."""
     from ..base.configload import load_front
-    from ..daemon.status import StateFiles, show_all
+    from .status import StateFiles, show_all
     from ..front.instances import discover
 
     path = _config_path(args)
@@ -383,14 +395,15 @@ def cmd_forget(args: argparse.Namespace) -> int:
 def _forget_candidate(learned_file: Path) -> int:
     """Re-arm the rejected candidate program: the operator fixed it, so the config may run it again."""
     from ..core import programs
+    from ..machine import programsfile
 
     path = programs.programs_file(learned_file)
-    record = programs.load(path)
+    record = programsfile.load(path)
     if record.rejected is None:
         print(f"no candidate was rejected ({path} names none)")
         return EXIT_OK
     try:
-        programs.save(path, programs.forget_candidate(record))
+        programsfile.save(path, programs.forget_candidate(record))
     except OSError as exc:
         raise Gb10dError(f"cannot change {path}: {exc.strerror or exc}; run as root or as the gb10d user") from None
     print(f"forgot the rejection of {record.rejected.program.describe()} ({record.rejected.failure}); "
@@ -426,12 +439,12 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     if args.stall_timeout <= 0:
         print(f"gb10d: --stall-timeout must be > 0 seconds (got {args.stall_timeout:g})", file=sys.stderr)
-        return 64  # EX_USAGE
+        return EXIT_USAGE
     try:
         raw = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
     except OSError as exc:
         print(f"gb10d: cannot read {args.file}: {exc.strerror or exc}", file=sys.stderr)
-        return 66  # EX_NOINPUT
+        return EXIT_NO_INPUT
     result = diagnose(raw.decode("utf-8", "replace"), args.stall_timeout)
     sys.stdout.write(json.dumps(result.to_json()) + "\n" if args.json else result.render())
     return EXIT_OK
@@ -651,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report(exc, args)
         return exc.exit_status
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from ..base.command import CONTAINER_CACHE, CONTAINER_CACHE_ENV
 from ..base.hfcache import cached_snapshot, hub_cache, is_repo_id, weight_files
 from ..vllm.importtoml import Imported
 from ..vllm.shellexpansion import ScriptOwner
-from ..machine.service import MAIN_UNIT, SYSTEM_USER
+from ..base.instance import MAIN_UNIT, SYSTEM_USER
 
 _HUB_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
 # What gb10d.service sets (units/gb10d.service): where the system user keeps models and compile caches.

@@ -32,7 +32,8 @@ from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from typing import Any
 
-from .memory import GIB, MemInfo, Neighbours
+from ..base.units import GIB, gib
+from .memory import MemInfo, Neighbours
 
 
 class Stage(str, Enum):
@@ -43,6 +44,7 @@ class Stage(str, Enum):
     RESTARTING = "restarting"  # between attempts or in a later one: the share stays reserved
     SERVING = "serving"  # its memory shows in /proc/meminfo
     PARKED = "parked"  # on_demand.park = "stop": vLLM stopped, its memory given back; reserves nothing
+    ASLEEP = "asleep"  # on_demand.park = "sleep": vLLM runs asleep, all but its CUDA context given back, until it wakes
 
     @property
     def pending(self) -> bool:
@@ -74,7 +76,7 @@ class Reservation:
     def share(self) -> str:
         """`gb10d@a (49.68 GiB, starting: loading_weights)`."""
         doing = f"{self.stage.value}: {self.phase}" if self.phase and self.phase != self.stage.value else self.stage.value
-        return f"{self.name} ({gib(self.bytes)} GiB, {doing})"
+        return f"{self.name} ({gib(self.bytes)}, {doing})"
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -114,10 +116,6 @@ class Reservation:
             real_use=real_use if isinstance(real_use, int) and not isinstance(real_use, bool) else None,
             waiting_for=tuple(w for w in waiting_for if isinstance(w, str)) if isinstance(waiting_for, list) else (),
         )
-
-
-def gib(value: int) -> str:
-    return f"{value / GIB:.2f}"
 
 
 def share_bytes(utilization: float, total: int, headroom_gib: float) -> int:
@@ -178,9 +176,9 @@ def admit(me: Reservation, others: Sequence[Reservation], mem: MemInfo, when_ful
     need = _need(me, mem)
     if not ahead and me.bytes <= room:
         where = (
-            f"beside the starts of {_names(starts)}: {gib(room)} GiB of MemAvailable {gib(mem.available)} GiB is left for it"
+            f"beside the starts of {_names(starts)}: {gib(room)} of MemAvailable {gib(mem.available)} is left for it"
             if starts
-            else f"in MemAvailable {gib(mem.available)} GiB"
+            else f"in MemAvailable {gib(mem.available)}"
         )
         return Admit(True, tuple(others), f"memory: {need} fits {where}")
     blockers = tuple(sorted([*ahead, *starts], key=lambda o: o.queue_key))
@@ -190,7 +188,7 @@ def admit(me: Reservation, others: Sequence[Reservation], mem: MemInfo, when_ful
         return Admit(
             False,
             tuple(others),
-            f"memory: {need} does not fit in MemAvailable {gib(mem.available)} GiB{beside}, and no other start is left "
+            f"memory: {need} does not fit in MemAvailable {gib(mem.available)}{beside}, and no other start is left "
             "to wait for; the free-memory check decides",
         )
     why = _why(me, starts, ahead, room, mem)
@@ -201,21 +199,21 @@ def admit(me: Reservation, others: Sequence[Reservation], mem: MemInfo, when_ful
         )
     return Wait(
         blockers,
-        f"waiting for memory: needs {gib(me.bytes)} GiB, {gib(max(room, 0))} GiB left beside {_shares(blockers)}",
+        f"waiting for memory: needs {gib(me.bytes)}, {gib(max(room, 0))} left beside {_shares(blockers)}",
         f"{why}; waiting until they serve or stop (memory.when_full = \"wait\")",
     )
 
 
 def _need(me: Reservation, mem: MemInfo) -> str:
     headroom = me.bytes - math.ceil(mem.total * me.utilization)
-    return f"gpu_memory_utilization {me.utilization:g} ({gib(me.bytes - headroom)} GiB + {gib(headroom)} GiB headroom)"
+    return f"gpu_memory_utilization {me.utilization:g} ({gib(me.bytes - headroom)} + {gib(headroom)} headroom)"
 
 
 def _why(me: Reservation, starts: list[Reservation], ahead: list[Reservation], room: int, mem: MemInfo) -> str:
     """The cause and the numbers of a start that may not begin yet."""
     fits = me.bytes <= room
-    where = f"beside the starts of {_shares(starts)}" if starts else f"in MemAvailable {gib(mem.available)} GiB"
-    numbers = f": MemAvailable {gib(mem.available)} GiB leaves {gib(max(room, 0))} GiB" if starts and not fits else ""
+    where = f"beside the starts of {_shares(starts)}" if starts else f"in MemAvailable {gib(mem.available)}"
+    numbers = f": MemAvailable {gib(mem.available)} leaves {gib(max(room, 0))}" if starts and not fits else ""
     head = f"memory: {_need(me, mem)} {'fits' if fits else 'does not fit'} {where}{numbers}"
     if not ahead:
         return head
@@ -278,8 +276,12 @@ def taken_since(then: Sequence[Reservation], now: Sequence[Reservation]) -> int:
     one failed to give back. Counted in full, so that no other start's
     memory is ever taken for a leak (a real leak is still seen when larger).
     """
-    settled = {(o.name, o.pid) for o in then if o.stage is Stage.SERVING}
-    return sum(o.bytes for o in now if o.stage is not Stage.WAITING and (o.name, o.pid) not in settled)
+    settled = {(o.name, o.pid): o.stage for o in then if o.stage in (Stage.SERVING, Stage.ASLEEP)}
+    # One asleep then and awake now took its memory back meanwhile.
+    return sum(
+        o.bytes for o in now
+        if o.stage is not Stage.WAITING and settled.get((o.name, o.pid)) not in (Stage.SERVING, o.stage)
+    )
 
 
 def moved(me: Reservation, now: float, **changes: Any) -> Reservation:

@@ -57,8 +57,8 @@ class Diagnosis:
         return "\n".join(lines) + "\n"
 
 
-def gib(value: float) -> str:
-    """A size in GiB as the summaries write it: no trailing zeros."""
+def as_logged(value: float) -> str:
+    """A figure vLLM logged in GiB, as the summaries write it: no trailing zeros (sizes in bytes: base.units.gib)."""
     return f"{value:g}"
 
 

@@ -25,7 +25,7 @@ import enum
 from dataclasses import dataclass
 
 from ..base.config import MemorySection
-from .memory import GIB
+from ..base.units import GIB, gib
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def judge(room: DriverRoom, now: float, mem_available: int | None, stalled_s: fl
         )
     if mem_available is not None and mem_available < memory.headroom_gib * GIB:
         return Found(
-            Evidence.LOW_MEMORY, f"MemAvailable {mem_available / GIB:.2f} GiB is below memory.headroom_gib {memory.headroom_gib:g}"
+            Evidence.LOW_MEMORY, f"MemAvailable {gib(mem_available)} is below memory.headroom_gib {memory.headroom_gib:g}"
         )
     return stalled(room, now, stalled_s, memory.driver_oom_window_s)
 
@@ -108,7 +108,7 @@ def calm(room: DriverRoom, now: float, mem_available: int | None, loading: bool,
     """Why a line without evidence is only told: the numbers that were looked at."""
     count = sum(1 for t in room.times if now - t < memory.driver_oom_window_s)
     lines = "1 such line" if count == 1 else f"{count} such lines"
-    mem = f"MemAvailable {mem_available / GIB:.2f} GiB" if mem_available is not None else "MemAvailable unreadable"
+    mem = f"MemAvailable {gib(mem_available)}" if mem_available is not None else "MemAvailable unreadable"
     doing = "the load progressing" if loading else "vLLM serving"
     return (
         f"{lines} within {memory.driver_oom_window_s:g} s, {mem}, {doing}: no sign of trouble with it, vLLM keeps running "

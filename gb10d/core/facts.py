@@ -77,6 +77,13 @@ class RestartAsked:
 
 
 @dataclass(frozen=True)
+class SleptUnasked:
+    """The liveness watch of attempt `attempt` found vLLM asleep without gb10d having asked it to sleep: wake it."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
 class KernelSaid:
     """The kernel logged a message of the NVIDIA driver's: it ran out of memory, or an Xid error."""
 
@@ -135,6 +142,7 @@ class ProbeKind(enum.Enum):
     WRONG_NAME = "wrong_name"  # /v1/models does not list the served name clients use
     DEAD = "dead"  # while serving: /health 503, or nothing listens any more
     HUNG = "hung"  # while serving: the engine answers /health but generates nothing
+    ASLEEP = "asleep"  # while serving: vLLM sleeps, and gb10d did not put it to sleep
 
 
 @dataclass(frozen=True)
@@ -169,5 +177,5 @@ class Tick:
     io_bytes: int | None
 
 
-Fact = Union[Stop, Reload, Edited, ParkAsked, WakeAsked, RestartAsked, KernelSaid, ClusterSeen, Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, PullEnded]
+Fact = Union[Stop, Reload, Edited, ParkAsked, WakeAsked, RestartAsked, SleptUnasked, KernelSaid, ClusterSeen, Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, PullEnded]
 AttemptFact = Union[Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, Tick]

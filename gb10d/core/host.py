@@ -8,7 +8,7 @@ there is a ptxas to point at, and they are checked against combinations
 reported to fail, kept as data in `KNOWN_BAD` so that a new report is one
 more entry.
 
-Everything is pure except `read_host_facts`, which reads the files and runs
+Everything here is pure: `gb10d.machine.host` reads the files and runs
 `ptxas --version`.
 """
 
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from .memory import meminfo_fields
+
 # sm_121a first appeared in the CUDA 12.9 toolkit's ptxas.
 PTXAS_MIN_RELEASE = (12, 9)
-DRIVER_VERSION = Path("/proc/driver/nvidia/version")
 
 _RELEASE = re.compile(r"release (\d+)\.(\d+)")
 _DRIVER = re.compile(r"NVRM version: .*?\s(\d+\.\d+(?:\.\d+)?)\s")
@@ -104,13 +104,9 @@ def driver_version(text: str) -> str | None:
 
 def cma(meminfo: str) -> tuple[int | None, int | None]:
     """CmaTotal and CmaFree of a /proc/meminfo text, in KiB (None where absent)."""
-    fields: dict[str, int] = {}
-    for line in meminfo.splitlines():
-        name, _, rest = line.partition(":")
-        words = rest.split()
-        if name in ("CmaTotal", "CmaFree") and words and words[0].isdigit():
-            fields[name] = int(words[0])
-    return fields.get("CmaTotal"), fields.get("CmaFree")
+    fields = meminfo_fields(meminfo)
+    total, free = fields.get("CmaTotal"), fields.get("CmaFree")
+    return (total // 1024 if total is not None else None), (free // 1024 if free is not None else None)
 
 
 def ptxas_release(version_output: str) -> tuple[int, int] | None:
@@ -126,35 +122,3 @@ def ptxas_candidates(env: Mapping[str, str]) -> list[Path]:
     candidates.append(Path("/usr/local/cuda/bin/ptxas"))
     candidates += [Path(d) / "ptxas" for d in env.get("PATH", "").split(os.pathsep) if d]
     return candidates
-
-
-# --- reading them ------------------------------------------------------------------
-
-
-def read_host_facts(meminfo_path: Path, vllm_env: Mapping[str, str], driver_path: Path = DRIVER_VERSION) -> HostFacts:
-    """This machine's facts now; a source that cannot be read leaves its fact None."""
-    try:
-        text = driver_path.read_text(errors="replace")
-    except OSError:
-        text = ""
-    driver = driver_version(text)
-    try:
-        total, free = cma(meminfo_path.read_text(errors="replace"))
-    except OSError:
-        total, free = None, None
-    return HostFacts(os.uname().release, driver, total, free, _find_ptxas(vllm_env), open_modules(text) if driver else None)
-
-
-def _find_ptxas(env: Mapping[str, str]) -> str | None:
-    """The first candidate that runs and is new enough to know sm_121a."""
-    for path in ptxas_candidates(env):
-        if not (path.is_file() and os.access(path, os.X_OK)):
-            continue
-        try:
-            result = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        release = ptxas_release(result.stdout)
-        if release is not None and release >= PTXAS_MIN_RELEASE:
-            return str(path)
-    return None

@@ -19,6 +19,10 @@ The rules that matter, each a table test:
 - a liveness verdict of "dead" waits `EXIT_GRACE_S` for an exit to explain
   it, since a killed server closes its port a moment before it can be
   reaped;
+- a serving vLLM found asleep, though gb10d did not put it to sleep
+  (someone called /sleep on its port), is said in one line and woken where
+  gb10d parks it by sleep (it knows how to wake and check it), else
+  stopped and started again: asleep, it holds every request unanswered;
 - the NVIDIA driver's out-of-memory line is told and counted, and stops
   vLLM only with evidence beside it (`driveroom`): a burst, MemAvailable
   below the headroom, a stalled load, an engine that stops answering;
@@ -46,6 +50,7 @@ from ..base.levels import PRIORITY_ERR, PRIORITY_WARNING
 from .outcome import Cause, Failed, describe_exit
 from .phases import Phase, StartupState, advance, describe, enter, note_io, note_pull, start, status_text
 from .policy import classify
+from ..vllm.sleepmode import sleeps
 
 # How much longer than the stall timeout systemd waits after each sign of progress:
 # gb10d's own stall detection must always fire first.
@@ -133,6 +138,12 @@ class LivenessFailed:
 
 
 @dataclass(frozen=True)
+class WakeUnasked:
+    """vLLM sleeps, and gb10d did not ask it to: wake it as a parked one is woken (weights, reload_weights,
+    kv_cache, then a check generation); a wake that cannot be trusted starts it cold."""
+
+
+@dataclass(frozen=True)
 class XidSeen:
     """The NVIDIA driver reported an Xid error: counted by its number."""
 
@@ -154,7 +165,7 @@ class Finish:
 
 
 Action = Union[
-    Extend, ShowPhase, Say, Observe, StartReadiness, BecomeReady, ProcessExited, LivenessFailed, XidSeen, DriverOomSeen, Finish
+    Extend, ShowPhase, Say, Observe, StartReadiness, BecomeReady, ProcessExited, LivenessFailed, WakeUnasked, XidSeen, DriverOomSeen, Finish
 ]
 
 
@@ -354,7 +365,26 @@ def _on_probe(state: AttemptState, probed: Probed, now: float, config: Config) -
         return _liveness_failure(state, probed, hung=True, now=now, config=config)
     if kind is ProbeKind.DEAD and state.ready and state.exit_status is None and state.dead is None:
         return replace(state, dead=probed, dead_at=now), []
+    if kind is ProbeKind.ASLEEP and state.ready and state.exit_status is None and state.dead is None:
+        return state, _asleep_unasked(state, probed, config)
     return state, []
+
+
+def _asleep_unasked(state: AttemptState, probed: Probed, config: Config) -> list[Action]:
+    """vLLM sleeps though gb10d watches it only while it has not put it to sleep: woken where gb10d parks it by sleep,
+    else restarted (gb10d has no checked wake for it)."""
+    v = config.vllm
+    found = (
+        f"vLLM is asleep, and gb10d did not ask it to sleep (someone called /sleep on its port {v.port} directly, "
+        f"not through gb10d or its front): {probed.detail}; asleep, it holds every request unanswered"
+    )
+    fields = (("attempt", state.number),)
+    if sleeps(config):
+        say = Say("slept_unasked", f"{found}: waking it (weights, reload_weights, kv_cache) and checking that it answers", PRIORITY_WARNING, fields)
+        return [say, LivenessFailed(probed.label), WakeUnasked()]
+    say = Say("slept_unasked", f"{found}: stopping its process group and starting it again (gb10d wakes only a vLLM it parks by sleep)", PRIORITY_ERR, fields)
+    failed = Failed(cause=Cause.ENGINE_HUNG, was_ready=True, detail=f"asleep, not asked to by gb10d: {probed.detail}")
+    return [say, LivenessFailed(probed.label), Finish(failed)]
 
 
 def _liveness_failure(state: AttemptState, probed: Probed, hung: bool, now: float, config: Config) -> tuple[AttemptState, list[Action]]:

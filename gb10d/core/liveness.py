@@ -13,7 +13,14 @@ over time, judged by the pure core below:
   must finish within `liveness.probe_timeout_s`, unless tokens flowed
   meanwhile (a probe that is slow because the engine is saturated proves
   nothing);
-- /health 503 or a refused connection means the engine is dead at once.
+- /health 503 or a refused connection means the engine is dead at once;
+- an engine asleep is no hung one: vLLM with sleep mode holds every request
+  while asleep and keeps answering /health and /v1/models 200, so a sleep
+  that gb10d did not ask for (someone called /sleep on vLLM's port) looks
+  like a hang. `vllm:engine_sleep_state` says so on every scrape; where
+  the development endpoints are on (`sleep_checks`), `GET /is_sleeping`
+  is asked before each idle probe and before a hang is called, and either
+  saying asleep is the verdict `Asleep`.
 
 The shell, `probing.watch_liveness`, samples /health and /metrics every
 `liveness.health_interval_s`, runs the idle probe as its own task when the
@@ -33,6 +40,16 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
+SLEEP_STATE = "vllm:engine_sleep_state"  # one sample per sleep_state label: awake, weights_offloaded, discard_all
+_AWAKE = 'sleep_state="awake"'
+# /is_sleeping is a call into the engine core, answered in milliseconds, between two steps at worst; a hung engine
+# does not answer it at all, and waiting the whole probe timeout for that would only delay the hang's verdict.
+SLEEP_CHECK_TIMEOUT_S = 10.0
+
+
+def sleep_check_timeout(limits: LivenessSection) -> float:
+    """How long one GET /is_sleeping may take."""
+    return min(limits.probe_timeout_s, SLEEP_CHECK_TIMEOUT_S)
 _FAMILIES = (RUNNING, WAITING, GENERATION_TOKENS, PROMPT_TOKENS)
 
 
@@ -47,6 +64,7 @@ class MetricsSample:
     waiting: float | None = None
     generation_tokens: float | None = None
     prompt_tokens: float | None = None
+    asleep: bool | None = None  # from vllm:engine_sleep_state; None where vLLM does not report it
 
     @property
     def busy(self) -> bool:
@@ -63,6 +81,7 @@ def parse_metrics(text: str) -> MetricsSample:
     mistaken for zero.
     """
     sums: dict[str, float] = {}
+    awake: list[float] = []
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
@@ -70,7 +89,10 @@ def parse_metrics(text: str) -> MetricsSample:
         name, value = _sample(line)
         if name in _FAMILIES and value is not None:
             sums[name] = sums.get(name, 0.0) + value
-    return MetricsSample(sums.get(RUNNING), sums.get(WAITING), sums.get(GENERATION_TOKENS), sums.get(PROMPT_TOKENS))
+        elif name == SLEEP_STATE and value is not None and _AWAKE in line:
+            awake.append(value)  # awake = 0: that engine sleeps
+    asleep = any(v == 0 for v in awake) if awake else None
+    return MetricsSample(sums.get(RUNNING), sums.get(WAITING), sums.get(GENERATION_TOKENS), sums.get(PROMPT_TOKENS), asleep)
 
 
 def _sample(line: str) -> tuple[str, float | None]:
@@ -120,7 +142,20 @@ class Dead:
     cause: str = "health"
 
 
-Verdict = Union[Alive, Hung, Dead]
+@dataclass(frozen=True)
+class Asleep:
+    """vLLM sleeps, though liveness is watched only while gb10d has not put it to sleep; `evidence` says how it told."""
+
+    evidence: str
+    cause: str = "asleep"
+
+
+@dataclass(frozen=True)
+class AskIfAsleep:
+    """The evidence says hung, but vLLM may only be asleep (it holds every request then): ask /is_sleeping first."""
+
+
+Verdict = Union[Alive, Hung, Dead, Asleep, AskIfAsleep]
 
 
 @dataclass(frozen=True)
@@ -140,6 +175,10 @@ class LivenessState:
     last_probe_done_at: float | None = None
     dead: str | None = None
     probe_words: str = "a 1-token completion"  # what the idle probe is, for the evidence
+    sleep_checks: bool = False  # vLLM's development endpoints are on: /is_sleeping may be asked
+    asleep: str | None = None  # how vLLM was found asleep, once it was
+    sleep_check_sent_at: float | None = None  # a /is_sleeping in flight
+    sleep_checked_at: float | None = None  # when the last answered one was sent
 
     @property
     def generated_at(self) -> float:
@@ -147,9 +186,9 @@ class LivenessState:
         return self.started_at if self.tokens_moved_at is None else self.tokens_moved_at
 
 
-def start(now: float, probe_words: str = "a 1-token completion") -> LivenessState:
-    """The state right after READY: the warm-up request has just proved the engine works."""
-    return LivenessState(started_at=now, probe_words=probe_words)
+def start(now: float, probe_words: str = "a 1-token completion", sleep_checks: bool = False) -> LivenessState:
+    """The state right after READY (or a checked wake): the warm-up request has just proved the engine works."""
+    return LivenessState(started_at=now, probe_words=probe_words, sleep_checks=sleep_checks)
 
 
 def observe_metrics(state: LivenessState, sample: MetricsSample | None, now: float) -> LivenessState:
@@ -166,7 +205,8 @@ def observe_metrics(state: LivenessState, sample: MetricsSample | None, now: flo
     if before is not None and sample.prompt_tokens is not None and sample.prompt_tokens != before:
         moved_at = now  # prompts processed: all a pooling model ever shows
     busy_since = (state.busy_since if state.busy_since is not None else now) if sample.busy else None
-    return replace(state, tokens=tokens, tokens_moved_at=moved_at, sample=sample, sampled_at=now, busy_since=busy_since)
+    asleep = state.asleep or ("vllm:engine_sleep_state says awake 0" if sample.asleep else None)
+    return replace(state, tokens=tokens, tokens_moved_at=moved_at, sample=sample, sampled_at=now, busy_since=busy_since, asleep=asleep)
 
 
 def observe_health(state: LivenessState, result: ProbeResult, now: float) -> LivenessState:
@@ -192,6 +232,36 @@ def observe_probe(state: LivenessState, result: ProbeResult, now: float) -> Live
     )
 
 
+def sleep_check_sent(state: LivenessState, now: float) -> LivenessState:
+    """A GET /is_sleeping is on its way."""
+    return replace(state, sleep_check_sent_at=now)
+
+
+def observe_sleep_check(state: LivenessState, sleeping: bool | None, result: ProbeResult, now: float) -> LivenessState:
+    """/is_sleeping came back: `sleeping` as it answered, None when it did not (a hung engine may not answer it
+    either: that leaves the other evidence to judge)."""
+    sent_at = state.sleep_check_sent_at if state.sleep_check_sent_at is not None else now
+    asleep = state.asleep or (f"GET /is_sleeping answered is_sleeping true in {result.seconds:.2f} s" if sleeping else None)
+    return replace(state, sleep_check_sent_at=None, sleep_checked_at=sent_at, asleep=asleep)
+
+
+def sleep_check_wanted(state: LivenessState, since: float) -> bool:
+    """Whether /is_sleeping must be asked before anything is concluded from evidence that began at `since`: the
+    endpoints are on, none is in flight, and none was sent since."""
+    return state.sleep_checks and state.sleep_check_sent_at is None and not _checked_since(state, since)
+
+
+def _checked_since(state: LivenessState, since: float) -> bool:
+    """A /is_sleeping sent at or after `since` has answered."""
+    return state.sleep_checked_at is not None and state.sleep_checked_at >= since
+
+
+def probe_may_go(state: LivenessState, due: float) -> bool:
+    """Whether the idle probe due at `due` may go now: with the development endpoints on, only once /is_sleeping said
+    awake since it fell due, as a probe sent to a sleeping vLLM is only held."""
+    return not state.sleep_checks or (_checked_since(state, due) and not state.asleep)
+
+
 def death(result: ProbeResult, what: str) -> str | None:
     """Why an answer proves the engine dead (503, or nothing listens), or None."""
     if result.status == 503 and result.reason != ADMISSION_REFUSED:
@@ -202,18 +272,31 @@ def death(result: ProbeResult, what: str) -> str | None:
 
 
 def verdict(state: LivenessState, now: float, limits: LivenessSection) -> Verdict:
-    """Judge the evidence: dead beats hung, a stuck token counter while busy or an unfinished idle probe is hung."""
+    """Judge the evidence: dead beats asleep beats hung; a stuck token counter while busy or an unfinished idle probe
+    is hung, once /is_sleeping (where it exists) was asked after that evidence began and did not say asleep."""
     if state.dead:
         return Dead(state.dead)
+    if state.asleep:
+        return Asleep(state.asleep)
+    hung, since = _hung(state, now, limits)
+    if hung is None:
+        return Alive()
+    if state.sleep_checks and not _checked_since(state, since):
+        return AskIfAsleep()
+    return hung
+
+
+def _hung(state: LivenessState, now: float, limits: LivenessSection) -> tuple[Hung | None, float]:
+    """The hang the evidence shows, if any, and since when that evidence has been gathered."""
     stuck_since = _stuck_since(state)
     if stuck_since is not None and now - stuck_since >= limits.progress_timeout_s:
-        return Hung(_stuck_evidence(state, stuck_since, now, limits), "hung")
+        return Hung(_stuck_evidence(state, stuck_since, now, limits), "hung"), stuck_since
     sent_at = _unfinished_probe_sent_at(state, now, limits)
     # A probe slowed by a saturated engine is no failure as long as tokens flowed after it was sent;
     # and a probe stuck behind other requests (a long prefill) is for the progress rule to judge.
     if sent_at is not None and state.generated_at <= sent_at and not _others_in_engine(state):
-        return Hung(_probe_evidence(state, sent_at, now, limits), "probe_timeout")
-    return Alive()
+        return Hung(_probe_evidence(state, sent_at, now, limits), "probe_timeout"), sent_at
+    return None, now
 
 
 def _others_in_engine(state: LivenessState) -> bool:

@@ -1,24 +1,23 @@
-"""GB10 unified-memory arithmetic, and the two bits of I/O it needs.
+"""GB10 unified-memory arithmetic.
 
 On GB10 the GPU has no memory of its own: vLLM's startup check compares
 `gpu_memory_utilization * total` with CUDA's free memory, which equals the
 kernel's MemFree, so the page cache (often the model files themselves)
 counts as used. The pure functions here decide whether a utilization fits,
 what the next one should be, and whether memory came back after vLLM
-exited; `read_meminfo` and `evict_page_cache` are the only I/O.
+exited, from figures already read: `gb10d.machine.memory` reads them and
+evicts the page cache.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterable, Mapping
 
-from ..base.hfcache import hub_cache, repo_folder
+from ..base.errors import MemInfoError
+from ..base.units import GIB, gib
 
-GIB = 1024**3
+
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ class Neighbours:
 
     def less(self) -> str:
         """` less 49.68 GiB reserved by the starts of gb10d@a`, or nothing."""
-        return f" less {self.reserved / GIB:.2f} GiB reserved by the starts of {self.reserved_by}" if self.reserved else ""
+        return f" less {gib(self.reserved)} reserved by the starts of {self.reserved_by}" if self.reserved else ""
 
     def beside(self) -> str:
         """`; other gb10d instances here: gb10d@a (...)`, or nothing."""
@@ -84,12 +83,8 @@ class Neighbours:
 ALONE = Neighbours()
 
 
-class MemInfoError(ValueError):
-    """The meminfo text lacks a field gb10d needs."""
-
-
-def parse_meminfo(text: str) -> MemInfo:
-    """Parse /proc/meminfo text (`MemTotal:  127535208 kB` lines)."""
+def meminfo_fields(text: str) -> dict[str, int]:
+    """Every figure of /proc/meminfo text (`MemTotal:  127535208 kB` lines), in bytes."""
     fields: dict[str, int] = {}
     for line in text.splitlines():
         name, _, rest = line.partition(":")
@@ -97,6 +92,12 @@ def parse_meminfo(text: str) -> MemInfo:
         if parts and parts[0].isdigit():
             scale = 1024 if len(parts) > 1 and parts[1].lower() == "kb" else 1
             fields[name.strip()] = int(parts[0]) * scale
+    return fields
+
+
+def parse_meminfo(text: str) -> MemInfo:
+    """Parse /proc/meminfo text: the figures gb10d decides with; MemInfoError when one is missing."""
+    fields = meminfo_fields(text)
     missing = [k for k in ("MemTotal", "MemFree", "MemAvailable") if k not in fields]
     if missing:
         raise MemInfoError(f"meminfo lacks {', '.join(missing)}")
@@ -106,11 +107,6 @@ def parse_meminfo(text: str) -> MemInfo:
         available=fields["MemAvailable"],
         cached=fields.get("Cached", 0),
     )
-
-
-def read_meminfo(path: Path) -> MemInfo:
-    """Read and parse a meminfo file (the real /proc/meminfo, or a test's file)."""
-    return parse_meminfo(path.read_text(encoding="ascii", errors="replace"))
 
 
 def floor2(value: float) -> float:
@@ -212,7 +208,7 @@ class Fragmentation:
 
     def describe(self) -> str:
         return (
-            f"unified memory is fragmented: {self.free / GIB:.2f} GiB free, but only {self.large / GIB:.2f} GiB of it in blocks "
+            f"unified memory is fragmented: {gib(self.free)} free, but only {gib(self.large)} of it in blocks "
             f"of {LARGE_BLOCK // 2**20} MiB or more (/proc/buddyinfo); after long uptimes loads stall or fail like this until "
             "a reboot: reboot recommended"
         )
@@ -250,10 +246,10 @@ class MemoryNotReturned:
     missing: int
 
     def describe(self) -> str:
-        others = f", less {self.taken / GIB:.2f} GiB other gb10d instances' starts took meanwhile" if self.taken else ""
+        others = f", less {gib(self.taken)} other gb10d instances' starts took meanwhile" if self.taken else ""
         return (
             f"memory was not returned after vLLM exited: MemAvailable is {self.now.available_gib:.2f} GiB, "
-            f"was {self.baseline.available_gib:.2f} GiB before it started{others} ({self.missing / GIB:.2f} GiB missing) "
+            f"was {self.baseline.available_gib:.2f} GiB before it started{others} ({gib(self.missing)} missing) "
             "and no vLLM process is left"
         )
 
@@ -272,42 +268,3 @@ def memory_return(
     if waited_s < timeout_s:
         return False
     return MemoryNotReturned(now, baseline, taken, expected.available - now.available)
-
-
-def safetensors_files(model: str, env: Mapping[str, str]) -> list[Path]:
-    """The model's *.safetensors files: a local directory, or its Hugging Face cache snapshot.
-
-    Empty where this process may not look (a home of mode 0750 seen by the
-    service user): the path checks say what is in the way, with the fix.
-    """
-    try:
-        local = Path(model).expanduser()
-        if local.is_dir():
-            return sorted(local.glob("*.safetensors"))
-        hub = hub_cache(env, env.get("HOME") or os.path.expanduser("~"))
-        repo = Path(hub) / repo_folder(model) / "snapshots"
-        return sorted(repo.glob("*/*.safetensors")) if repo.is_dir() else []
-    except OSError:
-        return []
-
-
-def evict_page_cache(files: Iterable[Path]) -> int:
-    """Drop the page cache of `files` with posix_fadvise(DONTNEED); returns the bytes covered.
-
-    Unprivileged and targeted, unlike drop_caches: only the model's own pages
-    go, and only while nothing maps them (gb10d calls this before launching).
-    """
-    covered = 0
-    for path in files:
-        try:
-            fd = os.open(path.resolve(), os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            covered += os.fstat(fd).st_size
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return covered

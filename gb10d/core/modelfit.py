@@ -8,23 +8,19 @@ size, the cache's dtype). This is a lower bound (activations and CUDA
 graphs need more), so a warning from it is never a false alarm; it warns
 and never refuses, since the estimate may miss a model's peculiarity.
 
-`share_warning` decides; `model_on_disk` is the I/O that reads the files.
+`share_warning` decides; `gb10d.machine.memory.model_on_disk` reads the files.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
-from ..base.command import model_on_host
-from ..base.config import Config
-from .memory import safetensors_files
+from ..base.units import gib
 
-GIB = 1 << 30
+
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
@@ -88,48 +84,12 @@ def share_warning(model: ModelOnDisk, utilization: float, total_bytes: int, leng
     if model.weights == 0 or model.weights + kv <= share:
         return None
     need = model.weights + kv
-    said_kv = f" plus the KV cache of one {length}-token sequence ({kv / GIB:.2f} GiB)" if kv else ""
+    said_kv = f" plus the KV cache of one {length}-token sequence ({gib(kv)})" if kv else ""
     fixes = [f"raise vllm.gpu_memory_utilization to at least {math.ceil(need / total_bytes * 100) / 100:g}"] if need < total_bytes else []
     if kv and model.weights < share and per_token:
         fixes.append(f"lower max_model_len to at most {int((share - model.weights) // per_token)}")
     return (
-        f"the share of {utilization:g} ({share / GIB:.2f} GiB of {total_bytes / GIB:.2f} GiB) cannot hold the weights "
-        f"({model.weights / GIB:.2f} GiB on disk){said_kv}: {need / GIB:.2f} GiB; vLLM would load for minutes and then exit "
+        f"the share of {utilization:g} ({gib(share)} of {gib(total_bytes)}) cannot hold the weights "
+        f"({gib(model.weights)} on disk){said_kv}: {gib(need)}; vLLM would load for minutes and then exit "
         f"with no_kv_memory" + (f"; {' or '.join(fixes)}" if fixes else "; the model does not fit this machine")
     )
-
-
-# --- the shell ---------------------------------------------------------------------
-
-
-def share_warning_for(config: Config, env: Mapping[str, str], utilization: float, total_bytes: int) -> str | None:
-    """share_warning for the model `config` names, found on this host through `env` (vLLM's environment)."""
-    model = model_on_disk(model_on_host(config, env))
-    if model is None:
-        return None
-    v = config.vllm
-    return share_warning(model, utilization, total_bytes, v.arg("max-model-len"), v.arg("kv-cache-dtype"))
-
-
-def model_on_disk(located: tuple[str, dict[str, str]] | None) -> ModelOnDisk | None:
-    """The size of the model's safetensors and its config.json, where `command.model_on_host` located them; None when not there."""
-    if located is None:
-        return None
-    files = safetensors_files(*located)
-    if not files:
-        return None
-    weights = 0
-    for file in files:
-        try:
-            weights += file.stat().st_size
-        except OSError:
-            return None
-    return ModelOnDisk(weights, _read_config(files[0].parent / "config.json"))
-
-
-def _read_config(path: Path) -> Mapping[str, Any]:
-    try:
-        loaded = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return loaded if isinstance(loaded, dict) else {}

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 
-from ..vllm.logparse import LineFramer
+from ..vllm.logparse import MAX_LINE_BYTES, LineFramer
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _MONTHS = {name: number for number, name in enumerate(calendar.month_abbr) if name}
@@ -164,9 +164,13 @@ def read_lines(text: str) -> list[Line]:
     """Pasted text as clean logical lines with the time each wrapper gave it."""
     out: list[Line] = []
     physicals = text.replace("\r\n", "\n").split("\n") if "\r\n" in text else text.split("\n")
+    # A runaway line is cut where the daemon's framer cuts it: every pattern below would otherwise scan it whole,
+    # and glued-record splitting would turn 10 MB of junk into hundreds of thousands of lines (seconds, not ms).
+    physicals = [p[:MAX_LINE_BYTES] for p in physicals]
     physicals = [_ANSI.sub("", p) if "\x1b" in p else p for p in physicals]
     physicals = [_ANSI_LEFTOVER.sub("", p) if "m" in p and "[" in p else p for p in physicals]
     for physical in _unwrap([p for p in physicals if not _FENCE.match(p)]):
+        physical = physical[:MAX_LINE_BYTES]  # again: joining a terminal's wrapping may have made one long again
         if _JOURNAL_NOTE.match(physical.strip()):
             continue
         entry = _journal_json(physical) if physical.startswith("{") and '"MESSAGE"' in physical else None

@@ -87,13 +87,6 @@ class StartupState:
     io_bytes: int = 0
     pull: PullProgress | None = None
 
-    @property
-    def load_progress_ratio(self) -> float:
-        """Shards loaded of the total in the current pass (0 before the bar appears, 1 once done)."""
-        if self.shards_total <= 0:
-            return 1.0 if _ORDER[self.phase] > _ORDER[Phase.LOADING_WEIGHTS] else 0.0
-        return min(self.shards_done / self.shards_total, 1.0)
-
 
 def start(now: float) -> StartupState:
     """A fresh state for a new attempt, in preflight."""

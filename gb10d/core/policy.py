@@ -42,7 +42,8 @@ from ..vllm.events import (
 )
 from .host import HostFacts
 from ..vllm.known import issue_for
-from .memory import ALONE, GIB, Neighbours, fitting_utilization, floor2
+from ..base.units import GIB
+from .memory import ALONE, Neighbours, fitting_utilization, floor2
 from .outcome import Cause, Failed
 
 

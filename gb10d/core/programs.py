@@ -10,21 +10,15 @@ so the same candidate is not started again until the operator runs
 `gb10d forget --candidate`. The record lives beside the learned settings
 and survives reboots; a program is its path (or image) with the vLLM
 release its banner named and, for a venv, a hash of its installed
-distributions. The decisions are pure; `load`, `save` and `packages_hash`
-are the only I/O.
+distributions. Everything here is pure: `gb10d.machine.programsfile` reads
+and writes the file and hashes a venv.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import tempfile
-import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
-
-import tomli_w
+from typing import Any, Mapping
 
 from ..base.config import Config, VllmSection
 
@@ -109,25 +103,9 @@ def forget_candidate(programs: Programs) -> Programs:
     return replace(programs, rejected=None)
 
 
-# --- the shell ------------------------------------------------------------------
-
-
 def programs_file(learned_file: Path) -> Path:
     """Where the record is kept: beside the learned settings (`state.toml` -> `state.programs.toml`)."""
     return learned_file.with_name(f"{learned_file.stem}.programs.toml")
-
-
-def packages_hash(venv: Path) -> str | None:
-    """A short hash of the distributions installed in a venv (their dist-info names carry name and version)."""
-    names = sorted(p.name for p in venv.glob("lib/python*/site-packages/*.dist-info"))
-    if not names:
-        return None
-    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
-
-
-def identify(vllm: VllmSection, version: str | None) -> Program:
-    """The program a config runs, with the release it named and (for a venv) what is installed in it."""
-    return Program(program_path(vllm), program_kind(vllm), version, packages_hash(vllm.venv) if vllm.venv is not None else None)
 
 
 def _program(table: Any) -> Program | None:
@@ -140,12 +118,8 @@ def _program(table: Any) -> Program | None:
     )
 
 
-def load(path: Path) -> Programs:
-    """The record; a missing or unreadable one is empty (nothing to go back to, nothing rejected)."""
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        return Programs()
+def from_toml(data: Mapping[str, Any]) -> Programs:
+    """The record from the file's tables; what does not read is left out (nothing to go back to, nothing rejected)."""
     good = data.get("good")
     rejected = data.get("rejected")
     rejected_program = _program(rejected)
@@ -170,17 +144,3 @@ def as_json(programs: Programs) -> dict[str, Any]:
     if programs.rejected is not None:
         data["rejected"] = _table(programs.rejected.program, failure=programs.rejected.failure, at=programs.rejected.at)
     return data
-
-
-def save(path: Path, programs: Programs) -> None:
-    """Replace the record atomically (a temporary file in the same directory, then a rename); raises OSError."""
-    data = as_json(programs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(tomli_w.dumps(data).encode("utf-8"))
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise

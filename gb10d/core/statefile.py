@@ -9,18 +9,15 @@ daemon it describes.
 `StateRecord` is its one schema, shared by the writer (the Reporter) and
 the reader (`gb10d status`). Reading is tolerant: a field
 that is missing or of another type (a file from another gb10d version) is
-left out, never a reason to fail. Times are Unix seconds.
+left out, never a reason to fail. Times are Unix seconds. Writing and
+reading the file is `gb10d.machine.statefile`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 # Readable by operators who are not in the gb10d group: nothing in it is secret.
@@ -36,38 +33,6 @@ def write_delay(phase_changed: bool, since_last_write_s: float) -> float:
     """How long to wait before writing the state file: what is left of PHASE_WRITE_GAP_S for a new phase
     (nothing, normally), else what is left of WRITE_EVERY_S."""
     return max(0.0, (PHASE_WRITE_GAP_S if phase_changed else WRITE_EVERY_S) - since_last_write_s)
-
-
-def write_atomically(path: Path, data: bytes, mode: int, sync_directory: bool = False) -> None:
-    """Replace `path` with `data` so that readers see the old file or the new one, never a part.
-
-    Writes a temporary file in the same directory (created if missing),
-    fsyncs it and renames it over `path`; with `sync_directory` the rename
-    itself is made durable too. Raises OSError, leaving the old file and no
-    temporary behind.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as tmp:
-            tmp.write(data)
-            tmp.flush()
-            os.fchmod(tmp.fileno(), mode)
-            os.fsync(tmp.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        # The rename did not happen: the temporary must not linger beside the real file.
-        try:
-            os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
-        raise
-    if sync_directory:
-        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
 
 
 class DaemonState(str, Enum):
@@ -249,6 +214,17 @@ class StateRecord:
         )
 
 
+def not_running_reason(state: StateRecord | None, alive: bool) -> str | None:
+    """Why the daemon counts as not running, or None when it runs (its pid lives, no final state)."""
+    if state is None:
+        return "no state file"
+    if not alive:
+        return f"pid {state.pid} has exited" if state.pid is not None else "state file names no pid"
+    if state.state is not None and state.state.final:
+        return f"state is {state.state.value}"
+    return None
+
+
 def _num(data: Mapping[str, Any], key: str) -> float | None:
     value = data.get(key)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
@@ -307,30 +283,3 @@ def _cluster(value: Any) -> ClusterRecord | None:
         error=_text(value, "error"),
         nodes=nodes,
     )
-
-
-def write_state(path: Path, state: StateRecord) -> None:
-    """Replace the state file atomically with `state` as JSON, creating its directory if missing.
-
-    Raises OSError (or ValueError for values JSON cannot hold) and leaves the
-    previous file in place; logging that is the caller's job.
-    """
-    data = json.dumps(state.to_json(), indent=1, sort_keys=True, allow_nan=False).encode("utf-8") + b"\n"
-    write_atomically(path, data, STATE_FILE_MODE)
-
-
-def read_state(path: Path) -> StateRecord | None:
-    """The state in `path`, or None when there is none (missing, empty or not a JSON object).
-
-    Other OSErrors (permission denied, a directory in its place) propagate,
-    because "cannot read" is not the same answer as "not running".
-    """
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    try:
-        state = json.loads(data)
-    except ValueError:  # includes bytes that are not UTF-8
-        return None
-    return StateRecord.from_json(state) if isinstance(state, dict) else None

@@ -39,7 +39,7 @@ from ..vllm.events import (
 from ..vllm.kernel import describe as kernel_describe
 from ..vllm.kernel import xid_meaning
 from ..vllm.known import by_name, issue_for
-from .diagnosis import Diagnosis, gib, sentence
+from .diagnosis import Diagnosis, as_logged, sentence
 from .outcome import Cause, Failed
 from .policy import GiveUp, History, Retry, next_attempt
 from .starts import STOP_EXCEPTIONS, Attempt
@@ -97,7 +97,7 @@ def _kv_cache(event: KvCacheInsufficient, scene: _Scene) -> Diagnosis:
     return Diagnosis(
         "kv_cache_insufficient", facts, sentence(decision.message),
         f"The KV cache cannot hold one request of max_model_len {event.max_model_len}"
-        + (f": it needs {gib(event.needed_gib)} GiB, {gib(event.available_gib)} GiB are available."
+        + (f": it needs {as_logged(event.needed_gib)} GiB, {as_logged(event.available_gib)} GiB are available."
            if event.needed_gib is not None and event.available_gib is not None else "."),
     )
 
@@ -120,7 +120,7 @@ def _cuda_oom(event: CudaOutOfMemory, scene: _Scene) -> Diagnosis:
     if current_util is not None:
         lower = _lowered(_what_gb10d_does(Cause.CUDA_OOM, event, current_util, attempt.model, attempt.port), lower)
     where = " while loading the weights" if event.during_load else ""
-    tried = f" allocating {gib(event.tried_gib)} GiB" if event.tried_gib is not None else ""
+    tried = f" allocating {as_logged(event.tried_gib)} GiB" if event.tried_gib is not None else ""
     return Diagnosis(
         "cuda_oom", facts,
         f"{lower} A lower vllm.args.max_model_len helps too; on GB10 also check what else uses the shared memory.",
@@ -229,8 +229,8 @@ def _free_memory(event: FreeMemoryShort, scene: _Scene) -> Diagnosis:
             parts += [warning] if warning else []
     return Diagnosis(
         "free_memory", facts, " ".join(sentence(p) for p in parts if p),
-        f"vLLM refused to start: free memory {gib(event.free_gib)} of {gib(event.total_gib)} GiB is below "
-        f"gpu_memory_utilization {event.requested_utilization:g} ({gib(event.requested_gib)} GiB).",
+        f"vLLM refused to start: free memory {as_logged(event.free_gib)} of {as_logged(event.total_gib)} GiB is below "
+        f"gpu_memory_utilization {event.requested_utilization:g} ({as_logged(event.requested_gib)} GiB).",
     )
 
 

@@ -20,7 +20,7 @@ from ..base.command import Tunables, shell_line
 from ..base.config import Config
 from ..base.errors import GiveUp, SpawnError
 from ..vllm.events import Event, Failure, GraphsProgressed, ShardsProgressed
-from ..core.facts import AttemptFact, Exited, ExitSeen, Fact, Parsed, ProbeKind, Probed, Tick
+from ..core.facts import AttemptFact, Exited, ExitSeen, Fact, Parsed, ProbeKind, Probed, SleptUnasked, Tick
 from ..machine.journal import Journal
 from ..base.levels import PRIORITY_DEBUG, PRIORITY_ERR, PRIORITY_INFO
 from ..core.lifecycle import Action, AttemptState
@@ -226,6 +226,9 @@ class Attempt:
                 self._became_ready(action)
             elif isinstance(action, lifecycle.ProcessExited):
                 self.reporter.vllm_down()
+            elif isinstance(action, lifecycle.WakeUnasked):
+                self.pause_liveness()  # its watch has ended with that verdict; a checked wake resumes it
+                self._post(SleptUnasked(self.serial))  # parking wakes it, as it wakes a vLLM parked by sleep
             elif isinstance(action, lifecycle.Finish):
                 await self.kill()
                 outcome = action.outcome
@@ -251,7 +254,10 @@ class Attempt:
         """Watch a serving vLLM from now on (after ready, and after a checked wake)."""
         if self.config.liveness.enabled and self._liveness is None:
             self._liveness = asyncio.create_task(
-                watch_liveness(self.prober, self.config.liveness, self._post_probe, model=self.config.vllm.served_names[0], probe=self._probe())
+                watch_liveness(
+                    self.prober, self.config.liveness, self._post_probe, model=self.config.vllm.served_names[0], probe=self._probe(),
+                    sleep_checks=sleeps(self.config),
+                )
             )
             self._tasks.append(self._liveness)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..core import learned, programs
+from ..machine import programsfile
 from ..base.command import Tunables
 from ..base.config import Config
 from ..base.configload import load_config
@@ -90,7 +91,7 @@ class ConfigKeeper:
                 PRIORITY_ERR,
             )
             return None
-        diff = judge_reload(str(self.path), self.snapshot, new, programs.load(self.programs_file), requested)
+        diff = judge_reload(str(self.path), self.snapshot, new, programsfile.load(self.programs_file), requested)
         if isinstance(diff, ReloadRefused):
             for line in diff.lines:
                 say("reload_invalid", line, PRIORITY_ERR)
@@ -113,11 +114,11 @@ class ConfigKeeper:
 
     def is_candidate(self) -> bool:
         """Whether this start runs another program than the last known good one."""
-        return programs.is_candidate(self.config, programs.load(self.programs_file))
+        return programs.is_candidate(self.config, programsfile.load(self.programs_file))
 
     def avoid_rejected(self) -> None:
         """At gb10d's start: a config that runs the rejected candidate starts the good program instead."""
-        record = programs.load(self.programs_file)
+        record = programsfile.load(self.programs_file)
         if record.good is None or record.rejected is None or not programs.is_rejected(self.config, record):
             return
         self.snapshot = replace(self.snapshot, config=programs.fall_back(self.config, record.good))
@@ -135,9 +136,9 @@ class ConfigKeeper:
         The settings that served under the good program in this run come back
         with it; after a restart of gb10d only the program changes.
         """
-        record = programs.load(self.programs_file)
+        record = programsfile.load(self.programs_file)
         assert record.good is not None
-        candidate = programs.identify(self.config.vllm, version)
+        candidate = programsfile.identify(self.config.vllm, version)
         self._save(programs.reject(record, candidate, failure, _now()))
         back = self.served_snapshot
         if back is not None and programs.program_path(back.config.vllm) == record.good.path:
@@ -149,7 +150,7 @@ class ConfigKeeper:
 
     def _save(self, record: programs.Programs) -> None:
         try:
-            programs.save(self.programs_file, record)
+            programsfile.save(self.programs_file, record)
         except OSError as exc:
             self.reporter.say("learned_discarded", f"cannot keep the record of vLLM programs in {self.programs_file}: {exc}", PRIORITY_WARNING)
 
@@ -158,8 +159,8 @@ class ConfigKeeper:
         self.remember(tunables)
         self.keep_start_times()
         self.served_snapshot = self.snapshot
-        record = programs.load(self.programs_file)
-        now = programs.identify(self.config.vllm, version)
+        record = programsfile.load(self.programs_file)
+        now = programsfile.identify(self.config.vllm, version)
         if record.good != now:
             self._save(programs.served(record, now, _now()))
         if record.good is not None and record.good.path != now.path:

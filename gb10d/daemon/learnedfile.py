@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..base.config import LOAD_STRATEGIES
 from ..base.errors import Gb10dError
 from ..core.learned import LearnedEntry, LearnedState, learned_values
-from ..core.statefile import write_atomically
+from ..machine.files import write_atomically
 
 # Readable by operators checking what gb10d learned: nothing in it is secret.
 LEARNED_FILE_MODE = 0o644

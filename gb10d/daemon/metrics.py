@@ -38,7 +38,7 @@ PHASES: tuple[str, ...] = tuple(phase.value for phase in Phase)
 # never restart.
 RESTART_CAUSES: tuple[str, ...] = (*(cause.value for cause in Cause if cause not in CONFIG_CAUSES), "node_lost")
 START_REASONS: tuple[str, ...] = ("initial", "reload", *RESTART_CAUSES)
-LIVENESS_CAUSES: tuple[str, ...] = ("health", "hung", "probe_timeout", "engine_dead")
+LIVENESS_CAUSES: tuple[str, ...] = ("health", "hung", "probe_timeout", "engine_dead", "asleep")
 
 # A scrape must not hang on a wedged vLLM: Prometheus' own default timeout is 10 s.
 PROXY_TIMEOUT_S = 2.0

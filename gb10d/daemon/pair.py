@@ -34,7 +34,8 @@ from ..core.cluster import (
 from ..base.config import ClusterSection
 from ..base.errors import EXIT_GAVE_UP, GiveUp
 from ..core.facts import ClusterSeen, Fact
-from ..launch.interfaces import Choice, InterfaceError, find
+from ..launch.interfaces import Choice, InterfaceError
+from ..launch.netifs import find
 from .keeper import ConfigKeeper
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from .loop import Handler, FactLoop

@@ -13,12 +13,13 @@ import time
 from typing import Callable
 
 from .attempt import Attempt
-from ..core.facts import ParkAsked, WakeAsked
+from ..core.facts import ParkAsked, SleptUnasked, WakeAsked
 from ..base.levels import PRIORITY_INFO, PRIORITY_WARNING
 from ..core.memory import MemInfo
 from ..core.outcome import WakeFailed
 from .reporter import Reporter
-from ..vllm.sleepmode import CHECK_PROMPT, CHECK_TOKENS, GIB, PARK, WAKE, awake_line, check_failure, gib, parked_status, wake_refusal
+from ..vllm.sleepmode import CHECK_PROMPT, CHECK_TOKENS, PARK, WAKE, awake_line, check_failure, parked_status, wake_refusal
+from ..base.units import GIB, gib
 from ..core.statefile import DaemonState
 
 # How long one sleep or wake call may take: seconds measured, a minute allowed (a large model's reload from disk).
@@ -38,10 +39,16 @@ class Parking:
         self.reference: str | None = None
         self._attempt: Attempt | None = None
 
-    async def handle(self, fact: ParkAsked | WakeAsked, attempt: Attempt) -> WakeFailed | None:
-        """Park or wake as asked; a park of a sleeping or a wake of an awake vLLM changes nothing."""
+    async def handle(self, fact: ParkAsked | WakeAsked | SleptUnasked, attempt: Attempt) -> WakeFailed | None:
+        """Park or wake as asked; a park of a sleeping or a wake of an awake vLLM changes nothing. A vLLM that
+        someone else put to sleep (SleptUnasked) is woken at once, as a parked one is."""
         if attempt is not self._attempt:  # a new vLLM: awake, and its reference is made anew
             self._attempt, self.asleep, self.reference = attempt, False, None
+        if isinstance(fact, SleptUnasked):
+            # What the sleep gave back, as vLLM's own line said it (a level-1 sleep gives back only the KV cache).
+            self.asleep, self.freed = True, attempt.slept[0] if attempt.slept is not None else 0
+            self.reporter.sleep_state(DaemonState.ASLEEP, "asleep: put to sleep by someone else, not gb10d; waking it")
+            return await self._wake(attempt)
         if not attempt.ready:
             self.reporter.say("park_ignored", f"asked to {'park' if isinstance(fact, ParkAsked) else 'wake'} vLLM while it is not serving yet; nothing done", PRIORITY_INFO)
             return None
@@ -100,7 +107,7 @@ class Parking:
         if problem is not None:
             return self._failed("check_failed", f"the wake looked fine but {problem}")
         seconds = time.monotonic() - started
-        self.asleep = False
+        self.asleep, attempt.slept = False, None  # the next sleep's line is its own
         self.reporter.woke("ok", seconds)
         self.reporter.say("woke", awake_line(seconds), PRIORITY_INFO, wake_seconds=round(seconds, 3))
         attempt.resume_liveness()

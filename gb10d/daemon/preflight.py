@@ -26,16 +26,17 @@ from ..core.budget import Admit, Refuse, Reservation, Stage
 from ..base.command import Tunables, model_on_host
 from ..base.config import Config
 from ..machine.devices import check_gpu_access
-from ..core.host import HostFacts, read_host_facts, warnings
+from ..core.host import HostFacts, warnings
+from ..machine.host import read_host_facts
 from ..base.errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, GiveUp
 from .keeper import ConfigKeeper
 from ..machine.ledger import Booking
 from ..base.levels import PRIORITY_INFO, PRIORITY_WARNING
+from ..base.units import gib
 from ..core.lifecycle import start_time_asked
-from ..core.modelfit import share_warning_for
-from ..core.memory import (
-    MemInfo, MemoryNotReturned, PreflightRefused, evict_page_cache, memory_return, parse_buddyinfo, preflight, read_meminfo, safetensors_files,
-)
+from ..machine.memory import share_warning_for
+from ..core.memory import MemInfo, MemoryNotReturned, PreflightRefused, memory_return, parse_buddyinfo, preflight
+from ..machine.memory import evict_page_cache, read_meminfo, safetensors_files
 from ..machine.procs import processes
 from ..machine.service import unit_name
 from .reporter import Reporter
@@ -174,7 +175,7 @@ class Preflight:
                 covered = evict_page_cache(files)
                 self.reporter.say(
                     "page_cache_evicted",
-                    f"preflight: {decision.reason}; dropped the page cache of {len(files)} files ({covered / 2**30:.2f} GiB)",
+                    f"preflight: {decision.reason}; dropped the page cache of {len(files)} files ({gib(covered)})",
                     PRIORITY_INFO,
                     mem_free_bytes=mem.free,
                     mem_available_bytes=mem.available,
@@ -249,5 +250,5 @@ def top_memory_users(count: int = 3) -> str:
         if rss and rss[0].isdigit():
             users.append((int(rss[0]) * 1024, pid, fields.get("Name", "?").strip()))
     users.sort(reverse=True)
-    shown = ", ".join(f"{name} (pid {pid}) {rss / 2**30:.1f} GiB" for rss, pid, name in users[:count])
+    shown = ", ".join(f"{name} (pid {pid}) {gib(rss, 1)}" for rss, pid, name in users[:count])
     return f"largest processes: {shown}" if shown else "no process information available"

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import httpx
 
 from ..core.facts import ADMISSION_REFUSED, REFUSED, ProbeResult
-from ..vllm.sleepmode import Call
+from ..vllm.sleepmode import IS_SLEEPING, Call
 from ..base.tasks import Probe
 
 
@@ -110,6 +110,17 @@ class Prober:
         """One call to vLLM's development endpoints (sleep mode): level, mode and tags in the query, as vLLM reads them."""
         _, result = await self._request(call.method, call.path, timeout_s, params=list(call.params), json=call.body)
         return result
+
+    async def is_sleeping(self, timeout_s: float) -> tuple[ProbeResult, bool | None]:
+        """GET /is_sleeping (vLLM's development endpoints): whether vLLM sleeps, None when it did not say."""
+        response, result = await self._request(IS_SLEEPING.method, IS_SLEEPING.path, timeout_s)
+        if response is None or not result.ok:
+            return result, None
+        try:
+            sleeping = response.json()["is_sleeping"]
+        except (ValueError, KeyError, TypeError):
+            return ProbeResult(result.status, "unexpected /is_sleeping body", result.seconds), None
+        return result, sleeping if isinstance(sleeping, bool) else None
 
     async def generate(self, model: str, prompt: str, max_tokens: int, timeout_s: float) -> str | None:
         """The text of a deterministic completion, or None when there is no good answer."""

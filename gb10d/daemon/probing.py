@@ -16,7 +16,11 @@ from typing import Any, Callable, Iterable
 from ..base.config import Config, LivenessSection
 from ..core.facts import ProbeKind, ProbeResult
 from ..core.lifecycle import served_name_problem, waits_for_listen
-from ..core.liveness import Dead, Hung, MetricsSample, death, next_deadline, next_probe_due, observe_health, observe_metrics, observe_probe, parse_metrics, probe_sent, start, verdict
+from ..core.liveness import (
+    AskIfAsleep, Asleep, Dead, Hung, LivenessState, MetricsSample, death, next_deadline, next_probe_due, observe_health, observe_metrics,
+    observe_probe, observe_sleep_check, parse_metrics, probe_may_go, probe_sent, sleep_check_sent, sleep_check_timeout, sleep_check_wanted,
+    start, verdict,
+)
 from .probe import Prober
 from ..base.tasks import Probe
 
@@ -74,18 +78,28 @@ async def watch_liveness(
     *,
     model: str,
     probe: Probe,
+    sleep_checks: bool = False,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """Watch a serving vLLM until the evidence says hung or dead; post that verdict once, then return.
+    """Watch a serving vLLM until the evidence says hung, dead or asleep; post that verdict once, then return.
 
-    Samples (/health, then /metrics) and the idle probe (`probe`; none when
-    its route is None) are tasks of their own, so a request that hangs (which is the very symptom looked for)
-    never stops the others or the clock. Cancelling it cancels them.
+    Samples (/health, then /metrics), the idle probe (`probe`; none when
+    its route is None) and, with `sleep_checks` (vLLM's development
+    endpoints are on), GET /is_sleeping before each idle probe and before a
+    hang is called, are tasks of their own, so a request that hangs (which is
+    the very symptom looked for) never stops the others or the clock.
+    Cancelling it cancels them.
     """
-    state = start(clock(), probe.words)
+    state = start(clock(), probe.words, sleep_checks)
     sampling: asyncio.Task[tuple[ProbeResult, MetricsSample | None]] | None = None
     probing: asyncio.Task[ProbeResult] | None = None
+    checking: asyncio.Task[tuple[ProbeResult, bool | None]] | None = None
     next_sample = state.started_at + limits.health_interval_s
+
+    def check_sleep(state: LivenessState, now: float) -> LivenessState:
+        nonlocal checking
+        checking = asyncio.create_task(prober.is_sleeping(timeout_s=sleep_check_timeout(limits)))
+        return sleep_check_sent(state, now)
 
     async def sample() -> tuple[ProbeResult, MetricsSample | None]:
         health = await prober.health(timeout_s=limits.probe_timeout_s)
@@ -104,7 +118,7 @@ async def watch_liveness(
             sample_at = min(t for t in (next_sample, deadline, due) if t is not None)
             if sampling is None and now >= sample_at:
                 sampling = asyncio.create_task(sample())
-            await _first_of([t for t in (sampling, probing) if t is not None], None if sampling else sample_at - now)
+            await _first_of([t for t in (sampling, probing, checking) if t is not None], None if sampling else sample_at - now)
             now = clock()
             if sampling is not None and sampling.done():
                 health, metrics = sampling.result()
@@ -112,21 +126,32 @@ async def watch_liveness(
                 sampling, next_sample = None, now + limits.health_interval_s
                 due = next_probe_due(state, now, limits) if probe.route else None
                 if probing is None and due is not None and now >= due:
-                    state = probe_sent(state, now)
-                    probing = asyncio.create_task(prober.send(probe, model, timeout_s=limits.probe_timeout_s))
+                    if probe_may_go(state, due):
+                        state = probe_sent(state, now)
+                        probing = asyncio.create_task(prober.send(probe, model, timeout_s=limits.probe_timeout_s))
+                    elif sleep_check_wanted(state, due):
+                        state = check_sleep(state, now)
             elif probing is not None and probing.done():
                 state, probing = observe_probe(state, probing.result(), now), None
+            elif checking is not None and checking.done():
+                result, sleeping = checking.result()
+                state, checking = observe_sleep_check(state, sleeping, result, now), None
             else:
                 continue
             found = verdict(state, now, limits)
-            if isinstance(found, Hung):
+            if isinstance(found, AskIfAsleep) and checking is None:
+                state = check_sleep(state, now)
+            elif isinstance(found, Hung):
                 post(ProbeKind.HUNG, found.evidence, found.cause)
                 return
-            if isinstance(found, Dead):
+            elif isinstance(found, Dead):
                 post(ProbeKind.DEAD, found.reason, found.cause)
                 return
+            elif isinstance(found, Asleep):
+                post(ProbeKind.ASLEEP, found.evidence, found.cause)
+                return
     finally:
-        leftovers = [task for task in (sampling, probing) if task is not None and not task.done()]
+        leftovers = [task for task in (sampling, probing, checking) if task is not None and not task.done()]
         for task in leftovers:
             task.cancel()
         await asyncio.gather(*leftovers, return_exceptions=True)

@@ -32,17 +32,21 @@ from ..machine.journal import Journal
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from ..core.lifecycle import Action, DriverOomSeen, Extend, LivenessFailed, Observe, Say, ShowPhase, XidSeen, kernel_said
 from ..machine.ledger import Booking
-from ..core.memory import MemInfo, read_meminfo
+from ..core.memory import MemInfo
+from ..machine.memory import read_meminfo
 from .metrics import Metrics
 from ..machine.notify import Notifier
 from ..core.eta import PhaseClock, estimate
 from ..core.phases import Phase, StartupState
-from ..core.statefile import DECISIONS_KEPT, ClusterRecord, DaemonState, Decision, LastFailure, Memory, Progress, StateRecord, WRITE_EVERY_S, write_delay, write_state
+from ..core.statefile import DECISIONS_KEPT, ClusterRecord, DaemonState, Decision, LastFailure, Memory, Progress, StateRecord, WRITE_EVERY_S, write_delay
+from ..machine.statefile import write_state
 
 # sd_notify's STATUS= is one line that `systemctl status` shows; longer texts only clutter it.
 STATUS_MAX = 200
 # How long queued alerts get to go out when gb10d exits (a give-up's alert is sent then).
 ALERTS_CLOSE_S = 10.0
+# The states in which a vLLM of this instance has served and runs, awake or asleep (or is being parked by sleep).
+SERVES = frozenset({DaemonState.SERVING, DaemonState.PARKING, DaemonState.ASLEEP, DaemonState.WAKING})
 
 
 class Reporter:
@@ -117,10 +121,18 @@ class Reporter:
     def status(self, text: str, state: DaemonState | None = None) -> None:
         """STATUS= and the state file say `text` (and the daemon is now in `state`, if given)."""
         if state is not None:
-            self.state = state
+            self._enter(state)
         self.status_text = text
         self.notifier.status(text[:STATUS_MAX])
         self.write()
+
+    def _enter(self, state: DaemonState) -> None:
+        """The daemon is in `state` now; once it no longer serves, the phase and progress of the start that served
+        are history: the state file must not show them as the current start's (a hold reason `restarting: ready 4/4`)."""
+        if self.state in SERVES and state not in SERVES:
+            self._startup = None
+            self._cancel_deferred()
+        self.state = state
 
     def reload_begins(self) -> None:
         """systemd hears RELOADING=1: `systemctl reload` waits for the READY=1 that reload_ends sends."""
@@ -160,8 +172,12 @@ class Reporter:
         self.metrics.set_vllm_target(url)
 
     def vllm_down(self) -> None:
-        """No vLLM process answers any more (gb10d_vllm_up 0), before the attempt is over."""
+        """No vLLM process answers any more (gb10d_vllm_up 0), before the attempt is over; if it served, gb10d
+        restarts it now, and the state file says so at once."""
         self.metrics.set_vllm_up(False)
+        if self.state in SERVES:
+            self._enter(DaemonState.RESTARTING)
+            self.write()
 
     def woke(self, result: str, seconds: float | None = None) -> None:
         """A wake from sleep ended with `result` ("ok", or why it is not trusted), in `seconds` when it worked."""
@@ -176,6 +192,8 @@ class Reporter:
         self._number, self._tunables, self._pid, self._baseline = number, tunables, pid, baseline
         self._baseline_at = time.time() if baseline is not None else None
         self._clock, self._attempt_began = PhaseClock(), time.monotonic()
+        self._cancel_deferred()
+        self._startup, self._written_phase = None, None  # this start's phases are its own; the first is shown at once
         self.state = DaemonState.STARTING if number == 1 else DaemonState.RESTARTING
         with self.metrics.batch():
             self.metrics.start_attempt(reason)
@@ -269,7 +287,10 @@ class Reporter:
         which. READY stays: gb10d and vLLM run, and the front wakes vLLM for the next request."""
         self.metrics.set_sleep_state(state.value)
         if self.booking is not None:
-            self.booking.update(phase="" if state is DaemonState.SERVING else text.partition(";")[0])
+            # Asleep until the wake is checked: its memory is not in /proc/meminfo again before that.
+            stage = Stage.ASLEEP if state in (DaemonState.ASLEEP, DaemonState.WAKING) else Stage.SERVING
+            phase = "" if state is DaemonState.SERVING else text.partition(";")[0].removeprefix(f"{stage.value}: ")
+            self.booking.update(stage=stage, phase=phase)
         self.status(text, state)
 
     def parked(self, text: str, share: int, **fields: object) -> None:
@@ -290,8 +311,10 @@ class Reporter:
         self.last_failure = LastFailure(cause, message, action, time.time())
 
     def attempt_over(self) -> None:
-        """The attempt is gone: nothing of it is ready or up any more."""
+        """The attempt is gone: nothing of it is ready or up any more, and the state file shows none of its phases."""
         self._cancel_deferred()
+        if self.state in SERVES and self.state is not DaemonState.PARKING:  # parking by stop ends parked, not restarting
+            self._enter(DaemonState.RESTARTING)
         self._number, self._startup, self._tunables, self._pid, self._baseline = 0, None, None, None, None
         self.ready_at = None
         if self.booking is not None:
@@ -303,6 +326,7 @@ class Reporter:
             self.metrics.set_vllm_up(False)
             if self.config.on_demand is not None:
                 self.metrics.set_sleep_state("")  # no vLLM: neither awake nor asleep
+        self.write()
 
     def stopping(self, what: str) -> None:
         """Shutdown begins: STOPPING=1 with what is being stopped; the state file says stopping."""
@@ -345,7 +369,7 @@ class Reporter:
             started_at=self.started_at,
             updated_at=time.time(),
             state=self.state,
-            phase=startup.phase.value if startup else Phase.EXITED.value,
+            phase=startup.phase.value if startup else None,  # between starts, no start has a phase
             progress=Progress(startup.shards_done, startup.shards_total) if startup and startup.shards_total else None,
             model=v.model,
             served_names=tuple(v.served_names),

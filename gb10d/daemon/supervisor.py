@@ -28,11 +28,14 @@ from ..base.command import Tunables, build_argv
 from ..base.config import Config
 from ..base.errors import EXIT_OK, GiveUp, SpawnError
 from ..vllm.events import DriverOutOfMemory, GpuXid
-from ..core.facts import ClusterSeen, DriverLine, Edited, Exited, Fact, KernelSaid, ParkAsked, Parsed, PullEnded, Pulled, Reload, RestartAsked, Stop, Tick, WakeAsked
+from ..core.facts import (
+    ClusterSeen, DriverLine, Edited, Exited, Fact, KernelSaid, ParkAsked, Parsed, PullEnded, Pulled, Reload, RestartAsked, SleptUnasked, Stop, Tick, WakeAsked,
+)
 from ..core.host import HostFacts
 from ..base.image import PreparedImage
 from .keeper import ConfigKeeper
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
+from ..base.units import gib
 from ..core.lifecycle import start_time_asked
 from .loop import FactLoop
 from ..core.memory import ALONE, MemInfo
@@ -249,7 +252,7 @@ class Supervisor:
                 ended = await self._restart_asked(attempt)
             elif isinstance(fact, (ParkAsked, WakeAsked)) and sleepmode.stops(self.keeper.config):
                 ended = await self._park_by_stop(attempt) if isinstance(fact, ParkAsked) else None
-            elif isinstance(fact, (ParkAsked, WakeAsked)):
+            elif isinstance(fact, (ParkAsked, WakeAsked)) or (isinstance(fact, SleptUnasked) and fact.attempt == attempt.serial):
                 ended = await self.parking.handle(fact, attempt)
                 if ended is not None:
                     await attempt.runtime.stop(self.keeper.config.daemon.stop_timeout_s, self._on_escalate)
@@ -259,7 +262,7 @@ class Supervisor:
                 ended = self.pair.on_view(fact.view, attempt.start.start_view, attempt.runtime.pid, attempt.ready) if self.pair else None
                 if ended is not None:
                     await attempt.kill()
-            elif isinstance(fact, PullEnded) or fact.attempt != attempt.serial:
+            elif isinstance(fact, (PullEnded, SleptUnasked)) or fact.attempt != attempt.serial:
                 continue  # a late fact about an attempt (or a fetch) already over
             else:
                 ended = await attempt.handle(fact)
@@ -278,7 +281,7 @@ class Supervisor:
         share = budget.share_bytes(config.vllm.gpu_memory_utilization, mem.total, config.memory.headroom_gib) if mem else 0
         self.reporter.parked(
             f"{sleepmode.PARKED_STATUS}: vLLM is not running, {config.vllm.served_names[0]} starts when a request for it "
-            f"arrives (on_demand.park = \"stop\"; a start reserves {budget.gib(share)} GiB)", share, reservation_bytes=share,
+            f"arrives (on_demand.park = \"stop\"; a start reserves {gib(share)})", share, reservation_bytes=share,
         )
         while True:
             fact = await self.loop.next(None)

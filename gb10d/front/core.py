@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..core.statefile import DaemonState, StateRecord
-from ..daemon.status import not_running_reason
+from ..core.statefile import not_running_reason
 
 @dataclass(frozen=True)
 class Instance:
@@ -243,8 +243,8 @@ def make_room(wanted: Slot, others: Sequence[Slot], room_bytes: int, total_bytes
     does not fit now waits while another parks, or makes the least recently used idle on-demand model park, one at
     a time until it fits; it waits (bounded by front.hold_timeout_s) when every such model is busy."""
     need = _gib(wanted.need_bytes)
-    if wanted.asleep:
-        return StartIt("a wake from sleep checks its own memory (on_demand.wake_margin_gib)")
+    # A model asleep gave back nearly its whole share (all but its CUDA context), and its wake takes it again: it is
+    # made room for as a stopped one is, by parking another; its wake still checks its own memory.
     room_bytes -= sum(o.need_bytes for o in others if o.waking)
     if wanted.need_bytes <= room_bytes:
         return StartIt(f"it needs {need} GiB, {_gib(room_bytes)} GiB is free")
@@ -265,7 +265,14 @@ def make_room(wanted: Slot, others: Sequence[Slot], room_bytes: int, total_bytes
     if parking:
         return AwaitRoom(f"{short}; waiting for the memory of {', '.join(parking)}, which parks")
     idle = [o for o in running if o.on_demand and o.serving and not o.busy]
+    if not idle and wanted.asleep:
+        # Nothing of gb10d's to park: its wake checks its own memory, and starts vLLM cold when it is short.
+        return StartIt("a wake from sleep checks its own memory (on_demand.wake_margin_gib)")
     if not idle:
+        # What neither gb10d's models nor free memory account for is other programs' (MemAvailable counts it).
+        others_bytes = total_bytes - max(room_bytes, 0) - sum(o.need_bytes for o in running)
+        if not running and others_bytes > 0:
+            return AwaitRoom(f"{short}; no model of gb10d holds memory: other programs hold about {_gib(others_bytes)} GiB (MemTotal less MemAvailable), waiting for them to give it back")
         return AwaitRoom(f"{short}; every model that could make room has requests or is pinned")
     victim = min(idle, key=lambda o: (o.active_at, o.name))
     return Evict(victim.name, f"{short}; parking {victim.name} ({_gib(victim.need_bytes)} GiB), the least recently used idle on-demand model")

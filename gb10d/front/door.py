@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from ..base.configload import load_front
 from ..base.errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_OK, ConfigError
 from ..base.frontconfig import FrontSection
+from ..machine.listenfds import ListenFdsError, listen_sockets, listening_address
 from ..machine.ports import holder_of
 from . import snapshot
 from .instances import Known, api_keys, discover
@@ -45,7 +47,15 @@ from .swaps import Swaps
 # How often each instance's state file is read: a held request goes through at most this long after READY.
 STATE_POLL_S = 0.1
 # Descriptors kept free of clients and upstreams: state files, control sockets, the metrics listener, the journal.
-SPARE_FDS = 64
+SPARE_FDS = 128
+# asyncio accepts up to its `backlog` argument's count of connections at each turn of the loop before any of them is
+# counted (a socket a turn). This many a turn keeps a burst within SPARE_FDS of the cap; the kernel's own queue is
+# set back to LISTEN_BACKLOG, so a burst or a restart still waits there instead of being refused.
+ACCEPT_BATCH = 32
+LISTEN_BACKLOG = 4096
+# At a stop, a connection accepted just before gets this long for its request to arrive; then idle ones close.
+IDLE_GRACE_S = 1.0
+DRAIN_POLL_S = 0.05
 # A request line or one header line longer than this gets 400 (aiohttp's llhttp limits).
 MAX_LINE_BYTES = 65536
 BUSY = (
@@ -85,19 +95,42 @@ def sizes(open_files: int, settings: FrontSection, instances: int) -> tuple[int,
     return clients, per_instance
 
 
+class Server(web.Server):
+    """aiohttp's server, counting its open connections as they come and go: the cap is checked at every accept, and
+    aiohttp's `connections` copies the whole list, which made a burst of thousands of connections cost time
+    quadratic in their number (seconds in which no request was answered)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.open = 0
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        self.open += 1
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        super().connection_lost(handler, exc)
+        self.open -= 1
+
+
+def in_progress(handler: RequestHandler, proxy: Proxy) -> bool:
+    """Whether the connection has a request in progress, its answer being written included: aiohttp's flag spans
+    the write after the handler returns, the proxy's own count the handler; closing it would cut that answer."""
+    return handler in proxy.busy or bool(getattr(handler, "_request_in_progress", False))
+
+
 class Door:
     """The protocol factory before aiohttp's: counts client connections and keeps them under the cap."""
 
-    def __init__(self, server: web.Server, proxy: Proxy, cap: int, journal: FrontJournal) -> None:
+    def __init__(self, server: Server, proxy: Proxy, cap: int, journal: FrontJournal) -> None:
         self.server = server
         self.proxy = proxy
         self.cap = cap
         self.journal = journal
 
     def __call__(self) -> asyncio.BaseProtocol:
-        open_now = [c for c in self.server.connections if c.transport is not None]
-        if len(open_now) >= self.cap:
-            idle = next((c for c in open_now if c not in self.proxy.busy), None)
+        if self.server.open >= self.cap:
+            idle = next((c for c in self.server.connections if c.transport is not None and not in_progress(c, self.proxy)), None)
             if idle is None:
                 self.journal.say(f"answered a new connection 503: all {self.cap} connections have a request in progress (front.max_connections)", 4, cause="cap busy")
                 return Turnaway()
@@ -108,29 +141,14 @@ class Door:
 
 def listen_socket(settings: FrontSection) -> socket.socket:
     """The socket systemd passed (gb10d-front.socket), else one bound to front.listen; OSError when that fails."""
-    passed = systemd_sockets()
+    passed = listen_sockets()
     if passed:
         return passed[0]
     host, port = settings.address
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=4096)
+    sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
-
-
-def systemd_sockets() -> list[socket.socket]:
-    """The listening sockets systemd passed (sd_listen_fds: fds 3.. when LISTEN_PID is ours); the variables are
-    removed so that no child takes them for its own."""
-    pid, count = os.environ.pop("LISTEN_PID", ""), os.environ.pop("LISTEN_FDS", "")
-    os.environ.pop("LISTEN_FDNAMES", None)
-    if not pid.isdigit() or int(pid) != os.getpid() or not count.isdigit():
-        return []
-    out = []
-    for fd in range(3, 3 + int(count)):
-        sock = socket.socket(fileno=fd)
-        sock.setblocking(False)
-        out.append(sock)
-    return out
 
 
 def bind_failure(settings: FrontSection, exc: OSError) -> tuple[str, int]:
@@ -169,6 +187,9 @@ class Front:
     async def run(self) -> int:
         try:
             sock = listen_socket(self.settings)
+        except ListenFdsError as exc:
+            self.journal.say(str(exc), 3)
+            return exc.exit_status
         except OSError as exc:
             line, status = bind_failure(self.settings, exc)
             self.journal.say(line, 3)
@@ -181,13 +202,14 @@ class Front:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(self._loop_error)
         _quiet_aiohttp(self.journal)
-        server = web.Server(
+        server = Server(
             self.proxy.handle, handler_cancellation=True, keepalive_timeout=self.settings.idle_timeout_s,
             max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES, lingering_time=2.0,
         )
-        listener = await loop.create_server(Door(server, self.proxy, self.cap, self.journal), sock=sock, backlog=4096)
+        listener = await loop.create_server(Door(server, self.proxy, self.cap, self.journal), sock=sock, backlog=ACCEPT_BATCH)
+        sock.listen(LISTEN_BACKLOG)
         self.journal.say(
-            f"serving {', '.join(m for w in self.states.watched.values() for m in w.known.instance.models)} on {_address(sock) or self.settings.listen}; "
+            f"serving {', '.join(m for w in self.states.watched.values() for m in w.known.instance.models)} on {listening_address(sock)}; "
             f"up to {self.cap} connections (open-file limit {self.open_files})"
         )
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -213,18 +235,29 @@ class Front:
             for watched in self.states.watched.values():
                 self.states.notify(watched, left=False)
 
-    async def _drain(self, listener: asyncio.Server, server: web.Server) -> None:
-        """Stop accepting, then give the requests in flight and the held ones front.drain_timeout_s."""
+    async def _drain(self, listener: asyncio.Server, server: Server) -> None:
+        """Stop accepting, then give the requests in flight and the held ones front.drain_timeout_s. A connection
+        accepted just before has IDLE_GRACE_S for its request to arrive (it is served, then closed); idle ones are
+        closed after that; each answer from now on closes its connection."""
         listener.close()
         self.page.stopping.set()
         timeout = self.settings.drain_timeout_s
         held = sum(w.held for w in self.states.watched.values())
         self.journal.say(f"stopping: no new connections; {len(self.proxy.busy)} connection(s) with a request in progress ({held} held) get up to {timeout:.0f} s (front.drain_timeout_s)")
-        self.proxy.drain_deadline = time.monotonic() + max(timeout - 1.0, 0.0)
+        started = time.monotonic()
+        self.proxy.drain_deadline = started + max(timeout - 1.0, 0.0)
         for watched in self.states.watched.values():
             self.states.notify(watched, left=False)
-        started = time.monotonic()
-        await server.shutdown(timeout)
+        while time.monotonic() < started + timeout:
+            grace_over = time.monotonic() >= started + IDLE_GRACE_S
+            open_now = [c for c in server.connections if c.transport is not None]
+            for idle in [c for c in open_now if not in_progress(c, self.proxy)] if grace_over else []:
+                idle.force_close()
+            if grace_over and not any(in_progress(c, self.proxy) for c in open_now):
+                break
+            # A short bounded poll: aiohttp tells no event when a connection's last answer is written.
+            await asyncio.sleep(DRAIN_POLL_S)
+        await server.shutdown(1.0)
         self.journal.say(f"stopped after {time.monotonic() - started:.1f} s of draining")
 
     def reload(self) -> None:
@@ -281,14 +314,6 @@ class Front:
         exc = context.get("exception")
         what = f"{type(exc).__name__}: {exc}" if exc is not None else ""
         self.journal.say(f"{context.get('message', 'event loop error')} {what}".strip(), 4, cause=f"loop {type(exc).__name__}")
-
-
-def _address(sock: socket.socket) -> str:
-    try:
-        name = sock.getsockname()
-    except OSError:
-        return ""
-    return f"[{name[0]}]:{name[1]}" if sock.family == socket.AF_INET6 else f"{name[0]}:{name[1]}"
 
 
 class _JournalHandler(logging.Handler):

@@ -23,10 +23,12 @@ import aiohttp
 from aiohttp import web
 
 from ..core import budget
-from ..core.memory import MemInfo, read_meminfo
-from ..core.statefile import StateRecord, read_state
+from ..core.memory import MemInfo
+from ..core.statefile import StateRecord
 from ..daemon.control import ask
 from ..machine.ledger import read_ledger
+from ..machine.memory import read_meminfo
+from ..machine.statefile import read_state
 from ..vllm.sleepmode import control_path
 from . import pagemodel
 from .core import Answer, error

@@ -12,14 +12,13 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..base.units import GIB
 from ..core.budget import Reservation, Stage
 from ..core.eta import of_state
 from ..core.memory import MemInfo
 from ..core.statefile import DaemonState, StateRecord
 from .core import Answer, Readiness, error
 from .routes import ApiKey
-
-GIB = 2**30
 
 # The page's event stream sends the page's data at most this often, and only when it changed ...
 SEND_EVERY_S = 1.0

@@ -114,7 +114,10 @@ class Proxy:
         protocol = request.protocol
         self.busy[protocol] = self.busy.get(protocol, 0) + 1
         try:
-            return await self._handle(request)
+            response = await self._handle(request)
+            if self.drain_deadline is not None:
+                response.force_close()  # the front stops: this connection carries no further request
+            return response
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as exc:  # a defect of the front's own: one line, the client gets 500, the front goes on
@@ -298,7 +301,11 @@ class Proxy:
         """Wait until the instance serves (None), or the answer that refuses the request. The clock is the
         request's own (`exchange.started`): a refusal, a requeue or a restart does not reset it."""
         instance = watched.known.instance
-        self.states.refresh(watched)  # decided on a fresh read, not one up to a poll old
+        if not watched.ready.serving:
+            # A start may have just ended: decided on a fresh read, not one up to a poll old. One that serves is
+            # not read again per request (the poll reads it every 0.1 s, and a request vLLM has not answered when
+            # its instance leaves serving is held again).
+            self.states.refresh(watched)
         limit_s = watched.known.hold_timeout_s or self.settings.hold_timeout_s or 900.0
         room = self.swaps.first_room(watched)
         decision = admit(instance, self.states.current(watched), watched.held, self.settings.queue_limit, self._waited(exchange), limit_s, True, room)
@@ -327,7 +334,7 @@ class Proxy:
                 if watched.held == 0 and watched.ready.serving:
                     self.journal.say(f"released the requests held for {instance.name} after {time.monotonic() - watched.hold_started:.1f} s: it serves")
         if isinstance(decision, Answer):
-            self.journal.say(f"rejected a request for {instance.name} ({decision.status}): {decision.message}", 4, cause=f"rejected {instance.name} {decision.status} {decision.message[:40]}")
+            self.journal.say(f"rejected a request for {instance.name} ({decision.status}): {decision.message}", 4, cause=f"rejected {instance.name} {decision.status}")
             self.metrics.rejected.labels(instance.name, str(decision.status)).inc()
             return decision
         self.metrics.requests.labels(instance.name).inc()
@@ -379,6 +386,9 @@ class Proxy:
             request.raw_headers, request.remote, request.host, watched.known.api_key, strip_credentials=bool(self.keys),
         )
         data: bytes | AsyncIterator[bytes] = exchange.body if exchange.rest is None else self._streamed(exchange)
+        if exchange.rest is not None and request.content_length is not None:
+            # The streamed rest is exactly the client's body: its length goes along (vLLM gets no chunked upload).
+            headers.append((b"content-length", str(request.content_length).encode()))
         sending = asyncio.ensure_future(watched.session.request(
             request.method, self._url(instance, request.raw_path), headers=CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in headers),
             data=data, allow_redirects=False, skip_auto_headers=("Content-Type", "Accept", "Accept-Encoding"),

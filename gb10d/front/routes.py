@@ -111,7 +111,7 @@ def own_answer(
     for card in cards:
         if card["id"] == wanted:
             return Answer(200, card)
-    served = ", ".join(card["id"] for card in cards) or "none"
+    served = ", ".join(sorted(card["id"] for card in cards)) or "none"
     return error(404, f"The model `{wanted}` does not exist. This endpoint serves: {served}.", "NotFoundError")
 
 

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.statefile import write_atomically
-from ..daemon.status import duration
+from ..machine.files import write_atomically
+from ..base.units import duration
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from ..core.statefile import read_state
-from ..daemon.status import pid_alive
+from ..machine.statefile import read_state
+from ..machine.procs import pid_alive
 from .core import Readiness, readiness_of, reconnect_delay_s
 from .instances import Known
 from .journal import FrontJournal

@@ -10,7 +10,7 @@ import asyncio
 import time
 
 from ..core import budget
-from ..core.memory import read_meminfo
+from ..machine.memory import read_meminfo
 from ..daemon.control import ask
 from ..machine.ledger import read_ledger
 from .core import Evict, Room, Slot, StartIt, make_room, should_park, should_wake

@@ -130,10 +130,9 @@ def _reap_adopted(members: list[int], leader: int) -> None:
 
 def _parent(pid: int) -> int | None:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        return int(stat_fields(Path(f"/proc/{pid}"))[1])
     except OSError:
         return None
-    return int(stat[stat.rfind(b")") + 2 :].split()[1])
 
 
 async def _any_exit(pids: list[int], timeout_s: float) -> None:
@@ -165,10 +164,9 @@ def _settle(future: asyncio.Future[None]) -> None:
 
 def _is_zombie(pid: int) -> bool:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        return stat_fields(Path(f"/proc/{pid}"))[0] == b"Z"
     except OSError:
         return True  # gone already: nothing to wait on
-    return stat[stat.rfind(b")") + 2 :].startswith(b"Z")
 
 
 class ProcessGroup:

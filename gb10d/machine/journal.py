@@ -91,6 +91,7 @@ MESSAGE_IDS: dict[str, str] = {
     "wake_failed": "2131134a0eb049dd82f40840b6f3c3b4",
     "park_failed": "e3e0c439f866438ba5222223d9442e38",
     "park_ignored": "5957d2dabf2744b39c1ee64f2b9d78f4",
+    "slept_unasked": "b0fff6f454774467bfad4d5ace31ef47",
     "parked_stopped": "0fb6db7d4c234c74b400ccc5e551d6e6",
     "unparking": "fcd4104011d344b1ab47668ae056fc62",
     "restart_asked": "5bb5f226db564ad3b02417441d355a30",

@@ -29,7 +29,7 @@ from urllib.parse import quote
 
 from ..core import budget
 from ..core.budget import Admit, Refuse, Reservation, Stage, Wait
-from ..base.errors import EXIT_CONFIG, GiveUp
+from ..base.errors import EXIT_CONFIG, GiveUp, LedgerUnavailable
 from ..base.instance import Clash, clashes, instance_of
 from ..core.memory import MemInfo
 from .service import LEDGER_GROUP as GROUP
@@ -44,10 +44,6 @@ LOCK_MODE = 0o664
 
 ErrorHandler = Callable[[str], None]
 NOTHING: Mapping[str, str] = MappingProxyType({})  # an instance that says nothing of what it holds
-
-
-class LedgerUnavailable(Exception):
-    """The ledger directory cannot be used; the message says why and what fixes it."""
 
 
 def record_path(directory: Path, name: str) -> Path:

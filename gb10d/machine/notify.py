@@ -31,6 +31,7 @@ class Notifier:
         self._on_error = on_error or (lambda message: None)
         self._reported: set[str] = set()
         self._notifier: sdnotify.SystemdNotifier | None = None
+        self._status: str | None = None  # the STATUS= systemd last received
         watchdog = os.environ.get("WATCHDOG_USEC")
         watchdog_pid = os.environ.get("WATCHDOG_PID")
         self.watchdog_usec: int | None = None
@@ -76,6 +77,8 @@ class Notifier:
             self._report("send", f"sd_notify failed on {self.socket_path}: {exc}")
             self._notifier = None
             return False
+        if "status" in fields:
+            self._status = _ascii(str(fields["status"]))
         return True
 
     def close(self) -> None:
@@ -89,7 +92,9 @@ class Notifier:
         return self.send(ready=1, status=status)
 
     def status(self, status: str) -> bool:
-        """STATUS=, shown by `systemctl status gb10d`."""
+        """STATUS=, shown by `systemctl status gb10d`; a text systemd already shows is not sent again (False)."""
+        if _ascii(status) == self._status:
+            return False
         return self.send(status=status)
 
     def extend_timeout(self, seconds: float) -> bool:

@@ -30,8 +30,8 @@ from ..core.cluster import ray_program
 from ..base.command import env_additions, read_env_file
 from ..base.configload import LoadedConfig
 from ..base.errors import ConfigError, ConfigProblem
-from ..core.memory import read_meminfo
-from ..core.modelfit import share_warning_for
+from .memory import read_meminfo
+from .memory import share_warning_for
 from .mountcheck import unseen_in_container
 from ..base.hfcache import cached_snapshot, hub_cache, hub_cache_source, is_repo_id, offline, repo_folder, weight_files
 from .service import ServiceContext, ipc_warning, lingering, logind_texts, remove_ipc

@@ -33,3 +33,16 @@ def stat_fields(directory: Path) -> list[bytes]:
     """
     stat = directory.joinpath("stat").read_bytes()
     return stat[stat.rfind(b")") + 2 :].split()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (owned by anyone)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -31,9 +31,8 @@ from pathlib import Path
 
 from .access import Principal, current_principal, group_name, principal
 from ..base.errors import UsageError
+from ..base.instance import MAIN_UNIT, SYSTEM_USER
 
-MAIN_UNIT = "gb10d.service"
-SYSTEM_USER = "gb10d"
 # The group of the memory ledger the instances of a machine share (/run/gb10d-ledger, made by the package's tmpfiles.d).
 LEDGER_GROUP = "gb10d"
 DROPIN_NAME = "50-service-user.conf"
@@ -200,14 +199,21 @@ def this_process(unit: str) -> ServiceContext:
     return ServiceContext(unit, current_principal(), dict(os.environ), Sandbox(), f"this process: systemd does not know {unit}")
 
 
-def _show(unit: str) -> dict[str, str]:
+def socket_listens(unit: str = "gb10d-front.socket") -> list[str]:
+    """The addresses a socket unit listens on as systemd has it (`systemctl show -p Listen`: "[::]:8000 (Stream)"
+    each), drop-ins included; empty without systemd or without the unit."""
+    value = _show(unit, ("Listen",)).get("Listen", "")
+    return [entry.rsplit(" (", 1)[0] for entry in value.split("\n") if entry.strip()] if value else []
+
+
+def _show(unit: str, properties: tuple[str, ...] = _SHOW_PROPERTIES) -> dict[str, str]:
     """The unit's properties from `systemctl show`; empty without systemd."""
     systemctl = shutil.which("systemctl")
     if systemctl is None:
         return {}
     try:
         done = subprocess.run(
-            [systemctl, "show", "-p", ",".join(_SHOW_PROPERTIES), "--", unit],
+            [systemctl, "show", "-p", ",".join(properties), "--", unit],
             capture_output=True, text=True, timeout=_QUERY_TIMEOUT_S, stdin=subprocess.DEVNULL,
         )
     except (OSError, subprocess.TimeoutExpired):

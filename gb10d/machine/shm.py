@@ -22,6 +22,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..base.units import gib
 from .procs import processes
 
 SHM = Path("/dev/shm")
@@ -52,7 +53,7 @@ def describe(removed: list[Segment]) -> str:
     total = sum(s.size for s in removed)
     names = ", ".join(s.name for s in removed[:5]) + (", ..." if len(removed) > 5 else "")
     return (
-        f"removed {len(removed)} shared memory segment{'s' if len(removed) != 1 else ''} ({total / 2**30:.2f} GiB) "
+        f"removed {len(removed)} shared memory segment{'s' if len(removed) != 1 else ''} ({gib(total)}) "
         f"that dead vLLM processes left in {SHM}: {names}"
     )
 

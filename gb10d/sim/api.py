@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -82,6 +84,33 @@ class SimHTTPServer(ThreadingHTTPServer):
         self.console = console
         self.engine_dead = False
         self.routes = routes(ROUTES, config.tasks) + (DEV_ROUTES if config.dev_mode else [])
+        # Set when a SIGTERM aborts the engine's requests: an unanswered one is then never answered (vLLM 0.26's
+        # abort mode), and uvicorn waits for its connection to close before the process exits. `unanswered`: the
+        # connections of the plain (not streamed) completions under way, whose answer has not begun.
+        self.aborting = threading.Event()
+        self.unanswered: set[socket.socket] = set()
+        self.unanswered_lock = threading.Lock()
+
+    def wait_for_unanswered(self) -> None:
+        """uvicorn's shutdown: the connections of requests never answered are waited for until their clients
+        close them (a proxy that keeps one open keeps vLLM's process alive until gb10d's SIGKILL)."""
+        with self.unanswered_lock:
+            if self.unanswered:
+                self.console.uvicorn("Waiting for connections to close. (CTRL+C to force quit)")
+        while True:
+            with self.unanswered_lock:
+                left = list(self.unanswered)
+            if not left:
+                return
+            ready, _, _ = select.select(left, [], [], 1.0)
+            for conn in ready:
+                try:
+                    closed = conn.recv(65536, socket.MSG_PEEK) == b""
+                except OSError:
+                    closed = True
+                if closed:
+                    with self.unanswered_lock:
+                        self.unanswered.discard(conn)
 
     def server_bind(self) -> None:  # the socket is already bound
         pass
@@ -96,6 +125,7 @@ class Handler(BaseHTTPRequestHandler):
     """vLLM's routes, with uvicorn's access log and headers."""
 
     protocol_version = "HTTP/1.1"
+    raw_body = b""  # this request's body, read whole before it is routed
     # uvicorn sets TCP_NODELAY; without it keep-alive answers wait for a delayed ACK (~40 ms).
     disable_nagle_algorithm = True
     server: SimHTTPServer
@@ -126,9 +156,27 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _body(self) -> Any:
+        """The request's JSON (an empty body reads as {}); ValueError when it is not JSON."""
+        return json.loads(self.raw_body or b"{}")
+
+    def _read_body(self) -> bytes:
+        """The whole request body, read before any route answers, as uvicorn reads it whatever the route does with it:
+        a body left in the connection would be parsed as the next request on a kept-alive connection.
+
+        Sized by content-length or sent chunked; ValueError when neither can be read.
+        """
+        if "chunked" in self.headers.get("transfer-encoding", "").lower():
+            parts = []
+            while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                parts.append(self.rfile.read(size))
+                self.rfile.readline()  # the CRLF after each chunk
+            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                pass  # trailers, up to the blank line that ends the request
+            return b"".join(parts)
         length = int(self.headers.get("content-length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        return json.loads(raw or b"{}")
+        if length < 0:
+            raise ValueError(f"content-length {length}")
+        return self.rfile.read(length) if length else b""
 
     def _authorized(self) -> bool:
         keys = self.server.config.api_keys
@@ -148,6 +196,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def _route(self, method: str) -> None:
         path = self.path.split("?", 1)[0]
+        try:
+            self.raw_body = self._read_body()
+        except ValueError:
+            # uvicorn's answer to a request it cannot parse; nothing after it on this connection can be trusted.
+            self.close_connection = True
+            self._send(400, b"Invalid HTTP request received.", "text/plain; charset=utf-8")
+            return
         if not self._authorized():
             self._send(401, _dumps({"error": "Unauthorized"}))
             return
@@ -281,9 +336,17 @@ class Handler(BaseHTTPRequestHandler):
     def _complete(self, pending: Pending, chat: bool, ident: str, name: str, reason: str, prompt_tokens: int) -> None:
         pieces: list[str] = []
         done = False
+        with self.server.unanswered_lock:
+            self.server.unanswered.add(self.connection)
         for first, count, finished in self.tokens(pending):
             pieces += ["" if pending.empty else token_text(first + i) for i in range(count)]
             done = finished
+        if not done and self.server.aborting.is_set():
+            # Aborted by the shutdown: vLLM never answers it, and its connection stays open until the client leaves.
+            self.close_connection = True
+            threading.Event().wait()
+        with self.server.unanswered_lock:
+            self.server.unanswered.discard(self.connection)
         if not done:
             self.error(500, "InternalServerError", "EngineCore encountered an issue. See stack trace (above) for the root cause.")
             return

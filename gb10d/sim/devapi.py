@@ -7,7 +7,7 @@ import json
 import urllib.parse
 from typing import Any, Protocol
 
-# VLLM_SERVER_DEV_MODE=1 adds these (REFERENCE §18); the stand-in simulates the sleep ones and reload_weights.
+# VLLM_SERVER_DEV_MODE=1 adds these (REFERENCE §18); the stand-in simulates the sleep ones, reload_weights and the cache resets (no-ops).
 DEV_ROUTES = [
     ("/reset_prefix_cache", "POST"), ("/reset_mm_cache", "POST"), ("/reset_encoder_cache", "POST"), ("/pause", "POST"),
     ("/resume", "POST"), ("/is_paused", "GET"), ("/collective_rpc", "POST"), ("/server_info", "GET"), ("/sleep", "POST"),
@@ -55,6 +55,9 @@ def dev_route(handler: DevHandler, method: str, path: str) -> bool:
             handler._send(400, _dumps({"detail": "Missing 'method' in request body"}))
             return True
         message = {"t": "rpc", "method": body["method"]}
+    elif path in ("/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache") and method == "POST":
+        handler._send(200, content_type=None)  # the stand-in keeps no cache to reset
+        return True
     else:
         return False
     answer = handler.server.client.control(message)

@@ -311,6 +311,11 @@ class ApiServer:
         self.log("entrypoints/launcher.py:100", "[shutdown] API server: shutdown triggered")
         timeout = self.args.shutdown_timeout
         self.log("entrypoints/launcher.py:116", f"[shutdown] API server: stopping engine client mode={'abort' if not timeout else 'drain'} timeout={timeout}s")
+        if not timeout:
+            from .api import SimHTTPServer
+
+            assert isinstance(server, SimHTTPServer)
+            server.aborting.set()
         if timeout and self.client is not None:
             # --shutdown-timeout: the requests in flight are finished (and still streamed) for up to that long.
             deadline = time.monotonic() + timeout
@@ -359,6 +364,7 @@ class ApiServer:
         self.uvicorn("Shutting down")
         server.shutdown()
         server.socket.close()
+        server.wait_for_unanswered()
         self.uvicorn("Waiting for application shutdown.")
         self.uvicorn("Application shutdown complete.")
         if finished:

@@ -26,7 +26,7 @@ from pathlib import Path
 from ..base.errors import ConfigError, ConfigProblem
 from .compose import import_compose, looks_like_compose
 from .dockerrun import ENGINES, container_command
-from .importtoml import Findings, Imported, import_script_result, render
+from .importtoml import Findings, Imported, import_script_result
 from .servecommand import HARMLESS, STOPPERS, relevant, vllm_command, vllm_start, wrappers
 from .shellexpansion import NAME, Expansion, ScriptOwner, Shell
 from .shellsyntax import Block, Command, group_blocks, split_commands
@@ -104,6 +104,10 @@ def _interpret(shell: Shell, command: Command, result: Findings) -> None:
         if "sudo" in fields[:engine_at]:
             result.notes.append(f"line {line}: sudo not needed: the gb10d user is allowed on the engine's socket instead (see the README, \"vLLM in a container\")")
         wrappers([w for w in fields[:engine_at] if w != "sudo"], line, result)
+        if result.found == 0:
+            # An image or a model from a variable the script never sets is kept as written: say so, as for vllm serve.
+            for expanded in [*expansions, *(e for _, e in assignments)]:
+                _warn_unknowns(result, line, expanded)
         container_command(shell, fields[engine_at:], command, result)
         return
     start = vllm_start(fields)
@@ -217,9 +221,3 @@ def read_script(path: Path) -> tuple[str, str]:
         return raw.decode("utf-8"), shown
     except UnicodeDecodeError:
         raise ConfigError([ConfigProblem(shown, "", "not UTF-8 text; is this really a shell script?")]) from None
-
-
-def import_script_file(path: Path) -> str:
-    """Read a script file (or stdin for `-`) and return the gb10d.toml text of what it says; ConfigError when unreadable."""
-    text, shown = read_script(path)
-    return render(import_script(text, shown), shown)

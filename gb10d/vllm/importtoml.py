@@ -7,12 +7,15 @@ tables, the notes and warnings the operator reads, and the text written out are 
 from __future__ import annotations
 
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import tomli_w
 
 from ..base.command import DRAIN_MARGIN_S
+from ..base.configload import parse_config
+from ..base.errors import ConfigError
 
 
 @dataclass
@@ -108,8 +111,28 @@ def render(imported: Imported, shown: str) -> str:
         "# Tables not written here ([startup], [memory], [restart], [liveness], [metrics], [daemon])",
         "# keep their defaults; the shipped /etc/gb10d.toml describes every key.",
     ]
-    if imported.notes or imported.warnings:
+    warnings = imported.warnings + refusals(imported.data)
+    if imported.notes or warnings:
         header.append("#")
-    header += [f"# note: {n}" for n in imported.notes]
-    header += [f"# warning: {w}" for w in imported.warnings]
+    # A note may quote the script's text, newlines and escapes too: each stays one comment line, or the TOML below breaks.
+    header += [f"# note: {_one_line(n)}" for n in imported.notes]
+    header += [f"# warning: {_one_line(w)}" for w in warnings]
     return "\n".join(header) + "\n\n" + tomli_w.dumps(imported.data)
+
+
+def _one_line(text: str) -> str:
+    """`text` as TOML allows in a comment: its control characters but tab written as escapes (`\\n`, `\\x1b`)."""
+    return _CONTROL.sub(lambda m: {"\n": "\\n", "\r": "\\r"}.get(m.group(), f"\\x{ord(m.group()):02x}"), text)
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def refusals(data: dict[str, Any]) -> list[str]:
+    """What check-config will refuse in these tables as written: a script's value gb10d cannot take (a host with a
+    space, an image from an unset variable) is said, not left for check-config to find."""
+    try:
+        parse_config(data)
+    except ConfigError as exc:
+        return [f"as written, check-config refuses {p.key}: {p.message}" for p in exc.problems]
+    return []

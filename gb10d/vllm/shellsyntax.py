@@ -67,6 +67,7 @@ def split_commands(text: str) -> list[Command]:
     piped = False
     i, n = 0, len(text)
     word_end = -1
+    heredocs: list[str] = []  # the delimiters of the here-documents whose bodies start after this line
 
     def finish(background: bool = False, pipe_next: bool = False) -> None:
         nonlocal current, piped
@@ -88,6 +89,9 @@ def split_commands(text: str) -> list[Command]:
             finish()
             i += 1
             line += 1
+            if heredocs:
+                i, line = _skip_heredocs(text, i, line, heredocs)
+                heredocs = []
             current.line = line
         elif c == "#" and i != word_end:
             end = text.find("\n", i)
@@ -122,6 +126,8 @@ def split_commands(text: str) -> list[Command]:
                     i += 1
                 target_end = _read_word(text, i)
             current.redirects.append(op + ("" if op.endswith("&") else " ") + text[i:target_end])
+            if op.endswith("<<") and not op.endswith("<<<"):
+                heredocs.append(text[i:target_end])
             line += text.count("\n", i, target_end)
             i = target_end
         else:
@@ -131,6 +137,26 @@ def split_commands(text: str) -> list[Command]:
             i = word_end = end
     finish()
     return commands
+
+
+def _skip_heredocs(text: str, i: int, line: int, delimiters: list[str]) -> tuple[int, int]:
+    """Past the bodies of the here-documents that start at `i`: their lines are data for a command, not commands.
+
+    `<<-WORD` also ends at a line of tabs and WORD; quotes around WORD only turn expansion off in the body. A body
+    without its last line runs to the end, as bash reads it. Returns the index and line number after the bodies.
+    """
+    for delimiter in delimiters:
+        tabs = delimiter.startswith("-")
+        word = delimiter.removeprefix("-").replace('"', "").replace("'", "").replace("\\", "")
+        while i < len(text):
+            end = text.find("\n", i)
+            end = len(text) if end < 0 else end
+            body_line = text[i:end]
+            i = end + 1
+            line += 1
+            if (body_line.lstrip("\t") if tabs else body_line) == word:
+                break
+    return min(i, len(text)), line
 
 
 @dataclass

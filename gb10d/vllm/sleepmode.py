@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..base.config import Config
+from ..base.units import GIB, gib
 
-GIB = 1024**3
 
 # The environment and flag that turn sleep mode and its endpoints on.
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
@@ -51,6 +51,8 @@ WAKE = (
     Call("POST", "/collective_rpc", body={"method": "reload_weights"}),
     Call("POST", "/wake_up", (("tags", "kv_cache"),)),
 )
+# Whether vLLM sleeps, asked by the liveness watch: a sleep nobody asked gb10d for holds every request.
+IS_SLEEPING = Call("GET", "/is_sleeping")
 
 
 def control_path(state_file: Path) -> Path:
@@ -79,10 +81,6 @@ def vllm_flags(config: Config) -> tuple[str, ...]:
 
 def vllm_env(config: Config) -> dict[str, str]:
     return dict(DEV_MODE_ENV) if sleeps(config) else {}
-
-
-def gib(value: int) -> str:
-    return f"{value / GIB:.2f} GiB"
 
 
 def wake_refusal(available: int, freed: int, margin: int) -> str | None:

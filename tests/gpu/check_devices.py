@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gb10d.machine.devices import NVIDIA_NODES, check_gpu_access, matches, parse_proc_devices, probe_nodes
-from gb10d.core.host import read_host_facts
+from gb10d.machine.host import read_host_facts
 
 UNITS = Path(__file__).resolve().parents[2] / "units"
 

@@ -14,7 +14,8 @@ import signal
 from pathlib import Path
 
 from harness import meminfo_text, wait_until
-from gb10d.core.memory import GIB, read_meminfo
+from gb10d.base.units import GIB
+from gb10d.machine.memory import read_meminfo
 from gb10d.sim.memory import adjust
 from sim_support import physical_lines
 

@@ -4,10 +4,13 @@ again, a wake without reload_weights answers 200 with empty text, level 1 keeps 
 
 from __future__ import annotations
 
+import json
 import threading
+from http.client import HTTPConnection
 from pathlib import Path
 
-from gb10d.core.memory import GIB, read_meminfo
+from gb10d.base.units import GIB
+from gb10d.machine.memory import read_meminfo
 from gb10d.sim.memory import adjust
 from sim_support import Reply, http
 from test_sim_memory import machine
@@ -116,3 +119,28 @@ def test_a_wake_whose_memory_another_process_took_kills_the_engine(sim, tmp_path
     s.wait_text("EngineCore encountered a fatal error.", stream="stdout")
     s.wait_text("torch.OutOfMemoryError")
     assert http(s.port, "/health").status == 503
+
+
+def test_a_body_sent_to_a_development_route_is_read_so_the_next_request_on_the_connection_is_answered(sim) -> None:  # type: ignore[no-untyped-def]
+    s = sim("m", "--enable-sleep-mode", env=DEV)
+    s.wait_ready()
+    completion = json.dumps({"model": "m", "prompt": "Say something", "max_tokens": 4}).encode()
+    connection = HTTPConnection("127.0.0.1", s.port, timeout=30)
+    try:
+        for method, path, body, chunked in (
+            ("POST", "/wake_up", b'{"tags": ["weights"], "note": "a body vLLM does not read"}', False),
+            ("POST", "/reset_prefix_cache", b'{"reset_running_requests": false}', False),
+            ("POST", "/wake_up", b'{"chunked": true}', True),
+            ("GET", "/is_sleeping", b"{}", False),
+        ):
+            headers = {"content-type": "application/json"}
+            connection.request(method, path, body=iter([body]) if chunked else body, headers=headers, encode_chunked=chunked)
+            first = connection.getresponse()
+            first.read()
+            assert first.status == 200, (path, first.status)
+            connection.request("POST", "/v1/completions", body=completion, headers=headers)  # the same connection, kept alive
+            second = connection.getresponse()
+            assert second.status == 200, (path, second.status, second.read())
+            assert json.loads(second.read())["choices"][0]["text"], path
+    finally:
+        connection.close()

@@ -509,12 +509,12 @@ FRONT_MODELS = {"alpha": 8101, "beta": 8102}
 
 
 def front_before_two_instances(box: Container, utilization: float, extra: str) -> list[str]:
-    """/etc/gb10d.toml with only [front] (127.0.0.1:8090) and gb10d@alpha and @beta serving their own model with
+    """/etc/gb10d.toml with only [front] (127.0.0.1:8000) and gb10d@alpha and @beta serving their own model with
     `extra` (their [on_demand]); returns the instance units. The front serves every /etc/gb10d/*.toml, so the earlier
     tests' instances (all serving qwen-test) go first."""
     set_memory(box, total_gib=121.69, free_gib=115.0)
     box.run("sh", "-c", "rm -f /etc/gb10d/*.toml")
-    box.write("/etc/gb10d.toml", '[front]\nlisten = "127.0.0.1:8090"\nhold_timeout_s = 120.0\n')
+    box.write("/etc/gb10d.toml", '[front]\nlisten = "127.0.0.1:8000"\nhold_timeout_s = 120.0\n')
     for name, port in FRONT_MODELS.items():
         config = sim_config(utilization=utilization, port=port, extra=f'{extra}\n[metrics]\nlisten = ""\n')
         box.write(f"/etc/gb10d/{name}.toml", config.replace('served_model_name = "qwen-test"', f'served_model_name = "{name}"'))
@@ -535,7 +535,7 @@ def test_the_front_swaps_two_on_demand_instances_and_systemctl_tells_the_story(s
 
         for name in ("alpha", "beta", "alpha"):  # each request finds its model parked: three wakes
             supervisor.wait_for(f"{name} to be parked", lambda name=name: parked(name), 120)
-            status, body = http_post(supervisor, "http://127.0.0.1:8090/v1/completions", {"model": name, "prompt": "Hello", "max_tokens": 4})
+            status, body = http_post(supervisor, "http://127.0.0.1:8000/v1/completions", {"model": name, "prompt": "Hello", "max_tokens": 4})
             assert status == 200 and json.loads(body)["model"] == name, (name, status, body)
         supervisor.wait_for("alpha's second wake in its journal", lambda: supervisor.messages("gb10d@alpha.service", mark).count("\nwoke vLLM in") == 2)
         alpha = supervisor.messages("gb10d@alpha.service", mark)
@@ -566,7 +566,7 @@ def test_the_front_evicts_one_stopped_on_demand_model_for_the_other_and_systemct
             shown = supervisor.show(unit, "ActiveState", "StatusText")
             assert shown["ActiveState"] == "active" and shown["StatusText"].startswith("parked: starts on the first request"), (unit, shown)
         for name in ("alpha", "beta", "alpha"):
-            status, body = http_post(supervisor, "http://127.0.0.1:8090/v1/completions", {"model": name, "prompt": "Hello", "max_tokens": 4})
+            status, body = http_post(supervisor, "http://127.0.0.1:8000/v1/completions", {"model": name, "prompt": "Hello", "max_tokens": 4})
             assert status == 200 and json.loads(body)["model"] == name, (name, status, body)
         front = supervisor.messages("gb10d-front.service", mark)
         decisions = [line.split("gb10d-front: ", 1)[1].split(":")[0] for line in front.splitlines() if re.match(r"gb10d-front: (waking|evicting)", line)]

@@ -68,6 +68,7 @@ def test_depends_pins_the_python_minor_the_tree_was_built_for(arch: str, build_d
     depends = [d.strip() for d in field(deb, "Depends").split(",")]
     assert f"python3 (>= {minor}~)" in depends and f"python3 (<< {major}.{int(number) + 1})" in depends, depends
     assert "libc6 (>= 2.17)" in depends, depends
+    assert "libstdc++6" in depends, "frozenlist's extension module (aiohttp's) links libstdc++"
     assert field(deb, "Architecture") == arch
     assert field(deb, "Version") == gb10d_version()
 
@@ -95,7 +96,7 @@ def test_package_ships_config_units_manual_catalog_and_docs_but_no_bytecode(
     assert [path for path in expected if not (root / path).exists()] == []
     assert list((root / "usr/share/doc/gb10d").glob("README.md*")), "README.md (compressed when large)"
     # Debian 12's debhelper installs units in /lib, newer ones in /usr/lib.
-    for unit in ("gb10d.service", "gb10d@.service"):
+    for unit in ("gb10d.service", "gb10d@.service", "gb10d-front.service", "gb10d-front.socket"):
         assert (root / "lib/systemd/system" / unit).exists() or (root / "usr/lib/systemd/system" / unit).exists(), unit
     tree = root / SITE
     assert not list(tree.rglob("__pycache__")) and not list(tree.rglob("*.pyc"))

@@ -1,4 +1,4 @@
-"""The unit files as written in units/: hardening score and the template kept in step."""
+"""The unit files as written in units/: hardening score, the template kept in step, the front's socket and stop timeout."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 from systemd_harness import REPO
 
 UNITS = REPO / "units"
+# [front] drain_timeout_s's default: how long the front finishes its requests after SIGTERM.
+FRONT_DRAIN_S = 30
 
 # What gb10d@.service may do differently from gb10d.service, and nothing else.
 INSTANCE_ONLY = {
@@ -58,7 +60,18 @@ def test_units_restart_on_failure_except_for_config_errors() -> None:
         assert all(section == "Unit" for section, key, _ in unit if key.startswith("StartLimit"))
 
 
-@pytest.mark.parametrize("name", ["gb10d.service", "gb10d@.service"])
+def test_the_front_listens_on_its_socket_and_systemd_waits_out_its_drain() -> None:
+    socket_unit, service = settings("gb10d-front.socket"), settings("gb10d-front.service")
+    assert {("Socket", "ListenStream", "8000"), ("Socket", "FileDescriptorName", "front")} <= socket_unit
+    # Requires= alone would start both at once: a front starting before its socket exists would bind [front] listen.
+    assert {("Unit", "Requires", "gb10d-front.socket"), ("Unit", "After", "gb10d-front.socket")} <= service
+    assert ("Install", "Also", "gb10d-front.socket") in service, "enabling the front must enable its port"
+    assert ("Service", "ExecReload", "/bin/kill -HUP $MAINPID") in service
+    stop_timeout_s = {key: value for section, key, value in service if section == "Service"}["TimeoutStopSec"]
+    assert int(stop_timeout_s) > FRONT_DRAIN_S, "systemd would SIGKILL the front in the middle of its drain"
+
+
+@pytest.mark.parametrize("name", ["gb10d.service", "gb10d@.service", "gb10d-front.service"])
 def test_hardening_scores_4_or_better(name: str) -> None:
     if shutil.which("systemd-analyze") is None:
         pytest.skip("needs systemd-analyze (apt-get install systemd)")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -26,19 +25,20 @@ from ..core.budget import Reservation, Stage
 from ..base.config import Config, MemorySection
 from ..base.configload import load_config, load_front, tables_of
 from ..base.frontconfig import FrontSection
-from ..base.errors import Gb10dError
+from ..base.errors import EXIT_NOT_RUNNING, EXIT_OK, EXIT_STATUS_UNKNOWN, Gb10dError
 from ..machine.ledger import read_ledger
-from ..core.memory import MemInfo, read_meminfo
+from ..core.memory import MemInfo
+from ..machine.memory import read_meminfo
 from ..core.programs import Programs
-from ..core.statefile import StateRecord, read_state
+from ..machine import programsfile
+from ..base.units import duration, gib
+from ..core.statefile import StateRecord, not_running_reason
+from ..machine.procs import pid_alive
+from ..machine.statefile import read_state
 
-EXIT_RUNNING = 0
-EXIT_NOT_RUNNING = 3
-EXIT_UNKNOWN = 4
 
 DEFAULT_STATE_FILE = Path("/run/gb10d/state.json")
 
-_GIB = 1 << 30
 
 
 def status_config(config_path: Path, named: bool) -> Config | None:
@@ -79,55 +79,12 @@ def front_state_file(config_path: Path) -> Path | None:
         return FrontSection().state_file
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (owned by anyone)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def not_running_reason(state: StateRecord | None, alive: bool) -> str | None:
-    """Why the daemon counts as not running, or None when it runs (its pid lives, no final state)."""
-    if state is None:
-        return "no state file"
-    if not alive:
-        return f"pid {state.pid} has exited" if state.pid is not None else "state file names no pid"
-    if state.state is not None and state.state.final:
-        return f"state is {state.state.value}"
-    return None
-
-
 # --- rendering ---------------------------------------------------------------
-
-
-def duration(seconds: float) -> str:
-    """A span the way systemd prints it: `3s`, `5min 12s`, `2h 3min`, `4 days 1h`."""
-    s = max(int(seconds), 0)
-    days, s = divmod(s, 86400)
-    hours, s = divmod(s, 3600)
-    minutes, s = divmod(s, 60)
-    if days:
-        return f"{days} day{'s' if days > 1 else ''} {hours}h"
-    if hours:
-        return f"{hours}h {minutes}min"
-    if minutes:
-        return f"{minutes}min {s}s"
-    return f"{s}s"
 
 
 def _when(at: float, now: float) -> str:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(at))
     return f"{stamp}; {duration(now - at)} ago"
-
-
-def _gib(value: int) -> str:
-    return f"{value / _GIB:.1f} GiB"
 
 
 def _phase_line(state: StateRecord) -> str | None:
@@ -146,8 +103,8 @@ def _memory_line(state: StateRecord, now: float) -> str | None:
         return None
     when = f"{duration(now - state.memory_at)} ago" if state.memory_at is not None else "at an unknown time"
     return (
-        f"{_gib(m.total_bytes)} total, {_gib(m.available_bytes)} available, {_gib(m.free_bytes)} free, "
-        f"{_gib(m.cached_bytes)} page cache (measured {when}, before the attempt started; free -g shows it now)"
+        f"{gib(m.total_bytes, 1)} total, {gib(m.available_bytes, 1)} available, {gib(m.free_bytes, 1)} free, "
+        f"{gib(m.cached_bytes, 1)} page cache (measured {when}, before the attempt started; free -g shows it now)"
     )
 
 
@@ -180,7 +137,7 @@ def _header(state: StateRecord | None, alive: bool, now: float) -> str:
 
 def programs_of(config: Config | None) -> Programs:
     """The record of vLLM programs beside the config's learned settings; empty without a config."""
-    return programs.load(programs.programs_file(config.daemon.learned_file)) if config is not None else programs.NONE
+    return programsfile.load(programs.programs_file(config.daemon.learned_file)) if config is not None else programs.NONE
 
 
 def _program_rows(record: Programs) -> list[tuple[str, str | None]]:
@@ -229,7 +186,7 @@ def render(state: StateRecord | None, now: float, alive: bool, record: Programs 
         rows.append(("Container", f"{state.container} ({state.engine})" if state.engine else state.container))
     rows.append(("Memory", _memory_line(state, now)))
     if state.instance is not None:
-        reserved = f": {_gib(state.reservation_bytes)} reserved" if state.reservation_bytes is not None else ""
+        reserved = f": {gib(state.reservation_bytes, 1)} reserved" if state.reservation_bytes is not None else ""
         rows.append(("Ledger", f"{state.instance}{reserved} in the machine's memory ledger (gb10d status --all shows every instance)"))
     if state.waiting_for:
         rows.append(("Waiting for", ", ".join(state.waiting_for)))
@@ -265,7 +222,7 @@ def as_json(state: StateRecord | None, path: Path, alive: bool) -> dict[str, Any
 # --- the command ----------------------------------------------------------------
 
 
-def _cannot(message: str, where: dict[str, str | None], json_output: bool, out: TextIO, err: TextIO, status: int = EXIT_UNKNOWN) -> int:
+def _cannot(message: str, where: dict[str, str | None], json_output: bool, out: TextIO, err: TextIO, status: int = EXIT_STATUS_UNKNOWN) -> int:
     """No status to show: one JSON object saying why (running unknown), or one `gb10d:` line on stderr."""
     if json_output:
         out.write(json.dumps({"running": None, **where, "error": message}) + "\n")
@@ -290,14 +247,10 @@ def show_status(
         out.write(json.dumps(shown, indent=2, sort_keys=True) + "\n")
     else:
         out.write(render(state, time.time(), alive, record))
-    return EXIT_RUNNING if not_running_reason(state, alive) is None else EXIT_NOT_RUNNING
+    return EXIT_OK if not_running_reason(state, alive) is None else EXIT_NOT_RUNNING
 
 
 # --- every instance of the machine -------------------------------------------------
-
-
-def _gib2(value: int) -> str:
-    return f"{value / _GIB:.2f} GiB"
 
 
 def render_all(records: list[Reservation], mem: MemInfo | None, now: float, directory: Path) -> str:
@@ -313,8 +266,8 @@ def render_all(records: list[Reservation], mem: MemInfo | None, now: float, dire
             r.name,
             r.stage.value,
             r.phase or "-",
-            _gib2(r.bytes),
-            _gib2(r.real_use) if r.real_use is not None else "-",
+            gib(r.bytes),
+            gib(r.real_use) if r.real_use is not None else "-",
             duration(now - r.since),
             ", ".join(r.waiting_for) if r.stage is Stage.WAITING else "",
         )
@@ -326,9 +279,9 @@ def render_all(records: list[Reservation], mem: MemInfo | None, now: float, dire
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in (header, *rows)]
     if mem is not None:
         starting = budget.pending(records)
-        beside = f"; {_gib2(max(budget.left(records, mem), 0))} left for a start beside the reservations of the starts in progress" if starting else ""
+        beside = f"; {gib(max(budget.left(records, mem), 0))} left for a start beside the reservations of the starts in progress" if starting else ""
         lines.append(
-            f"Memory: {_gib2(mem.total)} total, {_gib2(mem.available)} available, {_gib2(mem.free)} free{beside}"
+            f"Memory: {gib(mem.total)} total, {gib(mem.available)} available, {gib(mem.free)} free{beside}"
         )
     return "\n".join(lines) + "\n"
 
@@ -382,7 +335,7 @@ def show_all(
     an instance that runs must never be reported as absent. `states` says
     which: the config's state file (those beside it), or StateFiles.
     """
-    from ..front import snapshot  # the front's module renders with this one's duration()
+    from ..front import snapshot
 
     places = states if isinstance(states, StateFiles) else StateFiles(directory=states.parent)
     if front is None:
@@ -432,7 +385,7 @@ def _show_instances(memory: MemorySection, places: StateFiles, json_output: bool
         out.write(json.dumps(all_as_json(records, mem, now, directory), indent=2, sort_keys=True) + "\n")
     else:
         out.write(render_all(records, mem, now, directory))
-    return EXIT_RUNNING if records else EXIT_NOT_RUNNING
+    return EXIT_OK if records else EXIT_NOT_RUNNING
 
 
 def _running_states(places: StateFiles) -> list[tuple[Path, StateRecord]]:
@@ -468,7 +421,7 @@ def _print_state_files(why: str, places: StateFiles, found: list[tuple[Path, Sta
         out.write(json.dumps(answer, indent=2, sort_keys=True) + "\n")
     else:
         out.write(render_state_files(why, places, found))
-    return EXIT_RUNNING if found else EXIT_NOT_RUNNING
+    return EXIT_OK if found else EXIT_NOT_RUNNING
 
 
 def show_state_files(why: str, places: StateFiles, json_output: bool, out: TextIO, err: TextIO) -> int:
