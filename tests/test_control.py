@@ -1,5 +1,6 @@
-"""The instance's control socket, over a real Unix socket: the front's `park` and `wake` become facts on the
-supervisor's queue; anything else gets a line that says what is understood; a missing socket is no answer."""
+"""The instance's control socket, over a real Unix socket: the front's `park` and `wake` and its page's `restart`
+become facts on the supervisor's queue; anything else gets a line that says what is understood; a pinned instance
+takes only `restart`; a missing socket is no answer."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import stat
 from pathlib import Path
 
 from gb10d.daemon.control import ControlSocket, ask
-from gb10d.core.facts import Fact, ParkAsked, WakeAsked
+from gb10d.core.facts import Fact, ParkAsked, RestartAsked, WakeAsked
 
 
-def test_park_and_wake_are_posted_and_anything_else_is_answered_with_what_is_understood(tmp_path: Path) -> None:
+def test_park_wake_and_restart_are_posted_and_anything_else_is_answered_with_what_is_understood(tmp_path: Path) -> None:
     posted: list[Fact] = []
     path = tmp_path / "run" / "state.sock"
 
@@ -20,13 +21,13 @@ def test_park_and_wake_are_posted_and_anything_else_is_answered_with_what_is_und
         await control.start()
         try:
             assert stat.S_IMODE(path.stat().st_mode) == 0o660
-            return [await ask(path, word) for word in ("park", "wake", "reboot")]
+            return [await ask(path, word) for word in ("park", "wake", "restart", "reboot")]
         finally:
             await control.close()
 
     answers = asyncio.run(scenario())
-    assert answers == ["ok", "ok", "unknown command: say park or wake"]
-    assert posted == [ParkAsked(), WakeAsked()]
+    assert answers == ["ok", "ok", "ok", "unknown command: say park, wake or restart"]
+    assert posted == [ParkAsked(), WakeAsked(), RestartAsked()]
     assert not path.exists(), "the socket goes with its gb10d"
 
 
@@ -45,3 +46,20 @@ def test_a_socket_left_by_a_dead_gb10d_is_replaced_and_a_missing_one_gets_no_ans
         return taken, await ask(path, "park")
 
     assert asyncio.run(scenario()) == ("ok", "")
+
+
+def test_a_pinned_instance_takes_a_restart_and_says_it_is_never_parked_or_woken(tmp_path: Path) -> None:
+    posted: list[Fact] = []
+    path = tmp_path / "state.sock"
+
+    async def scenario() -> list[str]:
+        control = ControlSocket(path, posted.append, on_demand=False)
+        await control.start()
+        try:
+            return [await ask(path, word) for word in ("park", "wake", "restart")]
+        finally:
+            await control.close()
+
+    refused = "unknown command: say restart (without [on_demand] it is never parked or woken)"
+    assert asyncio.run(scenario()) == [refused, refused, "ok"]
+    assert posted == [RestartAsked()]

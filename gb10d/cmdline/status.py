@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..core import budget, programs
+from ..core import budget, eta, programs
 from ..core.budget import Reservation, Stage
 from ..base.config import Config, MemorySection
 from ..base.configload import load_config, load_front, tables_of
@@ -167,6 +167,9 @@ def render(state: StateRecord | None, now: float, alive: bool, record: Programs 
     if state.ready_at is not None and running:
         rows.append(("Ready", f"since {_when(state.ready_at, now)}"))
     rows.append(("Phase", _phase_line(state)))
+    left = eta.of_state(state, now) if running else None
+    if left is not None:
+        rows.append(("Time left", left))
     names = state.served_names
     if state.model is not None:
         rows.append(("Model", f"{state.model} (served as {', '.join(names)})" if names else state.model))

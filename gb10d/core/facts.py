@@ -72,6 +72,11 @@ class WakeAsked:
 
 
 @dataclass(frozen=True)
+class RestartAsked:
+    """The operator asked, over the control socket (the front's page), to restart vLLM: a new start, not a failure."""
+
+
+@dataclass(frozen=True)
 class SleptUnasked:
     """The liveness watch of attempt `attempt` found vLLM asleep without gb10d having asked it to sleep: wake it."""
 
@@ -172,5 +177,5 @@ class Tick:
     io_bytes: int | None
 
 
-Fact = Union[Stop, Reload, Edited, ParkAsked, WakeAsked, SleptUnasked, KernelSaid, ClusterSeen, Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, PullEnded]
+Fact = Union[Stop, Reload, Edited, ParkAsked, WakeAsked, RestartAsked, SleptUnasked, KernelSaid, ClusterSeen, Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, PullEnded]
 AttemptFact = Union[Parsed, DriverLine, ExitSeen, Exited, Probed, Pulled, Tick]

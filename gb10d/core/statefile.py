@@ -84,6 +84,20 @@ class LastFailure:
 
 
 @dataclass(frozen=True)
+class Decision:
+    """One of the daemon's recent journal decisions (`Reporter.say`), for the front's page."""
+
+    at: float
+    priority: int
+    event: str  # the journal's GB10D_EVENT
+    message: str
+
+
+# The state file keeps this many of the latest decisions.
+DECISIONS_KEPT = 50
+
+
+@dataclass(frozen=True)
 class NodeRecord:
     """A machine of the pair's Ray cluster that is up with a GPU."""
 
@@ -140,6 +154,10 @@ class StateRecord:
     image_digest: str | None = None
     container: str | None = None
     engine: str | None = None
+    # The latest decisions the daemon's journal told (at most DECISIONS_KEPT, oldest first).
+    decisions: tuple[Decision, ...] = ()
+    # Seconds per phase of the last complete start of this config (the learned file), for the time-left estimate.
+    last_start: Mapping[str, float] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)  # fields of another gb10d version, passed through
 
     def to_json(self) -> dict[str, Any]:
@@ -149,6 +167,8 @@ class StateRecord:
         data["state"] = self.state.value if self.state is not None else None
         data["served_names"] = list(self.served_names)
         data["waiting_for"] = list(self.waiting_for)
+        data["decisions"] = [asdict(d) for d in self.decisions]
+        data["last_start"] = dict(self.last_start)
         if self.cluster is not None:
             data["cluster"]["nodes"] = [asdict(node) for node in self.cluster.nodes]
         return {**extra, **data}
@@ -188,6 +208,8 @@ class StateRecord:
             image_digest=_text(data, "image_digest"),
             container=_text(data, "container"),
             engine=_text(data, "engine"),
+            decisions=_decisions(data.get("decisions")),
+            last_start=_seconds(data.get("last_start")),
             extra={k: v for k, v in data.items() if k not in known},
         )
 
@@ -229,6 +251,18 @@ def _record(kind: Any, value: Any, **readers: Any) -> Any:
         return None
     fields = {name: read(value, name) for name, read in readers.items()}
     return None if any(v is None for v in fields.values()) else kind(**fields)
+
+
+def _decisions(value: Any) -> tuple[Decision, ...]:
+    listed = value if isinstance(value, list) else []
+    read = (_record(Decision, d, at=_num, priority=_int, event=_text, message=_text) for d in listed)
+    return tuple(d for d in read if d is not None)
+
+
+def _seconds(value: Any) -> dict[str, float]:
+    if not isinstance(value, Mapping):
+        return {}
+    return {k: float(v) for k, v in value.items() if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _cluster(value: Any) -> ClusterRecord | None:

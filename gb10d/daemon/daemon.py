@@ -105,9 +105,20 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
             return await WorkerDaemon(keeper, reporter, loop, pair).serve()
         # vLLM runs here: its share of the machine's memory is booked in the ledger the instances share.
         reporter.booking = preflight.booking = booking
-        if config.on_demand is not None:
-            control = ControlSocket(sleepmode.control_path(config.daemon.state_file), loop.post)
+        # Every instance listens: the front parks and wakes an on-demand one, and its page may restart any.
+        control = ControlSocket(sleepmode.control_path(config.daemon.state_file), loop.post, on_demand=config.on_demand is not None)
+        try:
             await control.start()
+        except OSError as exc:
+            if config.on_demand is not None:
+                raise  # the front could never wake it: as before, no start without its socket
+            reporter.say(
+                "control_socket_unavailable",
+                f"cannot listen on {control.path} ({exc.strerror or exc}): the front's page cannot restart this instance "
+                "(systemctl restart can); serving without it",
+                PRIORITY_WARNING,
+            )
+            control = None
         supervisor = Supervisor(keeper, reporter, loop, preflight, EngineChoice(path), pair, host)
         return await supervisor.supervise()
     except GiveUp as exc:

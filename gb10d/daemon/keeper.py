@@ -23,7 +23,7 @@ from ..base.command import Tunables
 from ..base.config import Config
 from ..base.configload import load_config
 from ..base.errors import ConfigError
-from .learnedfile import LearnedFileError, load, save
+from .learnedfile import LearnedFileError, load, load_start_times, save, save_start_times, start_times_file
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from ..core.reload import ConfigDiff, ConfigSnapshot, OnlyReported, ReloadRefused, judge_reload
 from .reporter import Reporter
@@ -157,6 +157,7 @@ class ConfigKeeper:
     def served(self, tunables: Tunables, version: str | None) -> None:
         """The start reached ready: keep what was learned, and its program as the good one (a candidate is accepted)."""
         self.remember(tunables)
+        self.keep_start_times()
         self.served_snapshot = self.snapshot
         record = programsfile.load(self.programs_file)
         now = programsfile.identify(self.config.vllm, version)
@@ -175,6 +176,7 @@ class ConfigKeeper:
         """The config's settings, or what a corrected start learned for this very config (and container `image`)."""
         base = Tunables.from_config(self.config.vllm)
         self.image = image
+        self.reporter.last_start = load_start_times(start_times_file(self.config.daemon.learned_file), learned.fingerprint(self.config, image))
         state = load(self.config.daemon.learned_file)
         if state.problem:
             self.reporter.say("learned_discarded", f"{state.problem}; starting from the config's values", PRIORITY_WARNING)
@@ -185,6 +187,16 @@ class ConfigKeeper:
         if verdict.reason:
             self.reporter.say("learned_discarded", verdict.reason, PRIORITY_INFO)
         return base
+
+    def keep_start_times(self) -> None:
+        """The start reached ready: its phases' times are the next start's estimate (`gb10d status`, STATUS=, the page)."""
+        phases = self.reporter.phase_seconds()
+        try:
+            save_start_times(start_times_file(self.config.daemon.learned_file), learned.fingerprint(self.config, self.image), phases, _now())
+        except LearnedFileError as exc:
+            self.reporter.say("learned_discarded", f"cannot keep the start's phase times for the next estimate: {exc}", PRIORITY_WARNING)
+            return
+        self.reporter.last_start = phases
 
     def remember(self, tunables: Tunables) -> None:
         """After a corrected start reached ready, keep what worked for the next boot."""

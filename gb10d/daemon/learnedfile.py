@@ -117,6 +117,34 @@ def forget(path: Path) -> bool:
     return True
 
 
+def start_times_file(learned_file: Path) -> Path:
+    """Where the phases of the last complete start are kept: beside the learned settings (`state.toml` ->
+    `state.starts.toml`), apart from them so that `gb10d forget` leaves the estimate alone."""
+    return learned_file.with_name(f"{learned_file.stem}.starts.toml")
+
+
+def load_start_times(path: Path, fingerprint: str) -> dict[str, float]:
+    """Seconds per phase of the last complete start of the config with this fingerprint; empty when there was none,
+    the config changed since (its phases would mislead), or the file cannot be read (the estimate is only a help)."""
+    try:
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return {}
+    last = data.get("last_start")
+    if not isinstance(last, dict) or last.get("fingerprint") != fingerprint or not isinstance(last.get("phases"), dict):
+        return {}
+    return {k: float(v) for k, v in last["phases"].items() if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0}
+
+
+def save_start_times(path: Path, fingerprint: str, phases: dict[str, float], at: str) -> None:
+    """Keep the phases of the start that just reached ready, for the next start's estimate."""
+    table = {"last_start": {"fingerprint": fingerprint, "finished_at": at, "phases": {k: round(v, 3) for k, v in phases.items()}}}
+    try:
+        write_atomically(path, tomli_w.dumps(table).encode("utf-8"), LEARNED_FILE_MODE)
+    except OSError as exc:
+        raise LearnedFileError(_cannot("save the start's phase times to", path, exc)) from None
+
+
 def _cannot(action: str, path: Path, exc: OSError) -> str:
     hint = f"; {PERMISSION_HINT}" if isinstance(exc, PermissionError) else ""
     return f"cannot {action} {path}: {exc.strerror or exc}{hint}"

@@ -15,6 +15,7 @@ restarting once vLLM is gone; the admission itself is the preflight's.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 import os
 import time
 from dataclasses import replace
@@ -35,8 +36,9 @@ from ..core.memory import MemInfo
 from ..machine.memory import read_meminfo
 from .metrics import Metrics
 from ..machine.notify import Notifier
+from ..core.eta import PhaseClock, estimate
 from ..core.phases import Phase, StartupState
-from ..core.statefile import ClusterRecord, DaemonState, LastFailure, Memory, Progress, StateRecord, write_delay
+from ..core.statefile import DECISIONS_KEPT, ClusterRecord, DaemonState, Decision, LastFailure, Memory, Progress, StateRecord, WRITE_EVERY_S, write_delay
 from ..machine.statefile import write_state
 
 # sd_notify's STATUS= is one line that `systemctl status` shows; longer texts only clutter it.
@@ -82,6 +84,13 @@ class Reporter:
         self._state_warned = False
         self.alerts = AlertSender(config.alerts, config.vllm.served_names[0], self._alert_environment, self._alert_dropped)
         self._booked_phase = ""
+        # Seconds per phase of this config's last complete start (the keeper loads them), and this start's so far.
+        self.last_start: dict[str, float] = {}
+        self._clock = PhaseClock()
+        self._attempt_began = time.monotonic()
+        # The latest decisions, written with the state file for the front's page.
+        self.decisions: deque[Decision] = deque(maxlen=DECISIONS_KEPT)
+        self._decisions_write: asyncio.TimerHandle | None = None
 
     # --- the journal -----------------------------------------------------
 
@@ -89,6 +98,23 @@ class Reporter:
         """One decision line in the journal, with its event kind and `GB10D_*` fields."""
         self.journal.event(kind, message, priority, **fields)
         self.alerts.journaled(kind, message, fields)
+        self.decisions.append(Decision(time.time(), priority, kind, message))
+        self._write_decisions_soon()
+
+    def _write_decisions_soon(self) -> None:
+        """A decision said between two writes of the state file reaches it within WRITE_EVERY_S (one write for a
+        burst of them), so that the front's page shows it without waiting for the next change of state."""
+        if self._decisions_write is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # said outside the event loop (at the end of gb10d): the last write carries it
+        self._decisions_write = loop.call_later(WRITE_EVERY_S, self._write_decisions)
+
+    def _write_decisions(self) -> None:
+        self._decisions_write = None
+        self.write()
 
     # --- STATUS= and the state file ------------------------------------------
 
@@ -165,6 +191,7 @@ class Reporter:
         """A new attempt runs: the state file and the metrics describe it from now on."""
         self._number, self._tunables, self._pid, self._baseline = number, tunables, pid, baseline
         self._baseline_at = time.time() if baseline is not None else None
+        self._clock, self._attempt_began = PhaseClock(), time.monotonic()
         self._cancel_deferred()
         self._startup, self._written_phase = None, None  # this start's phases are its own; the first is shown at once
         self.state = DaemonState.STARTING if number == 1 else DaemonState.RESTARTING
@@ -177,8 +204,12 @@ class Reporter:
     def phase(self, startup: StartupState, text: str) -> None:
         """The start moved: STATUS=, the phase and progress metrics, and (throttled) the state file."""
         self._startup = startup
-        self.status_text = text
-        self.notifier.status(text[:STATUS_MAX])
+        now = time.monotonic()
+        self._clock = self._clock.moved(startup.phase.value, startup.phase_since if startup.phase_since is not None else now)
+        progress = (startup.shards_done, startup.shards_total) if startup.phase is Phase.LOADING_WEIGHTS and startup.shards_total else None
+        shown = f"{text}; {estimate(self.last_start, startup.phase.value, progress, now - self._attempt_began)}"
+        self.status_text = shown
+        self.notifier.status(shown[:STATUS_MAX])
         if self.booking is not None and startup.phase.value != self._booked_phase:
             self._booked_phase = startup.phase.value
             self.booking.update(phase=self._booked_phase)
@@ -187,7 +218,6 @@ class Reporter:
             if startup.shards_total:
                 self.metrics.set_load_progress(startup.shards_done / startup.shards_total)
         self._cancel_deferred()
-        now = time.monotonic()
         wait = write_delay(startup.phase is not self._written_phase, now - self._written_at)
         if wait <= 0:
             self._written_phase, self._written_at = startup.phase, now
@@ -222,6 +252,10 @@ class Reporter:
             gpu_memory_utilization=tunables.gpu_memory_utilization if tunables else None,
         )
         self.notifier.ready(self.status_text[:STATUS_MAX])
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Each phase's seconds in the start that just reached ready."""
+        return self._clock.until(time.monotonic())
 
     def joined(self, text: str) -> None:
         """The worker of a pair is part of the cluster: the state file and the journal first, then READY=1."""
@@ -360,6 +394,8 @@ class Reporter:
             image_digest=self.image.info.identity if self.image else None,
             container=self.image.container or None if self.image else None,
             engine=self.image.engine or None if self.image else None,
+            decisions=tuple(self.decisions),
+            last_start=self.last_start,
         )
         if self.cluster is not None and self.cluster.role == "worker":
             # vLLM and its API run on the head: here there is only Ray, ready once joined.
@@ -440,6 +476,8 @@ class Reporter:
 
     def close(self) -> None:
         self._cancel_deferred()
+        if self._decisions_write is not None:
+            self._decisions_write.cancel()
         self.metrics.close()
         self.alerts.close(ALERTS_CLOSE_S)
         self.journal.flush()

@@ -29,7 +29,7 @@ from ..base.config import Config
 from ..base.errors import EXIT_OK, GiveUp, SpawnError
 from ..vllm.events import DriverOutOfMemory, GpuXid
 from ..core.facts import (
-    ClusterSeen, DriverLine, Edited, Exited, Fact, KernelSaid, ParkAsked, Parsed, PullEnded, Pulled, Reload, SleptUnasked, Stop, Tick, WakeAsked,
+    ClusterSeen, DriverLine, Edited, Exited, Fact, KernelSaid, ParkAsked, Parsed, PullEnded, Pulled, Reload, RestartAsked, SleptUnasked, Stop, Tick, WakeAsked,
 )
 from ..core.host import HostFacts
 from ..base.image import PreparedImage
@@ -248,6 +248,8 @@ class Supervisor:
                 return Stopped(fact.signame)
             elif isinstance(fact, (Reload, Edited)):
                 ended = await self._config_change(attempt, requested=isinstance(fact, Reload))
+            elif isinstance(fact, RestartAsked):
+                ended = await self._restart_asked(attempt)
             elif isinstance(fact, (ParkAsked, WakeAsked)) and sleepmode.stops(self.keeper.config):
                 ended = await self._park_by_stop(attempt) if isinstance(fact, ParkAsked) else None
             elif isinstance(fact, (ParkAsked, WakeAsked)) or (isinstance(fact, SleptUnasked) and fact.attempt == attempt.serial):
@@ -349,6 +351,15 @@ class Supervisor:
         await attempt.runtime.stop(self.keeper.config.daemon.stop_timeout_s, self._on_escalate)
         return Reloaded(changes=diff.describe())
 
+    async def _restart_asked(self, attempt: Attempt) -> Reloaded:
+        """A restart asked over the control socket (the front's page): vLLM goes through the stop ladder and starts
+        again with the config in force, as after a reload that changes its command line; no failure is counted."""
+        self.reporter.say("restart_asked", f"restarting vLLM ({attempt.runtime.label}): asked over the control socket; a new start, no failure counted", PRIORITY_INFO)
+        # The state file says so before vLLM stops: the front holds new requests instead of sending them to it.
+        self.reporter.status("restarting: asked over the control socket", DaemonState.RESTARTING)
+        await attempt.runtime.stop(self.keeper.config.daemon.stop_timeout_s, self._on_escalate)
+        return Reloaded(changes="a restart asked over the control socket")
+
     def _served(self, tunables: Tunables) -> None:
         """The attempt reached ready: what it learned and the program it ran are kept."""
         self.keeper.served(tunables, self.attempt.state.version if self.attempt else None)
@@ -400,6 +411,8 @@ class Supervisor:
             self.pair.seen(fact.view)
         elif isinstance(fact, KernelSaid):
             self.reporter.kernel(fact.event)
+        elif isinstance(fact, RestartAsked):
+            self.reporter.say("restart_ignored", f"asked to restart vLLM while {self.reporter.doing()}: no vLLM runs, nothing to restart", PRIORITY_INFO)
         return False
 
     async def _pause(self, seconds: float) -> bool:

@@ -38,6 +38,7 @@ from . import snapshot
 from .instances import Known, api_keys, discover
 from .journal import FrontJournal
 from .metrics import FrontMetrics
+from .page import Page
 from .proxy import Proxy
 from .routes import ApiKey
 from .states import States
@@ -178,6 +179,8 @@ class Front:
         self.states = States(known, self.journal, per_instance, settings.connect_timeout_s)
         self.swaps = Swaps(self.states, self.journal, self.metrics)
         self.proxy = Proxy(settings, self.states, self.swaps, keys, self.metrics, self.journal)
+        self.page = Page(self.states, self.swaps, self.journal, lambda: self.proxy.keys)
+        self.proxy.page = self.page.handle
         self.stopping = asyncio.Event()
         self.stops = 0
 
@@ -237,6 +240,7 @@ class Front:
         accepted just before has IDLE_GRACE_S for its request to arrive (it is served, then closed); idle ones are
         closed after that; each answer from now on closes its connection."""
         listener.close()
+        self.page.stopping.set()
         timeout = self.settings.drain_timeout_s
         held = sum(w.held for w in self.states.watched.values())
         self.journal.say(f"stopping: no new connections; {len(self.proxy.busy)} connection(s) with a request in progress ({held} held) get up to {timeout:.0f} s (front.drain_timeout_s)")

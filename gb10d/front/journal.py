@@ -8,10 +8,13 @@ limit never drops the line that matters.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 # Repeats of one cause are summed over this long.
 REPEAT_S = 10.0
+# The front's page shows this many of the latest lines.
+RECENT = 50
 
 
 @dataclass
@@ -52,13 +55,19 @@ class FrontJournal:
 
     def __init__(self) -> None:
         self.repeats = Repeats()
+        # The latest lines said, (wall-clock time, priority, line), for the page's recent decisions.
+        self.recent: deque[tuple[float, int, str]] = deque(maxlen=RECENT)
 
     def say(self, line: str, level: int = 6, cause: str | None = None) -> None:
         """Say a decision; with a `cause`, repeats of it within REPEAT_S are counted and summed up later (flush)."""
         if cause is None or self.repeats.offer(cause, line, time.monotonic()):
-            print(f"<{level}>gb10d-front: {line}", flush=True)
+            self._print(level, line)
 
     def flush(self) -> None:
         """Say the sums of the repeats whose interval has passed (called from the front's periodic loop)."""
         for line, count, span_s in self.repeats.due(time.monotonic()):
-            print(f"<4>gb10d-front: {count} more like this in the last {span_s:.0f} s, the last: {line}", flush=True)
+            self._print(4, f"{count} more like this in the last {span_s:.0f} s, the last: {line}")
+
+    def _print(self, level: int, line: str) -> None:
+        self.recent.append((time.time(), level, line))
+        print(f"<{level}>gb10d-front: {line}", flush=True)

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
@@ -102,6 +102,8 @@ class Proxy:
         self.adapters_at = 0.0
         # While the front drains for a stop: the monotonic time by which held requests are answered.
         self.drain_deadline: float | None = None
+        # The front's page (gb10d.front.page): its answer to a request, or None when the request is not the page's.
+        self.page: Callable[[web.BaseRequest], Awaitable[web.StreamResponse | None]] | None = None
 
     @property
     def instances(self) -> list[Instance]:
@@ -128,6 +130,8 @@ class Proxy:
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         method, path = request.method, request.raw_path
+        if self.page is not None and (shown := await self.page(request)) is not None:
+            return shown
         origin = request.headers.get("Origin")
         if method == "OPTIONS":
             headers = cors_headers(origin, self.settings.cors_origins, True, request.headers.get("Access-Control-Request-Headers", ""))

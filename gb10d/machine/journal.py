@@ -94,6 +94,9 @@ MESSAGE_IDS: dict[str, str] = {
     "slept_unasked": "b0fff6f454774467bfad4d5ace31ef47",
     "parked_stopped": "0fb6db7d4c234c74b400ccc5e551d6e6",
     "unparking": "fcd4104011d344b1ab47668ae056fc62",
+    "restart_asked": "5bb5f226db564ad3b02417441d355a30",
+    "restart_ignored": "f248e4c5518d4285835a043189442b36",
+    "control_socket_unavailable": "262fb9852b4f448b8a7276805555a50c",
 }
 
 

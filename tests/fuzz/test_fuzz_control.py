@@ -14,10 +14,10 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from fuzz_support import JUNK, budget
-from gb10d.core.facts import Fact, ParkAsked, WakeAsked
+from gb10d.core.facts import Fact, ParkAsked, RestartAsked, WakeAsked
 from gb10d.daemon.control import ControlSocket, ask
 
-_ANSWERS = {b"ok\n", b"unknown command: say park or wake\n", b""}
+_ANSWERS = {b"ok\n", b"unknown command: say park, wake or restart\n", b""}
 _REPLY_S = 3.0  # generous: the server answers at once, or closes
 
 
@@ -30,7 +30,7 @@ class Client:
 
 
 _PAYLOADS = st.one_of(
-    st.sampled_from([b"park", b"wake", b"PARK", b" park ", b"park\r", b"park\x00", b"wake\nwake", b"", b"\n", b"park park"]),
+    st.sampled_from([b"park", b"wake", b"restart", b"PARK", b" park ", b"park\r", b"park\x00", b"wake\nwake", b"", b"\n", b"park park"]),
     st.binary(max_size=64),
     st.builds(lambda unit, count: unit * count, JUNK | st.sampled_from([b"a", b"park", b"\x00"]), st.integers(1, 100_000)),
 )
@@ -87,5 +87,5 @@ def test_any_bytes_get_an_answer_or_a_close_and_the_next_park_is_served(clients:
         event("answered" if answer else "closed")
         assert answer in _ANSWERS, (client, answer)
         if answer == b"ok\n":
-            assert client.payload.split(b"\n")[0].strip() in (b"park", b"wake"), (client, answer)
-    assert set(posted) <= {ParkAsked(), WakeAsked()} and posted[-1] == ParkAsked()
+            assert client.payload.split(b"\n")[0].strip() in (b"park", b"wake", b"restart"), (client, answer)
+    assert set(posted) <= {ParkAsked(), WakeAsked(), RestartAsked()} and posted[-1] == ParkAsked()
