@@ -36,12 +36,16 @@ def _config_path(args: argparse.Namespace) -> Path:
 def _load(args: argparse.Namespace) -> LoadedConfig:
     """The instance's config; the front's own config is refused in one line that says what runs it."""
     path = _config_path(args)
-    if front_only(path):
-        raise UsageError(
-            f"{path} is the front's config ([front] and no [vllm]): gb10d front runs it (gb10d-front.service); gb10d {args.command} "
-            f"needs an instance's config with a [vllm] table, such as --config {INSTANCE_DIR}/NAME.toml"
-        )
-    return load_config_explained(path)
+    try:
+        return load_config_explained(path)
+    except ConfigError:
+        # Asked only when the load fails: a config that loads is read once, and the daemon serves with that load.
+        if front_only(path):
+            raise UsageError(
+                f"{path} is the front's config ([front] and no [vllm]): gb10d front runs it (gb10d-front.service); gb10d {args.command} "
+                f"needs an instance's config with a [vllm] table, such as --config {INSTANCE_DIR}/NAME.toml"
+            ) from None
+        raise
 
 
 def _toml_value(value: Any) -> str:
