@@ -275,8 +275,8 @@ class Front:
         changes = self.states.update(known)
         if settings.listen != self.settings.listen:
             changes.append(f"front.listen changed to {settings.listen}, which takes a restart (systemctl restart gb10d-front; with gb10d-front.socket, edit its ListenStream=)")
-        self.proxy.keys = keys
-        self.proxy.settings = self.settings = settings.model_copy(update={"listen": self.settings.listen})
+        self.settings = settings.model_copy(update={"listen": self.settings.listen})
+        self.proxy.configure(self.settings, keys)
         self.journal.say(f"reloaded {self.config_path}: {'; '.join(changes) or 'no instance changed'}")
 
     async def _poll(self) -> None:
