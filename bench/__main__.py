@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import container, footprint, forwarding, readiness, recovery, report, shutdown, stall
+from . import container, footprint, forwarding, readiness, recovery, report, shutdown, soak, stall
 from .lab import Workspace
 
 SUITES: dict[str, ModuleType] = {
@@ -36,7 +36,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["soak"]:
+        return soak.main(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__.splitlines()[0],
+        epilog="python -m bench soak --minutes N --seed S: the front and three instances under clients and faults "
+               "(python -m bench soak --help)",
+    )
     parser.add_argument("--quick", action="store_true", help="the CI version: readiness and forwarding, under 2 minutes")
     parser.add_argument("--only", action="append", choices=sorted(SUITES), help="run only this item (repeatable)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results", help="where to write the results")
