@@ -93,6 +93,7 @@ MESSAGE_IDS: dict[str, str] = {
     "park_ignored": "5957d2dabf2744b39c1ee64f2b9d78f4",
     "parked_stopped": "0fb6db7d4c234c74b400ccc5e551d6e6",
     "unparking": "fcd4104011d344b1ab47668ae056fc62",
+    "parked_short_of_memory": "d14e4c27d2494c52afcf3f645264bcab",
 }
 
 
