@@ -76,6 +76,7 @@ FAULTS = (
     "memory_pressure", "state_unwritable", "ledger_removed",
 )
 SHM_PREFIXES = ("psm_", "torch_", "vllm")
+OWN_LINE = r"^<\d>gb10d(-front)?: "
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,14 @@ def _rss_kib(pid: int) -> int | None:
     return None
 
 
+def _last_own_line(run: Incarnation) -> str:
+    found = run.out.find(OWN_LINE) if run.out is not None else []
+    return found[-1][1][:400] if found else "(it wrote nothing)"
+
+
 def _cause(message: str) -> str:
     """An error message with its numbers blanked, so that the same cause counts once."""
-    return re.sub(r"\d+(\.\d+)?", "N", message)[:120]
+    return re.sub(r"\d+(\.\d+)?", "N", message)[:240]
 
 
 @dataclass
@@ -129,6 +135,10 @@ class Incarnation:
 
     def lines(self) -> int:
         return len(self.out.entries) if self.out is not None else 0
+
+    def own_lines(self) -> int:
+        """Lines the program wrote itself, not vLLM's lines it forwarded."""
+        return len(self.out.find(OWN_LINE)) if self.out is not None else 0
 
 
 class Instance:
@@ -243,7 +253,7 @@ class Figures:
     orphans: list[dict[str, Any]] = field(default_factory=list)
     disagreements: list[dict[str, Any]] = field(default_factory=list)
     unrecovered: list[dict[str, Any]] = field(default_factory=list)
-    findings: list[str] = field(default_factory=list)
+    findings: Counter[str] = field(default_factory=Counter)  # by cause, numbers blanked
     faults: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)
     recovery_s: dict[str, list[float]] = field(default_factory=dict)
@@ -255,7 +265,8 @@ class Soak:
     def __init__(self, root: Path, seed: int, faults: tuple[str, ...] = FAULTS) -> None:
         self.root = root
         self.kinds = faults
-        self.rng = random.Random(seed)
+        self.seed = seed
+        self.rng = random.Random(seed)  # the faults' own: the clients have theirs
         self.venv = root / "venv"
         make_venv(self.venv)
         self.meminfo = write_meminfo(root / "meminfo", GB10_TOTAL_GIB, 110.0)
@@ -275,7 +286,8 @@ class Soak:
         self.windows: list[Window] = []
         self.front_kills: list[float] = []
         self.shm_before = self._shm()
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the fault windows, read by the clients
+        self.supervision = threading.Lock()  # restarts, by the supervisor or by a fault
         self.stopping = threading.Event()
 
     # --- the programs, as systemd runs them -------------------------------------------------------------
@@ -291,17 +303,23 @@ class Soak:
         return self.front_runs[-1]
 
     def restart_exited(self) -> None:
-        """Restart= for what exited without the soak killing it: each such exit is a finding."""
-        for instance in self.instances.values():
-            run = instance.runs[-1]
-            if run.proc.poll() is not None and not run.killed:
-                self.figures.findings.append(f"gb10d of {instance.spec.name} exited with status {run.proc.returncode}:\n"
-                                             + (run.out.tail(15) if run.out else ""))
-                time.sleep(1.0)
-                instance.start()
-        if self.front.proc.poll() is not None and not self.front.killed:
-            self.figures.findings.append(f"the front exited with status {self.front.proc.returncode}:\n" + (self.front.out.tail(15) if self.front.out else ""))
-            self.start_front()
+        """Restart= (RestartSec 1 s) for what exited without the soak killing it: each such exit is a finding."""
+        with self.supervision:
+            for instance in self.instances.values():
+                run = instance.runs[-1]
+                if run.proc.poll() is not None and not run.killed:
+                    self.figures.findings[f"gb10d of {instance.spec.name} exited with status {run.proc.returncode}: "
+                                          + _cause(_last_own_line(run))] += 1
+                    time.sleep(1.0)
+                    instance.start()
+            if self.front.proc.poll() is not None and not self.front.killed:
+                self.figures.findings[f"the front exited with status {self.front.proc.returncode}: " + _cause(_last_own_line(self.front))] += 1
+                self.start_front()
+
+    def supervise(self) -> None:
+        """systemd's part: restart what exits, until the run ends."""
+        while not self.stopping.wait(0.5):
+            self.restart_exited()
 
     def close(self) -> None:
         """SIGTERM everything, as `systemctl stop` does, then SIGKILL whatever is left."""
@@ -313,7 +331,7 @@ class Soak:
             try:
                 run.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.figures.findings.append(f"{run.name} did not stop within 30 s of SIGTERM")
+                self.figures.findings[f"{run.name} did not stop within 30 s of SIGTERM"] += 1
         for instance in self.instances.values():
             if instance.gb10d is not None:
                 instance.gb10d.close()
@@ -407,7 +425,6 @@ class Soak:
         """After a fault: wait until settled, then count orphans and disagreements that last."""
         started = time.monotonic()
         while not self.settled():
-            self.restart_exited()
             if time.monotonic() - started > RECOVERY_S or self.stopping.is_set() and time.monotonic() - started > 30:
                 states = {name: i.state() for name, i in self.instances.items()}
                 self.figures.unrecovered.append({"after": label, "states": states})
@@ -445,18 +462,18 @@ class Soak:
 
     def inject(self, kind: str) -> str | None:
         """Inject one fault; the instance it hit, or None when it could not be injected now."""
-        rng = self.rng
+        pick = self.rng.random()  # drawn whatever happens, so that the seed fixes the sequence of faults
         if kind in ("kill_api", "kill_engine", "stop_engine"):
             serving = self._serving()
             if not serving:
                 return None
-            target = rng.choice(serving)
+            target = serving[int(pick * len(serving))]
             pid = target.vllm_group() if kind == "kill_api" else self._engine(target)
             if pid is None:
                 return None
             os.kill(pid, signal.SIGSTOP if kind == "stop_engine" else signal.SIGKILL)
             return target.spec.name
-        target = rng.choice(list(self.instances.values()))
+        target = list(self.instances.values())[int(pick * len(self.instances))]
         if kind in ("reload_restart", "reload_live"):
             if target.pid is None:
                 return None
@@ -470,9 +487,9 @@ class Soak:
             if kind == "reload_live":
                 line = target.gb10d.wait_line(r"reload|config", 20) if target.gb10d is not None else None
                 if line is None:
-                    self.figures.findings.append(f"reload_live: gb10d of {target.spec.name} said nothing of the reload within 20 s")
+                    self.figures.findings[f"reload_live: gb10d of {target.spec.name} said nothing of the reload within 20 s"] += 1
                 elif target.vllm_group() != group:
-                    self.figures.findings.append(f"reload_live: a reload of liveness.progress_timeout_s restarted {target.spec.name}'s vLLM")
+                    self.figures.findings[f"reload_live: a reload of liveness.progress_timeout_s restarted {target.spec.name}'s vLLM"] += 1
             return target.spec.name
         if kind == "kill_gb10d":
             target.kill()
@@ -512,12 +529,13 @@ class Soak:
             gap = self.rng.uniform(*FAULT_GAP_S)
             if self.stopping.wait(max(0.0, min(gap, until - time.monotonic()))) or time.monotonic() >= until:
                 return
-            self.restart_exited()
             kind = self.rng.choice(self.kinds)
             window = Window(kind, "", time.monotonic())
             with self.lock:
                 self.windows.append(window)
-            target = self.inject(kind)
+            # The supervisor must not restart what a fault kills before the fault does.
+            with self.supervision if kind in ("kill_gb10d", "kill_front") else contextlib.nullcontext():
+                target = self.inject(kind)
             if target is None:
                 self.figures.skipped[kind] += 1
                 window.end = time.monotonic()
@@ -537,7 +555,7 @@ class Soak:
     # --- clients -----------------------------------------------------------------------------------------
 
     async def client(self, number: int, until: float) -> None:
-        rng = random.Random(self.rng.random() + number)
+        rng = random.Random(f"{self.seed}-{number}")
         timeout = httpx.Timeout(LOST_AFTER_S, connect=10.0)
         async with httpx.AsyncClient(base_url=self.url, timeout=timeout) as client:
             while time.monotonic() < until:
@@ -608,12 +626,15 @@ class Soak:
             instance.start()
         until = self.t0 + 60 * minutes
         faults = threading.Thread(target=self.fault_loop, args=(until,))
+        supervisor = threading.Thread(target=self.supervise)
         faults.start()
+        supervisor.start()
         try:
             asyncio.run(self.clients(until))
         finally:
             self.stopping.set()
             faults.join()
+            supervisor.join()
         self.check("end")
         for run in [self.front, *(i.runs[-1] for i in self.instances.values())]:
             run.rss_end_kib = _rss_kib(run.proc.pid)
@@ -643,6 +664,7 @@ class Soak:
             programs[name] = {
                 "runs": len(runs),
                 "journal_lines_per_min": round(sum(r.lines() for r in runs) / (wall / 60), 1),
+                "own_lines_per_min": round(sum(r.own_lines() for r in runs) / (wall / 60), 1),
                 "rss_warm_mib": None if last.rss_warm_kib is None else round(last.rss_warm_kib / 1024, 1),
                 "rss_end_mib": None if last.rss_end_kib is None else round(last.rss_end_kib / 1024, 1),
                 "rss_growth": None if not (last.rss_warm_kib and last.rss_end_kib) else round(last.rss_end_kib / last.rss_warm_kib - 1, 3),
@@ -654,7 +676,7 @@ class Soak:
             "errors_by_fault": dict(by_fault),
             "lost": f.lost, "unclear": f.unclear, "orphans": f.orphans, "disagreements": f.disagreements, "unrecovered": f.unrecovered,
             "faults": dict(f.faults), "faults_skipped": dict(f.skipped), "recovery_s": f.recovery_s, "programs": programs,
-            "findings": f.findings,
+            "findings": [{"what": what, "count": n} for what, n in f.findings.most_common()],
         }
 
 
@@ -736,17 +758,17 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---|---|",
         *(f"| {e['status']} | {e['cause']} | {e['fault']} | {e['count']} |" for e in result["errors"]),
         "",
-        "| program | runs | journal lines/min | RSS after warm-up (MiB) | RSS at the end (MiB) | growth |",
+        "| program | runs | journal lines/min (its own) | RSS after warm-up (MiB) | RSS at the end (MiB) | growth |",
         "|---|---|---|---|---|---|",
     ]
     for name, p in result["programs"].items():
         growth = "-" if p["rss_growth"] is None else f"{p['rss_growth']:+.1%}"
-        lines.append(f"| {name} | {p['runs']} | {p['journal_lines_per_min']} | {p['rss_warm_mib']} | {p['rss_end_mib']} | {growth} |")
+        lines.append(f"| {name} | {p['runs']} | {p['journal_lines_per_min']} ({p['own_lines_per_min']}) | {p['rss_warm_mib']} | {p['rss_end_mib']} | {growth} |")
     for name in MUST_BE_ZERO:
         for entry in result[name][:20]:
             lines.append(f"{name.upper()}: {json.dumps(entry)}")
     for finding in result["findings"]:
-        lines.append(f"FINDING: {finding}")
+        lines.append(f"FINDING ({finding['count']}x): {finding['what']}")
     return "\n".join(lines)
 
 
