@@ -192,6 +192,9 @@ def test_a_record_survives_its_json_and_a_record_of_another_version_is_read_for_
         ([record("gb10d@a", Stage.SERVING)], [record("gb10d@a", Stage.RESTARTING, pid=999)], SHARE_04),
         # Waiters and those that left hold nothing now.
         ([record("gb10d@a", Stage.SERVING)], [record("gb10d@d", Stage.WAITING)], 0),
+        # Asleep (or waking) then, its share given back: a wake since took it again, as a start would.
+        ([record("gb10d@a", Stage.SERVING, phase="asleep: parked by vLLM's level-2 sleep in 0.3 s")], [record("gb10d@a", Stage.SERVING)], SHARE_04),
+        ([record("gb10d@a", Stage.SERVING, phase="waking: weights, reload_weights, kv_cache")], [record("gb10d@a", Stage.SERVING)], SHARE_04),
     ],
 )
 def test_memory_other_starts_took_meanwhile_is_not_memory_this_one_failed_to_give_back(

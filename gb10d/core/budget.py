@@ -33,6 +33,7 @@ from enum import Enum
 from typing import Any
 
 from .memory import GIB, MemInfo, Neighbours
+from .statefile import DaemonState
 
 
 class Stage(str, Enum):
@@ -278,8 +279,13 @@ def taken_since(then: Sequence[Reservation], now: Sequence[Reservation]) -> int:
     one failed to give back. Counted in full, so that no other start's
     memory is ever taken for a leak (a real leak is still seen when larger).
     """
-    settled = {(o.name, o.pid) for o in then if o.stage is Stage.SERVING}
+    settled = {(o.name, o.pid) for o in then if o.stage is Stage.SERVING and not o.phase.startswith(_SLEEP_PHASES)}
     return sum(o.bytes for o in now if o.stage is not Stage.WAITING and (o.name, o.pid) not in settled)
+
+
+# A sleeping instance's record says serving (what it still uses is in MemAvailable), but its share is not: a wake
+# takes it back, as a start would.
+_SLEEP_PHASES = (DaemonState.ASLEEP.value, DaemonState.WAKING.value)
 
 
 def moved(me: Reservation, now: float, **changes: Any) -> Reservation:
