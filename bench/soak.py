@@ -64,7 +64,7 @@ from gb10d.sim.memory import adjust
 RESULTS = Path(__file__).resolve().parent / "results" / "soak.json"
 SPEED = "0.03"
 CLIENTS = 32
-HOLD_TIMEOUT_S = 60.0
+HOLD_TIMEOUT_S = 30.0
 LOST_AFTER_S = HOLD_TIMEOUT_S + 30.0
 FAULT_GAP_S = (10.0, 30.0)
 RECOVERY_S = 120.0
@@ -425,7 +425,7 @@ class Soak:
         """After a fault: wait until settled, then count orphans and disagreements that last."""
         started = time.monotonic()
         while not self.settled():
-            if time.monotonic() - started > RECOVERY_S or self.stopping.is_set() and time.monotonic() - started > 30:
+            if time.monotonic() - started > RECOVERY_S or (self.stopping.is_set() and time.monotonic() - started > 30):
                 states = {name: i.state() for name, i in self.instances.items()}
                 self.figures.unrecovered.append({"after": label, "states": states})
                 return
@@ -558,11 +558,13 @@ class Soak:
         rng = random.Random(f"{self.seed}-{number}")
         timeout = httpx.Timeout(LOST_AFTER_S, connect=10.0)
         async with httpx.AsyncClient(base_url=self.url, timeout=timeout) as client:
+            pooled_since = time.monotonic()
             while time.monotonic() < until:
-                await self.request(client, rng)
+                pooled_since = await self.request(client, rng, pooled_since)
                 await asyncio.sleep(rng.uniform(0.1, 1.0))
 
-    async def request(self, client: httpx.AsyncClient, rng: random.Random) -> None:
+    async def request(self, client: httpx.AsyncClient, rng: random.Random, pooled_since: float) -> float:
+        """One request; returns when it began, the oldest its kept-alive connection can be for the next one."""
         model = rng.choice([s.name for s in SPECS])
         embeds = self.instances[model].spec.embeds
         kind = "embedding" if embeds else rng.choice(("stream", "stream", "plain"))
@@ -575,11 +577,13 @@ class Soak:
         except (asyncio.TimeoutError, httpx.TimeoutException):
             outcome = ("lost", f"no answer within {LOST_AFTER_S:g} s")
         except httpx.HTTPError as exc:
-            if any(start < at < time.monotonic() for at in self.front_kills):
+            # In the front when it was killed, or sent on a kept-alive connection to the front that was.
+            if any(pooled_since < at < time.monotonic() for at in self.front_kills):
                 outcome = ("front_killed", "")
             else:
                 outcome = ("lost", f"{type(exc).__name__}: {exc}")
         self._record(outcome, model, kind, start)
+        return start
 
     async def _exchange(self, client: httpx.AsyncClient, model: str, kind: str, disconnect: bool, slow: bool) -> tuple[Any, ...]:
         if kind == "embedding":
