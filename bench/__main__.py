@@ -7,6 +7,10 @@ readiness and forwarding only, fewer repeats) writes `quick.json` and
 `quick.md`. Either run exits 1 when a regression bound (readiness or
 forwarding against its same-run baseline) does not hold, so CI can gate on
 it; the issue's goals are reported, not enforced.
+
+`python -m bench soak --minutes N --seed S` (bench/soak.py) is apart: the
+front and three instances under clients and faults, with arguments of its
+own (`python -m bench soak --help`).
 """
 
 from __future__ import annotations
