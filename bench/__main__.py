@@ -9,6 +9,10 @@ readiness and forwarding only, fewer repeats) writes `quick.json` and
 `quick.md`. Either run exits 1 when a regression bound (readiness or
 forwarding against its same-run baseline) does not hold, so CI can gate on
 it; the issue's goals are reported, not enforced.
+
+`python -m bench soak --minutes N --seed S` (bench/soak.py) is apart: the
+front and three instances under clients and faults, with arguments of its
+own (`python -m bench soak --help`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import container, footprint, forwarding, front, readiness, recovery, report, shutdown, stall, swap
+from . import container, footprint, forwarding, front, readiness, recovery, report, shutdown, soak, stall, swap
 from .lab import Workspace
 
 SUITES: dict[str, ModuleType] = {
@@ -40,7 +44,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["soak"]:
+        return soak.main(argv[1:])
     items = "\n".join(f"  {name:<11} {(module.__doc__ or '').strip().splitlines()[0]}" for name, module in SUITES.items())
+    items += "\n  soak        python -m bench soak --minutes N --seed S: the front and three instances under clients and faults (soak --help)"
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0], epilog=f"items:\n{items}",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the CI version: readiness and forwarding, under 2 minutes")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from gb10d.base.units import GIB
+from gb10d.core.budget import Stage
+from gb10d.machine.ledger import read_ledger
 
 from harness import Daemon, NotifySocket, Setup, free_port, meminfo_text, vllm_groups, wait_until
 from test_metrics import scrape_port, value
@@ -207,3 +210,17 @@ def test_the_control_without_the_ledger_two_starts_race_for_the_same_memory(mach
     # Without the ledger no one waited for the other: the start that failed had gone ahead beside the other.
     assert not any(i.said("does not fit beside the starts of") for i in group)
     assert all(i.starts() >= 1 for i in group), "both went ahead at once, the failed one beside the other"
+
+
+def test_a_removed_ledger_directory_comes_back_with_the_records_of_the_instances_that_serve(machine: Machine) -> None:
+    # A cleanup of /run by hand: without the records, the next start counts nobody's share and takes their memory.
+    group = [machine.start(machine.configure(name, 0.3)) for name in "ab"]
+    for instance in group:
+        instance.ready()
+    shutil.rmtree(machine.ledger)
+    wait_until(lambda: machine.ledger.is_dir() and {r.name for r in read_ledger(machine.ledger)} == {i.name for i in group},
+               timeout=30, what="every serving instance's record written again")
+    assert {r.stage for r in read_ledger(machine.ledger)} == {Stage.SERVING}
+    for instance in group:
+        instance.daemon.wait_line(r"this instance's record had been removed; written again")
+        assert instance.daemon.stop() == 0

@@ -189,12 +189,32 @@ def test_a_ledger_directory_that_cannot_be_used_is_one_warning_and_no_booking(tm
     assert open_booking(None, "gb10d", "/etc/gb10d.toml", warnings.append) is None and len(warnings) == 1
 
 
-def test_a_ledger_that_fails_later_is_reported_once_and_the_start_goes_on(tmp_path: Path) -> None:
+def test_a_removed_ledger_directory_is_made_again_with_each_living_instances_record(tmp_path: Path) -> None:
     directory = tmp_path / "ledger"
     directory.mkdir()
     warnings: list[str] = []
-    a = book(directory, "gb10d@a", warnings)
+    a, b = book(directory, "gb10d@a", warnings), book(directory, "gb10d@b")
+    assert isinstance(a.decide(0.4, SHARE, Stage.STARTING, MEM, "wait"), Admit)
+    a.serving(None, None)
     shutil.rmtree(directory)  # e.g. an operator cleaning /run by hand
+    a.keep()  # what the daemon does every few seconds
+    assert [(r.name, r.stage, r.bytes) for r in read_ledger(directory)] == [("gb10d@a", Stage.SERVING, SHARE)]
+    assert warnings == [f"memory ledger {directory}: this instance's record had been removed; written again, the other gb10d instances count its share again"]
+    assert isinstance(b.decide(0.4, SHARE, Stage.STARTING, MEM, "wait"), Admit)  # b's own decision puts b's back
+    assert [(r.name, r.stage) for r in a.others()] == [("gb10d@b", Stage.STARTING)]
+    a.keep()
+    assert len(warnings) == 1, "a record in place is left alone"
+    a.close()
+    b.close()
+    assert read_ledger(directory) == []
+
+
+def test_a_ledger_that_fails_later_is_reported_once_and_the_start_goes_on(tmp_path: Path) -> None:
+    directory = tmp_path / "run" / "ledger"
+    directory.mkdir(parents=True)
+    warnings: list[str] = []
+    a = book(directory, "gb10d@a", warnings)
+    shutil.rmtree(tmp_path / "run")  # the directory cannot be made again where it was
     assert a.decide(0.4, SHARE, Stage.STARTING, MEM, "wait") == Admit(
         True, (), "memory: the ledger cannot be used; starting without counting other instances' starts"
     )

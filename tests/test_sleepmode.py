@@ -32,6 +32,18 @@ def test_a_wake_needs_what_the_sleep_gave_back_plus_the_margin(available_gib: fl
         assert "55.00 GiB the sleep gave back plus the 2.00 GiB margin" in why and "on_demand.wake_margin_gib" in why
 
 
+@pytest.mark.parametrize(("available_gib", "starting_gib", "refused"), [(110.0, 50.0, False), (106.0, 50.0, True), (60.0, 0.0, False)])
+def test_a_wake_leaves_alone_what_the_starts_of_other_instances_reserved(available_gib: float, starting_gib: float, refused: bool) -> None:
+    # Another instance's start was admitted beside the sleeping one and has not taken its share yet: a wake that
+    # took it would leave that start short (found by `python -m bench soak`: both on-demand models up, the pinned
+    # one's restart refused for memory ever after).
+    why = wake_refusal(int(available_gib * GIB), 55 * GIB, 2 * GIB, int(starting_gib * GIB), "gb10d@alpha")
+    assert (why is not None) == refused
+    if why:
+        assert why == ("MemAvailable is 106.00 GiB, and the starts of gb10d@alpha reserve 50.00 GiB of it, which leaves less than "
+                       "the 55.00 GiB the sleep gave back plus the 2.00 GiB margin (on_demand.wake_margin_gib)")
+
+
 @pytest.mark.parametrize(("text", "reference", "problem"), [
     (" Paris. The capital", " Paris. The capital", None),
     (" Paris.", None, None),

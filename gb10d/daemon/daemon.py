@@ -30,7 +30,7 @@ from ..machine.journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal
 from .keeper import ConfigKeeper
 from ..machine.kernellog import KernelLog
 from ..base.instance import holds
-from ..machine.ledger import instance_name, open_booking
+from ..machine.ledger import Booking, instance_name, open_booking
 from ..base.levels import PRIORITY_ERR, PRIORITY_WARNING
 from .loop import FactLoop
 from .metrics import Metrics
@@ -43,6 +43,9 @@ from .reporter import STATUS_MAX, Reporter
 from ..launch.runtime import Launcher, LocalLauncher
 from .supervisor import Supervisor
 from .worker import WorkerDaemon
+
+# How often a running instance checks that its record in the memory ledger is still there (Booking.keep).
+LEDGER_KEEP_S = 5.0
 
 
 class EngineChoice:
@@ -93,6 +96,7 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
     preflight = Preflight(keeper, reporter)
     supervisor: Supervisor | None = None
     control: ControlSocket | None = None
+    keeping: asyncio.Task[None] | None = None
     kernel = KernelLog(config.daemon.kernel_log, loop.post, lambda text: reporter.say("kernel_log", text, PRIORITY_WARNING))
     loop.install()
     reporter.serve_metrics()
@@ -105,6 +109,8 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
             return await WorkerDaemon(keeper, reporter, loop, pair).serve()
         # vLLM runs here: its share of the machine's memory is booked in the ledger the instances share.
         reporter.booking = preflight.booking = booking
+        if booking is not None:
+            keeping = asyncio.create_task(_keep_booked(booking))
         # Every instance listens: the front parks and wakes an on-demand one, and its page may restart any.
         control = ControlSocket(sleepmode.control_path(config.daemon.state_file), loop.post, on_demand=config.on_demand is not None)
         try:
@@ -132,11 +138,21 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
         if pair is not None:
             await pair.close()
         await loop.remove()
+        if keeping is not None:
+            keeping.cancel()
         if booking is not None:
             booking.close()
         if control is not None:
             await control.close()
         reporter.close()
+
+
+async def _keep_booked(booking: Booking) -> None:
+    """A removed ledger record (its directory removed under the running instances) is written again within
+    LEDGER_KEEP_S, even while nothing else makes this instance touch the ledger (serving for days)."""
+    while True:
+        await asyncio.sleep(LEDGER_KEEP_S)
+        booking.keep()
 
 
 def run_daemon(config_path: Path, config: Config) -> int:

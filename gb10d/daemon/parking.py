@@ -93,7 +93,10 @@ class Parking:
         config = attempt.config
         assert config.on_demand is not None
         mem = self.meminfo()
-        refusal = wake_refusal(mem.available, self.freed, int(config.on_demand.wake_margin_gib * GIB)) if mem is not None else None
+        starts = [o for o in self.reporter.booking.others() if o.stage.pending] if self.reporter.booking is not None else []
+        margin = int(config.on_demand.wake_margin_gib * GIB)
+        starting, starters = sum(o.bytes for o in starts), ", ".join(o.name for o in starts)
+        refusal = wake_refusal(mem.available, self.freed, margin, starting, starters) if mem is not None else None
         if refusal is not None:
             return self._failed("no_memory", f"not waking vLLM: {refusal}")
         self.reporter.sleep_state(DaemonState.WAKING, "waking: weights, reload_weights, kv_cache, then a check generation")

@@ -43,6 +43,8 @@ from ..machine.statefile import write_state
 
 # sd_notify's STATUS= is one line that `systemctl status` shows; longer texts only clutter it.
 STATUS_MAX = 200
+# How often a state file that could not be written is tried again.
+STATE_RETRY_S = 1.0
 # How long queued alerts get to go out when gb10d exits (a give-up's alert is sent then).
 ALERTS_CLOSE_S = 10.0
 # The states in which a vLLM of this instance has served and runs, awake or asleep (or is being parked by sleep).
@@ -82,6 +84,7 @@ class Reporter:
         self._written_at = 0.0
         self._deferred: asyncio.TimerHandle | None = None
         self._state_warned = False
+        self._state_retry: asyncio.TimerHandle | None = None
         self.alerts = AlertSender(config.alerts, config.vllm.served_names[0], self._alert_environment, self._alert_dropped)
         self._booked_phase = ""
         # Seconds per phase of this config's last complete start (the keeper loads them), and this start's so far.
@@ -346,7 +349,9 @@ class Reporter:
         self.status(advice.status_of_give_up(reason, STATUS_MAX), DaemonState.FAILED)
 
     def write(self) -> None:
-        """Rewrite the state file now; a failure to write is reported once, never raised."""
+        """Rewrite the state file now; a failure to write is reported once, never raised, and the write is tried
+        again every STATE_RETRY_S until it succeeds: the front and `gb10d status` read the file, and a state that
+        changed while it could not be written (ready, say) may not change again for days."""
         path = self.config.daemon.state_file
         try:
             write_state(path, self.record())
@@ -355,9 +360,28 @@ class Reporter:
                 self._state_warned = True
                 self.say(
                     "state_file_unwritable",
-                    f"cannot write the state file {path}: {exc.strerror or exc}; gb10d status will not work (set daemon.state_file)",
+                    f"cannot write the state file {path}: {exc.strerror or exc}; gb10d status and the front see an old "
+                    f"state until it can be written (trying again every {STATE_RETRY_S:g} s; set daemon.state_file)",
                     PRIORITY_WARNING,
                 )
+            self._write_later()
+            return
+        if self._state_warned:
+            self._state_warned = False
+            self.say("state_file_unwritable", f"wrote the state file {path} again", PRIORITY_INFO)
+
+    def _write_later(self) -> None:
+        if self._state_retry is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not supervising (a give-up on the way out): the next start writes it
+        self._state_retry = loop.call_later(STATE_RETRY_S, self._write_again)
+
+    def _write_again(self) -> None:
+        self._state_retry = None
+        self.write()
 
     def record(self) -> StateRecord:
         """Everything `gb10d status` shows, as of now."""
@@ -478,6 +502,9 @@ class Reporter:
         self._cancel_deferred()
         if self._decisions_write is not None:
             self._decisions_write.cancel()
+        if self._state_retry is not None:
+            self._state_retry.cancel()
+            self._state_retry = None
         self.metrics.close()
         self.alerts.close(ALERTS_CLOSE_S)
         self.journal.flush()

@@ -117,7 +117,13 @@ class Supervisor:
                 return await self._stop()
             if self._fresh_start:
                 continue  # a reload changed what vLLM runs with while the start waited: ask again with it
-            tunables = self.preflight.fit(tunables, others)
+            try:
+                tunables = self.preflight.fit(tunables, others)
+            except GiveUp as refused:
+                if not self._park_for_memory(refused.reason):
+                    raise
+                tunables, history, reason = None, History(), "wake"
+                continue
             history = History(history.attempts + 1, history.backoffs)
             ended = await self._run_attempt(tunables, history.attempts, reason)
             if isinstance(ended, Stopped):
@@ -154,6 +160,13 @@ class Supervisor:
                 continue
             around = budget.neighbours(self.preflight.others()) if ended.cause is Cause.FREE_MEMORY else ALONE
             history, decision = policy.after_failure(ended, tunables, history, self.keeper.config, self.host, around)
+            short = isinstance(decision, policy.GiveUp) and ended.cause is Cause.FREE_MEMORY
+            if short and self._park_for_memory(policy.describe(ended)):
+                await self.close()
+                if await self.preflight.memory_back(baseline, self._pause):
+                    return await self._stop()
+                tunables, history, reason = None, History(), "wake"
+                continue
             self._tell_failure(ended, decision, history)
             await self.close()
             if isinstance(decision, policy.GiveUp):
@@ -271,6 +284,20 @@ class Supervisor:
             if ended is not None:
                 return ended
 
+    def _park_for_memory(self, why: str) -> bool:
+        """An on-demand instance whose start finds too little free memory waits parked instead of giving up: the memory
+        is another on-demand model's, which the front parks to make room before it asks again. True when it parks."""
+        config = self.keeper.config
+        if config.on_demand is None or self.pair is not None:
+            return False
+        self.reporter.say(
+            "parked_short_of_memory",
+            f"{why}; not starting vLLM now: parked until the front asks again (it makes room first; [on_demand])",
+            PRIORITY_WARNING,
+        )
+        self._parked = True
+        return True
+
     async def _wait_parked(self) -> bool:
         """vLLM stays stopped until the front asks for it (on_demand.park = "stop"); True when a stop came meanwhile.
 
@@ -281,7 +308,8 @@ class Supervisor:
         share = budget.share_bytes(config.vllm.gpu_memory_utilization, mem.total, config.memory.headroom_gib) if mem else 0
         self.reporter.parked(
             f"{sleepmode.PARKED_STATUS}: vLLM is not running, {config.vllm.served_names[0]} starts when a request for it "
-            f"arrives (on_demand.park = \"stop\"; a start reserves {gib(share)})", share, reservation_bytes=share,
+            f"arrives (on_demand.park = \"{config.on_demand.park if config.on_demand else 'stop'}\"; a start reserves {gib(share)})",
+            share, reservation_bytes=share,
         )
         while True:
             fact = await self.loop.next(None)

@@ -97,6 +97,7 @@ MESSAGE_IDS: dict[str, str] = {
     "restart_asked": "5bb5f226db564ad3b02417441d355a30",
     "restart_ignored": "f248e4c5518d4285835a043189442b36",
     "control_socket_unavailable": "262fb9852b4f448b8a7276805555a50c",
+    "parked_short_of_memory": "d14e4c27d2494c52afcf3f645264bcab",
 }
 
 

@@ -41,6 +41,8 @@ SUFFIX = ".json"
 # A record is written by its own instance only; the lock by every instance, whichever user its unit runs as.
 FILE_MODE = 0o644
 LOCK_MODE = 0o664
+# As the package's tmpfiles.d line makes it (group gb10d, inherited by what is created in it).
+DIR_MODE = 0o2775
 
 ErrorHandler = Callable[[str], None]
 NOTHING: Mapping[str, str] = MappingProxyType({})  # an instance that says nothing of what it holds
@@ -239,6 +241,7 @@ class Booking:
         One decision at a time on the whole machine: the admission and the
         record that tells the others happen under `.lock`.
         """
+        self.keep()
         now = time.monotonic()
         try:
             with locked(self.directory, exclusive=True):
@@ -255,8 +258,32 @@ class Booking:
             self._report(exc)
             return Admit(True, (), "memory: the ledger cannot be used; starting without counting other instances' starts")
 
+    def keep(self) -> None:
+        """Write this instance's record again when it was removed (the ledger directory with it: an rm -r, a cleanup
+        of /run), so that the other instances count its share again; the directory is made again if need be.
+
+        A record is rewritten in place through the descriptor its lock is on, so a removed one would otherwise stay
+        gone, its writes landing in a file nobody can see, until this gb10d restarts."""
+        try:
+            if os.fstat(self._fd).st_nlink > 0:
+                return
+            self.directory.mkdir(mode=DIR_MODE, exist_ok=True)
+            with locked(self.directory, exclusive=True):
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+                fcntl.flock(fd, fcntl.LOCK_EX)  # nobody else can hold it: the file is new, under `.lock`
+                _share(fd, FILE_MODE)
+                os.close(self._fd)
+                self._fd = fd
+                self._put(self.record.to_json() if self.record is not None else {"name": self.name, "config": self.config, "pid": os.getpid()})
+        except OSError as exc:
+            self._report(exc)
+            return
+        self._failed = False  # a later failure is news again
+        self._on_error(f"memory ledger {self.directory}: this instance's record had been removed; written again, the other gb10d instances count its share again")
+
     def others(self) -> list[Reservation]:
         """The other living instances now."""
+        self.keep()
         try:
             with locked(self.directory, exclusive=True):
                 return scan(self.directory, skip=self.path, remove_dead=True)
@@ -268,6 +295,7 @@ class Booking:
         """Change this instance's record (stage, phase, progress_at, ...); nothing before the first decision."""
         if self.record is None:
             return
+        self.keep()
         try:
             with locked(self.directory, exclusive=True):
                 self._write(budget.moved(self.record, time.monotonic(), **changes))
@@ -282,6 +310,7 @@ class Booking:
         """vLLM serves: its memory shows in /proc/meminfo now; what it used is kept when it can be told."""
         if self.record is None:
             return
+        self.keep()
         try:
             with locked(self.directory, exclusive=True):
                 others = scan(self.directory, skip=self.path, remove_dead=True)
@@ -296,6 +325,7 @@ class Booking:
 
     def parked(self, utilization: float, share: int) -> None:
         """vLLM is stopped until the front asks for it: the record reserves nothing, and says what a start would need."""
+        self.keep()
         now = time.monotonic()
         try:
             with locked(self.directory, exclusive=True):

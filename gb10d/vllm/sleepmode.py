@@ -83,11 +83,17 @@ def vllm_env(config: Config) -> dict[str, str]:
     return dict(DEV_MODE_ENV) if sleeps(config) else {}
 
 
-def wake_refusal(available: int, freed: int, margin: int) -> str | None:
-    """Why a wake must not be tried (its memory is not free again with the margin), or None."""
+def wake_refusal(available: int, freed: int, margin: int, starting: int = 0, starters: str = "") -> str | None:
+    """Why a wake must not be tried (its memory is not free again with the margin), or None.
+
+    `starting`: what the starts of other instances in progress (`starters`) reserved in the memory ledger and
+    may not have taken yet: a wake that counted it as free would leave one of them, or itself, short."""
     needed = freed + margin
-    if available >= needed:
+    if available - starting >= needed:
         return None
+    if starting:
+        return (f"MemAvailable is {gib(available)}, and the starts of {starters} reserve {gib(starting)} of it, which leaves "
+                f"less than the {gib(freed)} the sleep gave back plus the {gib(margin)} margin (on_demand.wake_margin_gib)")
     return (f"MemAvailable is {gib(available)}, less than the {gib(freed)} the sleep gave back plus the "
             f"{gib(margin)} margin (on_demand.wake_margin_gib): another process took it meanwhile")
 
