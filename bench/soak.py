@@ -54,8 +54,9 @@ from typing import Any
 import httpx
 import tomli_w
 
-from gb10d.core.memory import GIB, read_meminfo
-from gb10d.core.statefile import read_state
+from gb10d.base.units import GIB
+from gb10d.machine.memory import read_meminfo
+from gb10d.machine.statefile import read_state
 from gb10d.daemon.lab import GB10_TOTAL_GIB, Gb10d, LineReader, clean_env, free_port, kill_group, live_pids, started_groups, write_meminfo
 from gb10d.machine.procs import PROC, stat_fields
 from gb10d.sim import make_venv

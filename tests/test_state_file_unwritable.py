@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.core.statefile import read_state
+from gb10d.machine.statefile import read_state
 from harness import Daemon, Setup, wait_until
 
 pytestmark = pytest.mark.slow
