@@ -77,7 +77,12 @@ class Proxy:
             if self.drain_deadline is not None:
                 response.force_close()  # the front stops: this connection carries no further request
             return response
-        except (ConnectionError, asyncio.CancelledError):
+        except ConnectionError:
+            # The client is gone: nothing can reach it, and aiohttp closes the connection; no traceback for it.
+            if request.transport is not None:
+                request.transport.abort()
+            return web.Response(status=499)
+        except asyncio.CancelledError:
             raise
         except Exception as exc:  # a defect of the front's own: one line, the client gets 500, the front goes on
             self.journal.say(f"internal error on {request.method} {bare(request.path)}: {type(exc).__name__}: {exc}", 3, cause="internal")

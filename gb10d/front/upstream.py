@@ -133,7 +133,12 @@ class Upstream:
             stream = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
             try:
                 async for chunk in upstream.content.iter_any():
-                    await self.client.send(response, chunk)
+                    try:
+                        await self.client.send(response, chunk)
+                    except ConnectionError:
+                        # The client left (or stopped reading): closing the upstream connection (finally) tells vLLM
+                        # to stop; not the instance's failure, and nothing more to say to anyone.
+                        return response
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError):
                 if not stream or request.method == "HEAD":
                     self.journal.say(f"{instance.name} broke off an answer; the client's connection is closed so it sees it cut", 4, cause=f"broke {instance.name}")
