@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import os
 import resource
@@ -40,6 +41,7 @@ from .journal import FrontJournal
 from .metrics import FrontMetrics
 from .page import Page
 from .proxy import Proxy
+from .core import error
 from .routes import ApiKey
 from .states import States
 from .swaps import Swaps
@@ -58,10 +60,10 @@ IDLE_GRACE_S = 1.0
 DRAIN_POLL_S = 0.05
 # A request line or one header line longer than this gets 400 (aiohttp's llhttp limits).
 MAX_LINE_BYTES = 65536
+_BUSY_BODY = json.dumps(error(503, "the front has every connection busy (front.max_connections)", "ServiceUnavailableError").body).encode()
 BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n"
-    b"content-length: 131\r\n\r\n"
-    b'{"error": {"message": "the front has every connection busy (front.max_connections)", "type": "ServiceUnavailableError", "code": 503}}'
+    b"content-length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
 )
 
 

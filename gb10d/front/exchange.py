@@ -40,6 +40,9 @@ class Bodies:
         self.held += size
         return True
 
+    def give(self, size: int) -> None:
+        self.held -= size
+
 
 @dataclass
 class Exchange:
@@ -58,7 +61,6 @@ class Exchange:
     told_at: float = 0.0
     taken: int = 0
     rest_sent: bool = False
-
 
 
 class Client:
@@ -81,35 +83,36 @@ class Client:
         if request.headers.get("Expect", "").lower() == "100-continue":
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         ctype = request.headers.get("Content-Type", "")
-        multipart = is_multipart(ctype)
         exchange = Exchange(request, b"", None, False, cors)
+        refusal = await self._collect(exchange, ctype if is_multipart(ctype) else None, too_large)
+        if refusal is not None:
+            self.bodies.give(exchange.taken)
+            return refusal
+        return exchange
+
+    async def _collect(self, exchange: Exchange, multipart: str | None, too_large: Answer) -> Answer | None:
+        """Read the body into `exchange` (a multipart one, of type `multipart`, only up to its model field), each
+        chunk counted in `exchange.taken` and the held bodies; the answer that refuses it, or None."""
+        content = exchange.request.content
         chunks: list[bytes] = []
-        size = 0
         while True:
-            if multipart and not isinstance(multipart_model(b"".join(chunks), ctype, False), NeedMore):
-                exchange.rest = request.content
+            if multipart and (exchange.taken >= MULTIPART_PEEK_BYTES or not isinstance(multipart_model(b"".join(chunks), multipart, False), NeedMore)):
+                exchange.rest = content
                 break
-            if multipart and size >= MULTIPART_PEEK_BYTES:
-                exchange.rest = request.content
-                break
-            chunk = await self.next_chunk(request.content)
+            chunk = await self.next_chunk(content)
             if isinstance(chunk, Answer):
-                self.bodies.held -= exchange.taken
                 return chunk
             if not chunk:
                 break
-            size += len(chunk)
-            if size > limit:
-                self.bodies.held -= exchange.taken
+            if exchange.taken + len(chunk) > self.settings.max_body_bytes:
                 return too_large
             if not self.bodies.take(len(chunk)):
-                self.bodies.held -= exchange.taken
                 self.journal.say(f"refused a request: the request bodies held reach front.max_held_body_bytes ({self.bodies.limit} bytes)", 4, cause="bodies")
                 return error(503, f"the front holds {self.bodies.held} bytes of request bodies already (front.max_held_body_bytes)", "ServiceUnavailableError", 1)
             exchange.taken += len(chunk)
             chunks.append(chunk)
         exchange.body = b"".join(chunks)
-        return exchange
+        return None
 
     async def next_chunk(self, content: aiohttp.StreamReader) -> bytes | Answer:
         try:

@@ -118,7 +118,7 @@ class Proxy:
         try:
             return await self._route_and_forward(exchange, allowed)
         finally:
-            self.client.bodies.held -= exchange.taken
+            self.client.bodies.give(exchange.taken)
 
     async def _route_and_forward(self, exchange: Exchange, allowed: frozenset[str]) -> web.StreamResponse:
         request = exchange.request

@@ -35,7 +35,6 @@ class Refused(Exception):
     """vLLM's address refused the connection, or did not accept it within front.connect_timeout_s."""
 
 
-
 class Upstream:
     """Passes requests to the instances and their answers back; knows the LoRA adapters they serve."""
 
@@ -74,7 +73,7 @@ class Upstream:
         if sending in done:
             try:
                 return sending.result()
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ConnectionTimeoutError, aiohttp.ClientOSError) as exc:
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, aiohttp.ConnectionTimeoutError) as exc:  # refused, reset, or no accept in time
                 # No response head came: vLLM generated nothing that reached anyone, and the request is tried again.
                 raise Refused(str(exc)) from exc
         if sending.done() and not sending.cancelled() and sending.exception() is None:
