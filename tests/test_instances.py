@@ -183,7 +183,9 @@ def test_kill_9_of_a_starting_instance_frees_its_reservation_for_the_one_waiting
 
 
 def test_kill_9_of_a_waiting_instance_frees_its_place_in_the_queue(machine: Machine) -> None:
-    loading = machine.start(machine.configure("a", 0.5, "slow_shards=300"))
+    # a's load waits at this gate (never opened): it is still starting when c serves, whatever the machine's speed.
+    gate = machine.root / "a-load-gate"
+    loading = machine.start(machine.configure("a", 0.5, **{"vllm.env.GB10D_SIM_LOAD_GATE": str(gate), "startup.stall_timeout_s": 600.0}))
     loading.daemon.wait_line(r"gb10d: started vLLM as pid")
     big = machine.start(machine.configure("b", 0.5))
     big.daemon.wait_line(r"gb10d: memory: .* does not fit beside the starts of")
