@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from gb10d.base.errors import EXIT_GAVE_UP, EXIT_OK
+from gb10d.core.budget import Stage
+from gb10d.core.facts import WakeAsked
 from gb10d.daemon.lab import meminfo_text
 
 from harness import Setup
@@ -121,6 +123,48 @@ def test_with_when_full_fail_a_start_that_does_not_fit_gives_up_at_once_with_the
             assert b.notify.statuses()[-1].startswith("failed: memory: ")
             assert not b.launcher.argvs
             await a.ready()
+        finally:
+            await finish(b)
+            await finish(a)
+
+    run_virtual(monkeypatch, main)
+
+
+def test_a_reload_keeps_its_share_while_vllm_restarts_so_a_model_woken_meanwhile_waits_for_it(
+    machine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The on-demand b asked first (it parked at its start), then a started and served. a's reload with a new
+    # utilization stops its vLLM; b, woken by the front while a's memory comes back, must not take a's share: a
+    # restarts into it and serves again, and b waits until a serves.
+    async def main(clock: VirtualClock) -> None:
+        b = await start_shell(configure(machine, "b", on_demand={"idle_timeout_s": 30.0}), [Script(HEALTHY)], clock)
+        await b.ready()
+        a = await start_shell(configure(machine, "a"), [Script(HEALTHY), Script(HEALTHY)], clock)
+        try:
+            await a.ready()
+            # a's vLLM holds its share (and more: b's parked share is counted as taken), until its stop gives it back.
+            (machine / "meminfo").write_text(meminfo_text(121.69, 28.0, 30.0))
+            a.reload(**{"vllm.gpu_memory_utilization": 0.45})
+            await a.until(lambda: bool(a.said(r"vLLM's command line changes: stopping vLLM")), "a's reload stopping vLLM")
+            await a.until(lambda: a.reporter.booking is not None and a.reporter.booking.record is not None
+                          and a.reporter.booking.record.stage is Stage.RESTARTING, "a's vLLM gone")
+            b.loop.post(WakeAsked())
+            name = re.escape(str(a.setup.config))
+            await b.until(lambda: bool(b.said(rf"does not fit beside the starts of {name}")), "b waiting for a's restart")
+            (machine / "meminfo").write_text(meminfo_text(121.69, 115.0, 117.0))
+            b_first: list[bool] = []
+
+            def a_serves() -> bool:
+                if b.launcher.argvs and not b_first:
+                    b_first.append(a.notify.count("READY", "1") < 2)
+                return a.notify.count("READY", "1") >= 2
+
+            await a.until(a_serves, "a serving again")
+            assert b_first in ([], [False]), "b started into a's share while a restarted"
+            assert "0.45" in a.launcher.argvs[1], a.launcher.argvs
+            assert not a.said(r"does not fit|waiting"), a.own()
+            await b.ready(2)
+            assert b.said(rf"; waited \d+ s for {name}$")
         finally:
             await finish(b)
             await finish(a)

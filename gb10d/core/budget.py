@@ -171,7 +171,10 @@ class Refuse:
 def admit(me: Reservation, others: Sequence[Reservation], mem: MemInfo, when_full: str) -> Admit | Wait | Refuse:
     """Whether this instance's start may begin now, beside the `others` of the ledger (dead ones already left out)."""
     starts = pending(others)
-    ahead = sorted((o for o in others if o.stage is Stage.WAITING and o.queue_key < me.queue_key), key=lambda o: o.queue_key)
+    # A restart (after a crash, a reload, a restart asked) still holds the share its last start was admitted to: no
+    # waiter queues before it, else one would start into the memory its vLLM just gave back.
+    holds = me.stage.pending
+    ahead = [] if holds else sorted((o for o in others if o.stage is Stage.WAITING and o.queue_key < me.queue_key), key=lambda o: o.queue_key)
     room = left(others, mem)
     need = _need(me, mem)
     if not ahead and me.bytes <= room:
@@ -181,7 +184,9 @@ def admit(me: Reservation, others: Sequence[Reservation], mem: MemInfo, when_ful
             else f"in MemAvailable {gib(mem.available)}"
         )
         return Admit(True, tuple(others), f"memory: {need} fits {where}")
-    blockers = tuple(sorted([*ahead, *starts], key=lambda o: o.queue_key))
+    # Two restarts whose shares grew do not wait for each other: one that waits itself is no start to wait for.
+    blocking = [o for o in starts if not (holds and o.waiting_for)]
+    blockers = tuple(sorted([*ahead, *blocking], key=lambda o: o.queue_key))
     if not blockers:
         serving = [o for o in others if o.stage is Stage.SERVING]
         beside = f" beside {_shares(serving)}" if serving else ""
@@ -202,6 +207,21 @@ def admit(me: Reservation, others: Sequence[Reservation], mem: MemInfo, when_ful
         f"waiting for memory: needs {gib(me.bytes)}, {gib(max(room, 0))} left beside {_shares(blockers)}",
         f"{why}; waiting until they serve or stop (memory.when_full = \"wait\")",
     )
+
+
+def after(me: Reservation, asked: Reservation, decision: Admit | Wait, stage: Stage, now: float) -> Reservation:
+    """This instance's record after `decision` on `asked` (`me` with the share it asks for now).
+
+    Admitted, it reserves the asked share in `stage`. Waiting, a restart keeps
+    the reservation it holds, as it was, so that the others go on counting it;
+    any other start waits in the queue, reserving nothing.
+    """
+    if isinstance(decision, Admit):
+        return moved(asked, now, stage=stage, waiting_for=(), progress_at=now, phase="")
+    waiting_for = tuple(b.name for b in decision.blockers)
+    if me.stage.pending:
+        return moved(me, now, waiting_for=waiting_for)
+    return moved(asked, now, stage=Stage.WAITING, waiting_for=waiting_for)
 
 
 def _need(me: Reservation, mem: MemInfo) -> str:

@@ -246,13 +246,12 @@ class Booking:
         try:
             with locked(self.directory, exclusive=True):
                 others = scan(self.directory, skip=self.path, remove_dead=True)
-                me = self._me(now, utilization=utilization, bytes=share)
-                decision = budget.admit(me, others, mem, when_full)
+                asked = self._me(now, utilization=utilization, bytes=share)
+                decision = budget.admit(asked, others, mem, when_full)
                 if isinstance(decision, Admit):
                     self.admitted_beside = tuple(others)
-                    self._write(budget.moved(me, now, stage=stage, waiting_for=(), progress_at=now, phase=""))
-                elif isinstance(decision, Wait):
-                    self._write(budget.moved(me, now, stage=Stage.WAITING, waiting_for=tuple(b.name for b in decision.blockers)))
+                if not isinstance(decision, Refuse):
+                    self._write(budget.after(self.record or asked, asked, decision, stage, now))
                 return decision
         except OSError as exc:
             self._report(exc)
