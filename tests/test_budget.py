@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -13,6 +14,7 @@ from gb10d.core.budget import (
     Stage,
     Wait,
     admit,
+    after,
     left,
     neighbours,
     progressed,
@@ -109,6 +111,38 @@ def test_nobody_waits_for_instances_that_serve_it_gives_up_and_the_free_memory_c
         "gb10d@a (49.68 GiB, serving) and gb10d@b (49.68 GiB, serving), and no other start is left to wait for; "
         "the free-memory check decides"
     )
+
+
+@pytest.mark.parametrize("stage", [Stage.RESTARTING, Stage.STARTING])
+def test_a_restart_holds_its_share_before_the_waiters_that_asked_first(stage: Stage) -> None:
+    # Its vLLM stopped for a reload (or crashed): the memory given back is still its own, not the queue's.
+    me = record("gb10d@c", stage, asked_at=30.0, pid=300)
+    waiter = record("gb10d@b", Stage.WAITING, share=share_bytes(0.6, TOTAL, 1.0), asked_at=5.0)
+    decision = admit(me, [waiter], MEM, "wait")
+    assert isinstance(decision, Admit) and decision.fits
+
+
+def test_a_restart_that_waits_keeps_its_reservation_as_it_was_and_a_new_start_waits_reserving_nothing() -> None:
+    held = record("gb10d@c", Stage.RESTARTING, asked_at=30.0, pid=300)
+    grown = replace(held, bytes=share_bytes(0.9, TOTAL, 1.0), utilization=0.9)
+    starting = record("gb10d@a", Stage.STARTING)
+    decision = admit(grown, [starting], MEM, "wait")
+    assert isinstance(decision, Wait) and [b.name for b in decision.blockers] == ["gb10d@a"]
+    kept = after(held, grown, decision, Stage.STARTING, 40.0)
+    assert (kept.stage, kept.bytes, kept.utilization, kept.waiting_for) == (Stage.RESTARTING, SHARE_04, 0.4, ("gb10d@a",))
+    queued = after(ME, ME, admit(ME, [starting, kept], MEM, "wait"), Stage.STARTING, 40.0)
+    assert queued.stage is Stage.WAITING
+    # Admitted, the reservation becomes the new share.
+    admitted = after(held, grown, admit(grown, [], MEM, "wait"), Stage.STARTING, 50.0)
+    assert (admitted.stage, admitted.bytes, admitted.waiting_for) == (Stage.STARTING, grown.bytes, ())
+
+
+def test_two_restarts_whose_shares_grew_do_not_wait_for_each_other() -> None:
+    big = share_bytes(0.9, TOTAL, 1.0)
+    other = replace(record("gb10d@a", Stage.RESTARTING), waiting_for=("gb10d@c",))
+    me = record("gb10d@c", Stage.RESTARTING, share=big, asked_at=30.0, pid=300)
+    decision = admit(me, [other], MEM, "wait")
+    assert isinstance(decision, Admit) and not decision.fits
 
 
 def test_when_full_fail_refuses_at_once_with_the_numbers() -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from gb10d.base.errors import EXIT_GAVE_UP, EXIT_OK
 from gb10d.core.budget import Stage
-from gb10d.core.facts import WakeAsked
+from gb10d.core.facts import RestartAsked, WakeAsked
 from gb10d.daemon.lab import meminfo_text
 
 from harness import Setup
@@ -130,12 +130,13 @@ def test_with_when_full_fail_a_start_that_does_not_fit_gives_up_at_once_with_the
     run_virtual(monkeypatch, main)
 
 
-def test_a_reload_keeps_its_share_while_vllm_restarts_so_a_model_woken_meanwhile_waits_for_it(
-    machine: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("asked", ["reload", "restart"])
+def test_a_reload_or_asked_restart_keeps_its_share_while_vllm_restarts_so_a_model_woken_meanwhile_waits_for_it(
+    machine: Path, monkeypatch: pytest.MonkeyPatch, asked: str
 ) -> None:
     # The on-demand b asked first (it parked at its start), then a started and served. a's reload with a new
-    # utilization stops its vLLM; b, woken by the front while a's memory comes back, must not take a's share: a
-    # restarts into it and serves again, and b waits until a serves.
+    # utilization (or a restart asked over the control socket) stops its vLLM; b, woken by the front while a's
+    # memory comes back, must not take a's share: a restarts into it and serves again, b waits until a serves.
     async def main(clock: VirtualClock) -> None:
         b = await start_shell(configure(machine, "b", on_demand={"idle_timeout_s": 30.0}), [Script(HEALTHY)], clock)
         await b.ready()
@@ -144,10 +145,13 @@ def test_a_reload_keeps_its_share_while_vllm_restarts_so_a_model_woken_meanwhile
             await a.ready()
             # a's vLLM holds its share (and more: b's parked share is counted as taken), until its stop gives it back.
             (machine / "meminfo").write_text(meminfo_text(121.69, 28.0, 30.0))
-            a.reload(**{"vllm.gpu_memory_utilization": 0.45})
-            await a.until(lambda: bool(a.said(r"vLLM's command line changes: stopping vLLM")), "a's reload stopping vLLM")
-            await a.until(lambda: a.reporter.booking is not None and a.reporter.booking.record is not None
-                          and a.reporter.booking.record.stage is Stage.RESTARTING, "a's vLLM gone")
+            if asked == "reload":
+                a.reload(**{"vllm.gpu_memory_utilization": 0.45})
+            else:
+                a.loop.post(RestartAsked())  # the front's page, over the control socket
+            booking = a.reporter.booking
+            assert booking is not None
+            await a.until(lambda: booking.record is not None and booking.record.stage is Stage.RESTARTING, "a's vLLM gone")
             b.loop.post(WakeAsked())
             name = re.escape(str(a.setup.config))
             await b.until(lambda: bool(b.said(rf"does not fit beside the starts of {name}")), "b waiting for a's restart")
@@ -161,7 +165,7 @@ def test_a_reload_keeps_its_share_while_vllm_restarts_so_a_model_woken_meanwhile
 
             await a.until(a_serves, "a serving again")
             assert b_first in ([], [False]), "b started into a's share while a restarted"
-            assert "0.45" in a.launcher.argvs[1], a.launcher.argvs
+            assert ("0.45" if asked == "reload" else "0.5") in a.launcher.argvs[1], a.launcher.argvs
             assert not a.said(r"does not fit|waiting"), a.own()
             await b.ready(2)
             assert b.said(rf"; waited \d+ s for {name}$")

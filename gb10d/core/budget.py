@@ -16,6 +16,11 @@ The rules, each a table test:
 - Waiters are served in the order they asked (`asked_at` on
   CLOCK_MONOTONIC, which is the machine's, then the name): a later start
   that would fit still waits behind an earlier one.
+- A restart keeps its share: between a stop of vLLM (a crash, a reload, a
+  restart asked) and the next start, the instance stays restarting, its
+  reservation counted by the others, and no waiter queues before it. If
+  its new share does not fit yet, it waits keeping the old reservation;
+  admitted, the new share is its reservation. Only a park gives it back.
 - Nobody waits forever: a waiter waits only for starts and for earlier
   waiters. Once every instance it waited for serves and its share still does
   not fit, it stops waiting and the free-memory check decides (lower the
