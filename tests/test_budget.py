@@ -57,6 +57,10 @@ def test_a_share_is_vllms_own_request_and_the_headroom() -> None:
         ([record("gb10d@a", Stage.STARTING), record("gb10d@b", Stage.STARTING)], False),
         # Between attempts the share stays reserved, as while starting.
         ([record("gb10d@a", Stage.STARTING), record("gb10d@b", Stage.RESTARTING)], False),
+        # A wake from sleep reserves its share too: the memory it takes back shows in MemAvailable only bit by bit.
+        ([record("gb10d@a", Stage.STARTING), record("gb10d@b", Stage.WAKING)], False),
+        # Asleep, it holds only its CUDA context, which MemAvailable shows.
+        ([record("gb10d@a", Stage.STARTING), record("gb10d@b", Stage.ASLEEP)], True),
         # A later waiter takes nothing from an earlier one.
         ([record("gb10d@a", Stage.STARTING), record("gb10d@d", Stage.WAITING, asked_at=40.0)], True),
     ],
@@ -230,8 +234,13 @@ def test_a_record_survives_its_json_and_a_record_of_another_version_is_read_for_
         # Asleep at both ends, or fallen asleep since: it took nothing (a sleep gives memory back).
         ([record("gb10d@a", Stage.ASLEEP)], [record("gb10d@a", Stage.ASLEEP)], 0),
         ([record("gb10d@a", Stage.SERVING)], [record("gb10d@a", Stage.ASLEEP)], 0),
-        # Woken since: the wake took its memory back out of MemAvailable.
+        # Woken since, or waking now: the wake took its memory back out of MemAvailable.
         ([record("gb10d@a", Stage.ASLEEP)], [record("gb10d@a", Stage.SERVING)], SHARE_04),
+        ([record("gb10d@a", Stage.ASLEEP)], [record("gb10d@a", Stage.WAKING)], SHARE_04),
+        # Parked by stop now: its vLLM is gone and holds nothing, whatever it did meanwhile (counted, it would hide
+        # a leak of this start's about its size).
+        ([record("gb10d@a", Stage.STARTING)], [record("gb10d@a", Stage.PARKED)], 0),
+        ([], [record("gb10d@a", Stage.PARKED)], 0),
     ],
 )
 def test_memory_other_starts_took_meanwhile_is_not_memory_this_one_failed_to_give_back(

@@ -56,9 +56,30 @@ def test_while_a_model_parks_nothing_else_is_evicted_the_request_waits_for_its_m
 
 def test_a_model_asked_to_start_counts_before_its_share_is_in_the_ledger() -> None:
     # Two parked models whose requests arrive in one poll: the first one woken takes the room the second saw.
-    first = replace(WANTED, name="alpha", running=False, serving=False, waking=True)
+    first = replace(WANTED, name="alpha", running=False, serving=False, unbooked=True)
     decided = make_room(WANTED, [first], 60 * GIB, TOTAL)
     assert decided == AwaitRoom("it needs 50.00 GiB, 10.00 GiB is free; every model that could make room has requests or is pinned")
+
+
+@pytest.mark.parametrize(("other", "room", "free"), [
+    # Asked to start, not yet admitted: MemAvailable 86 GiB does not show its 50 yet, nor does the ledger.
+    (replace(WANTED, name="alpha", running=False, serving=False, unbooked=True), 86, "36.00"),
+    # Starting, before its record reserves its share.
+    (model("alpha", 50, serving=False, unbooked=True), 86, "36.00"),
+    # Starting with its share reserved: the room the ledger leaves counts it already.
+    (model("alpha", 50, serving=False), 36, "36.00"),
+])
+def test_a_model_asleep_is_not_woken_beside_a_start_in_progress_it_waits_for_that_start(other: Slot, room: int, free: str) -> None:
+    # Its wake checks MemAvailable, which does not show the other start's memory yet: both would come up, and the
+    # pinned model's next restart would find its share taken (found by the soak, seed 7).
+    asleep = replace(WANTED, asleep=True)
+    assert make_room(asleep, [other], room * GIB, TOTAL) == AwaitRoom(
+        f"it needs 50.00 GiB, {free} GiB is free; waiting for the start of alpha, then its wake checks its own memory"
+    )
+    # Once it serves, nothing is starting: the wake goes ahead and checks its own memory.
+    assert make_room(asleep, [model("alpha", 50, busy=True)], 36 * GIB, TOTAL) == StartIt(
+        "a wake from sleep checks its own memory (on_demand.wake_margin_gib)"
+    )
 
 
 def test_a_model_that_can_never_fit_is_refused_at_once_with_the_numbers() -> None:

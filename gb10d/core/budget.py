@@ -50,11 +50,12 @@ class Stage(str, Enum):
     SERVING = "serving"  # its memory shows in /proc/meminfo
     PARKED = "parked"  # on_demand.park = "stop": vLLM stopped, its memory given back; reserves nothing
     ASLEEP = "asleep"  # on_demand.park = "sleep": vLLM runs asleep, all but its CUDA context given back, until it wakes
+    WAKING = "waking"  # a wake from sleep takes its share back: reserved, as a start's is, until the wake is checked
 
     @property
     def pending(self) -> bool:
         """Its share is reserved but /proc/meminfo does not show it as used (yet, or again)."""
-        return self in (Stage.STARTING, Stage.RESTARTING)
+        return self in (Stage.STARTING, Stage.RESTARTING, Stage.WAKING)
 
 
 @dataclass(frozen=True)
@@ -305,7 +306,7 @@ def taken_since(then: Sequence[Reservation], now: Sequence[Reservation]) -> int:
     # One asleep then and awake now took its memory back meanwhile.
     return sum(
         o.bytes for o in now
-        if o.stage is not Stage.WAITING and settled.get((o.name, o.pid)) not in (Stage.SERVING, o.stage)
+        if o.stage not in (Stage.WAITING, Stage.PARKED) and settled.get((o.name, o.pid)) not in (Stage.SERVING, o.stage)
     )
 
 

@@ -290,8 +290,9 @@ class Reporter:
         which. READY stays: gb10d and vLLM run, and the front wakes vLLM for the next request."""
         self.metrics.set_sleep_state(state.value)
         if self.booking is not None:
-            # Asleep until the wake is checked: its memory is not in /proc/meminfo again before that.
-            stage = Stage.ASLEEP if state in (DaemonState.ASLEEP, DaemonState.WAKING) else Stage.SERVING
+            # A wake reserves its share until it is checked: another instance's start or wake must not count on the
+            # memory it is taking back, which /proc/meminfo shows only bit by bit.
+            stage = {DaemonState.ASLEEP: Stage.ASLEEP, DaemonState.WAKING: Stage.WAKING}.get(state, Stage.SERVING)
             phase = "" if state is DaemonState.SERVING else text.partition(";")[0].removeprefix(f"{stage.value}: ")
             self.booking.update(stage=stage, phase=phase)
         self.status(text, state)

@@ -201,8 +201,9 @@ class Slot:
     serving: bool
     parking: bool  # asked to park, or parking: its memory is on its way back
     busy: bool  # requests held for it or in flight on it
-    # Asked to start and not yet starting: its share is not in the ledger yet, but it will be.
-    waking: bool = False
+    # Asked to start or wake, or starting, and its share not reserved in the memory ledger (yet, or without a
+    # ledger): MemAvailable does not show it either, so the front counts it itself.
+    unbooked: bool = False
     # Parked by sleep: its wake checks its own memory (on_demand.wake_margin_gib) and starts cold when it is short.
     asleep: bool = False
     active_at: float = 0.0  # its last request began or ended (monotonic seconds)
@@ -245,10 +246,10 @@ def make_room(wanted: Slot, others: Sequence[Slot], room_bytes: int, total_bytes
     need = _gib(wanted.need_bytes)
     # A model asleep gave back nearly its whole share (all but its CUDA context), and its wake takes it again: it is
     # made room for as a stopped one is, by parking another; its wake still checks its own memory.
-    room_bytes -= sum(o.need_bytes for o in others if o.waking)
+    room_bytes -= sum(o.need_bytes for o in others if o.unbooked)
     if wanted.need_bytes <= room_bytes:
         return StartIt(f"it needs {need} GiB, {_gib(room_bytes)} GiB is free")
-    running = [o for o in others if o.running or o.waking]
+    running = [o for o in others if o.running or o.unbooked]
     pinned = [o for o in running if not o.on_demand]
     pinned_bytes = sum(o.need_bytes for o in pinned)
     if wanted.need_bytes > total_bytes - pinned_bytes:
@@ -265,6 +266,10 @@ def make_room(wanted: Slot, others: Sequence[Slot], room_bytes: int, total_bytes
     if parking:
         return AwaitRoom(f"{short}; waiting for the memory of {', '.join(parking)}, which parks")
     idle = [o for o in running if o.on_demand and o.serving and not o.busy]
+    coming = sorted(o.name for o in running if o.unbooked or not (o.serving or o.parking))
+    if not idle and wanted.asleep and coming:
+        # Its wake would count what is free now, before the memory of these starts shows: two would fit on paper.
+        return AwaitRoom(f"{short}; waiting for the start of {', '.join(coming)}, then its wake checks its own memory")
     if not idle and wanted.asleep:
         # Nothing of gb10d's to park: its wake checks its own memory, and starts vLLM cold when it is short.
         return StartIt("a wake from sleep checks its own memory (on_demand.wake_margin_gib)")

@@ -54,6 +54,8 @@ class Watched:
     dead_since: float | None = None
     # Why its state file could not be read, said once per cause.
     unreadable: str = ""
+    # Its gb10d's pid as the state file last said: its record in the memory ledger carries the same.
+    pid: int | None = None
 
     @property
     def name(self) -> str:
@@ -127,6 +129,7 @@ class States:
                 self.journal.say(f"cannot read {path} ({why}): {watched.name} counts as not running until it can be read", 4)
             return Readiness(False, False, f"not running (its state file cannot be read: {why})")
         watched.unreadable = ""
+        watched.pid = state.pid if state is not None else None
         alive = state is not None and state.pid is not None and pid_alive(state.pid)
         if alive or state is None or state.state is None or state.state.final:
             watched.dead_since = None

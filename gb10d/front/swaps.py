@@ -85,7 +85,8 @@ class Swaps:
             records = read_ledger(memory.ledger_path) if memory.ledger_path is not None else []
         except OSError:
             records = []  # no ledger: every instance runs alone as far as the budget knows
-        slots = {n: self._slot(w, mem.total) for n, w in self.states.watched.items()}
+        booked = {r.pid for r in records if r.stage.pending}
+        slots = {n: self._slot(w, mem.total, booked) for n, w in self.states.watched.items()}
         wanted = slots.pop(watched.name)
         return make_room(wanted, list(slots.values()), budget.left(records, mem), mem.total)
 
@@ -97,12 +98,16 @@ class Swaps:
         return None
 
     @staticmethod
-    def _slot(watched: Watched, total: int) -> Slot:
+    def _slot(watched: Watched, total: int, booked: set[int]) -> Slot:
+        """The instance as make_room counts it; `booked`: the gb10d pids whose share the ledger reserves now."""
         known, ready = watched.known, watched.ready
+        # Asked to wake, or starting (not serving, parked or parking) while its record reserves nothing yet: a wake
+        # asked and not yet taken, a start before its admission, a wake from sleep without a ledger.
+        coming = (watched.wake_asked and ready.parked) or (ready.coming and not (ready.serving or ready.parked or ready.parking))
         return Slot(
             known.instance.name, budget.share_bytes(known.utilization, total, known.memory.headroom_gib), known.control is not None,
             running=ready.coming and not ready.parked, serving=ready.serving, parking=watched.parking_asked or ready.parking,
-            busy=watched.held + watched.in_flight > 0, waking=watched.wake_asked and ready.parked, active_at=watched.active_at,
+            busy=watched.held + watched.in_flight > 0, unbooked=coming and watched.pid not in booked, active_at=watched.active_at,
             asleep=ready.asleep,
         )
 
