@@ -41,6 +41,8 @@ from ..vllm.kernel import xid_meaning
 from ..vllm.known import by_name, issue_for
 from .diagnosis import Diagnosis, as_logged, sentence
 from .outcome import Cause, Failed
+from ..vllm import failures
+from ..vllm.failures import FailureKind
 from .policy import GiveUp, History, Retry, next_attempt
 from .starts import STOP_EXCEPTIONS, Attempt
 
@@ -63,10 +65,15 @@ class _Scene:
 
 
 def failure_verdict(event: Failure, attempt: Attempt, facts: dict[str, Any], weights_gib: float | None = None) -> Diagnosis:
-    """The verdict for the failure that ended `attempt`: a GB10 platform failure's, else its class's, else a crash."""
+    """The verdict for the failure that ended `attempt`: a GB10 platform failure's, else its kind's own advice,
+    else its class's builder, else a crash."""
     issue = issue_for(event)
     if issue is not None:
         return _platform_verdict(issue.name, event, facts)
+    kind = failures.for_event(event)
+    if kind is not None and kind.verdict is not None and kind.advice:
+        # A kind that brings its own advice needs no builder: its verdict, its meaning and its fix as declared.
+        return Diagnosis(kind.verdict.name, facts, sentence(kind.advice), sentence(kind.meaning) if kind.meaning else "")
     build = next((builder for kind, builder in _BUILDERS if isinstance(event, kind)), _crash)
     return build(event, _Scene(attempt, facts, weights_gib))
 
@@ -283,7 +290,7 @@ def _lowered(decision: Retry | GiveUp, otherwise: str) -> str:
     return sentence(decision.message) if decision.exit_status != EXIT_CONFIG else otherwise
 
 
-def _what_gb10d_does(cause: Cause, failure: Failure | None, utilization: float | None, model: str | None,
+def _what_gb10d_does(cause: FailureKind, failure: Failure | None, utilization: float | None, model: str | None,
                      port: int | None) -> Retry | GiveUp:
     """What gb10d's supervisor decides after this failure on a first attempt: its defaults, plus what the log says.
 
