@@ -305,6 +305,8 @@ def describe(outcome: Failed) -> str:
     issue = issue_for(failure) if failure is not None else None
     if issue is not None and outcome.cause.value == issue.name:
         return issue.meaning
+    if outcome.cause.meaning:
+        return outcome.cause.meaning
     if isinstance(failure, FreeMemoryShort):
         return (
             f"free memory {failure.free_gib:g} of {failure.total_gib:g} GiB{where} is below gpu_memory_utilization "
