@@ -13,8 +13,10 @@ the kinds; docs/DESIGN.md says how to add one.
 more specific failure before the generic wrapper printed after it. Kinds
 without an event are gb10d's own findings (a stall, a hang, a timeout).
 
-Pure. The parser's patterns of the kinds declared before this table live
-in `logparse` and `known`; a kind's own `pattern` is read by the parser too.
+Pure. The patterns of the kinds older than this table stay in `logparse`
+(messages that arrive in pieces, vLLM's own wording per release) and in
+`known` (GB10's platform failures); the parser reads a kind's own `pattern`
+beside them.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from .events import (
 )
 from .known import ISSUES
 
-CATALOG_HEADERS = "Defined-By: gb10d\nSupport: man:gb10d(8)"
+_CATALOG_HEADERS = "Defined-By: gb10d\nSupport: man:gb10d(8)"
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class JournalEvent:
 
     def catalog_entry(self) -> str:
         """The entry as packaging/gb10d.catalog writes it."""
-        return f"-- {self.message_id}\nSubject: {self.subject}\n{CATALOG_HEADERS}\n\n{self.body}\n"
+        return f"-- {self.message_id}\nSubject: {self.subject}\n{_CATALOG_HEADERS}\n\n{self.body}\n"
 
 
 @dataclass(frozen=True)
@@ -320,7 +322,8 @@ class Cause:
 
 
 KINDS: tuple[FailureKind, ...] = tuple(kind for kind in vars(Cause).values() if isinstance(kind, FailureKind))
-NEEDLES = tuple(needle for kind in KINDS if kind.pattern is not None for needle in kind.pattern.needles)
+_PATTERNED = tuple(kind for kind in KINDS if kind.pattern is not None)
+NEEDLES = tuple(needle for kind in _PATTERNED if kind.pattern is not None for needle in kind.pattern.needles)
 _taught: tuple[FailureKind, ...] = ()
 TAUGHT_NEEDLES: tuple[str, ...] = ()  # those of the kinds taught since: the parser's gate, built from NEEDLES, lacks them
 
@@ -346,7 +349,7 @@ def teaching(kind: FailureKind) -> Iterator[FailureKind]:
 def match(msg: str) -> list[Failure]:
     """The events of the kinds with a pattern of their own in one message (usually none)."""
     found: list[Failure] = []
-    for kind in kinds():
+    for kind in (*_PATTERNED, *_taught):
         if kind.pattern is not None and any(needle in msg for needle in kind.pattern.needles):
             event = kind.pattern.recognise(msg)
             if event is not None:
@@ -365,5 +368,5 @@ def journal_events() -> dict[str, JournalEvent]:
 
 
 def restart_labels() -> tuple[str, ...]:
-    """The causes a restart can follow (gb10d_restarts_total's and gb10d_attempts_total's labels): those a retry may mend."""
+    """The causes a restart can follow (the labels of gb10d_restarts_total and gb10d_start_attempts_total): those a retry may mend."""
     return tuple(kind.value for kind in kinds() if not kind.gives_up)
