@@ -22,6 +22,7 @@ from ..vllm.events import (
     VersionSeen,
     WeightsLoaded,
 )
+from ..vllm import failures
 from .diagnosis import Diagnosis
 from .pasted import read_lines
 from .phases import Phase, StartupState, advance
@@ -62,7 +63,7 @@ def diagnose(text: str, stall_timeout_s: float = 300.0) -> Diagnosis:
             and (stopped is None or stopped < (progress_index or 0))):
         # A traceback or an error after the last progress ended the start, even if its last line is missing.
         return Diagnosis(
-            "crash", facts,
+            failures.VERDICT_CRASH.name, facts,
             "The lines above the end of the log say what broke (the exception's own line is missing); if they name "
             "a flag or a value, change that in vllm.args of gb10d.toml (gb10d print-command shows the full command).",
             "vLLM failed after its last progress; the log ends inside the error.",
@@ -95,7 +96,7 @@ def _still_starting(state: StartupState, attempt: Attempt, quiet_s: float | None
                            "instead of mmap, which avoids this stall on GB10); gb10d's startup.load_strategy_ladder does "
                            "this on the next attempt.")
         return Diagnosis(
-            "shard_stall", facts, advice_text,
+            failures.VERDICT_SHARD_STALL.name, facts, advice_text,
             f"Weight loading made no progress{how_long}{where} (stall timeout {stall_timeout_s:g} s).",
         )
     where = f" ({state.shards_done}/{state.shards_total} shards)" if state.phase is Phase.LOADING_WEIGHTS and state.shards_total else ""

@@ -11,22 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..vllm.known import ISSUES
+from ..vllm.failures import VERDICTS as VERDICTS_OF_FAILURES
 
-# Every verdict and what it means, for `gb10d diagnose --help`; the GB10 platform's come from the known-issues table.
+# Every verdict and what it means, for `gb10d diagnose --help`; the failures' come from the failure kinds' table.
 VERDICT_HELP: dict[str, str] = {
     "ready": "vLLM started and serves",
     "loading": "still starting, nothing failed yet",
-    "shard_stall": "weight loading stopped making progress",
-    "free_memory": "too little free memory for gpu_memory_utilization at start",
-    "cuda_oom": "CUDA ran out of memory (loading, profiling, CUDA graphs or serving)",
-    "kv_cache_insufficient": "the KV cache cannot hold one request of max_model_len, or there is no memory for it",
-    "port_in_use": "the API port, or a port of vLLM's internal sockets, is taken",
-    "model_not_found": "the model is not a local directory or a reachable (or permitted) Hugging Face repository",
-    "bad_argument": "vLLM rejected a flag or its value",
-    "engine_dead": "vLLM's engine process died",
-    **{issue.name: issue.title for issue in ISSUES},
-    "crash": "vLLM failed in another way (the error is named)",
+    **{verdict.name: verdict.help for verdict in VERDICTS_OF_FAILURES},
     "unknown": "no vLLM startup in the input",
 }
 VERDICTS = tuple(VERDICT_HELP)

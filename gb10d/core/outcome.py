@@ -8,50 +8,20 @@ different types so that no code can mistake one for a failure.
 
 from __future__ import annotations
 
-import enum
 import signal
 from dataclasses import dataclass
 from typing import Union
 
 from ..vllm.events import Failure
-
-
-class Cause(enum.Enum):
-    """Why an attempt failed; the value is the metrics label and the journal word."""
-
-    FREE_MEMORY = "free_memory"
-    STALL = "stall"
-    CUDA_OOM = "cuda_oom"
-    KV_CACHE = "kv_cache"
-    NO_KV_MEMORY = "no_kv_memory"
-    PORT_IN_USE = "port_in_use"
-    MODEL_NOT_FOUND = "model_not_found"
-    MODEL_GATED = "model_gated"
-    BAD_ARGUMENT = "bad_argument"
-    SERVED_NAME = "served_name_mismatch"
-    ENGINE_DEAD = "engine_dead"
-    ENGINE_HUNG = "engine_hung"
-    START_TIMEOUT = "start_timeout"
-    CRASH = "crash"
-    WORKER_LOST = "ray_worker_lost"  # one of vLLM's Ray workers died; on a pair, its machine may have left
-    INTERNAL_PORT = "internal_port_in_use"  # one of vLLM's own sockets (ZMQ, torch.distributed) found its port taken
-    # GB10's own failures (gb10d.vllm.known): their names are the known issues' names.
-    PTXAS = "ptxas_sm121a"
-    UNSUPPORTED_BUILD = "unsupported_build"
-    DRIVER_OOM = "driver_oom"
-    NCCL_KHO = "nccl_kho"
-    IPC_REMOVED = "ipc_removed"
-    HIDDEN_INIT = "hidden_init_failure"
-    # vLLM from a container image.
-    NO_PROGRAM = "image_without_vllm"  # the container's init could not run the image's vllm
-    PULL_STALLED = "pull_stalled"  # the image's pull made no progress for startup.stall_timeout_s
+from ..vllm.failures import Cause as Cause  # the causes are the failure kinds, declared once there
+from ..vllm.failures import FailureKind
 
 
 @dataclass(frozen=True)
 class Failed:
     """vLLM failed: it exited, stalled, timed out, or its engine died or hung."""
 
-    cause: Cause
+    cause: FailureKind  # one of `Cause`, the failure kinds
     failure: Failure | None = None
     exit_status: int | None = None
     was_ready: bool = False

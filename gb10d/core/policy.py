@@ -19,39 +19,25 @@ from ..base.command import Tunables
 from ..base.config import Config
 from ..base.errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED
 from ..vllm.events import (
-    DriverOutOfMemory,
-    HiddenInitFailure,
-    InternalPortInUse,
-    IpcRemoved,
-    PtxasArchUnsupported,
-    RdmaRegistrationFailed,
-    UnsupportedBuild,
     BadArgument,
     CudaOutOfMemory,
-    EngineDied,
     ExceptionRaised,
     Failure,
     FreeMemoryShort,
     KvCacheInsufficient,
-    ModelGated,
     ModelNotFound,
     NoKvCacheMemory,
-    PortInUse,
     ProgramNotRun,
-    RayWorkerLost,
 )
+from ..vllm import failures
 from .host import HostFacts
 from ..vllm.known import issue_for
 from ..base.units import GIB
 from .memory import ALONE, Neighbours, fitting_utilization, floor2
 from .outcome import Cause, Failed
+from ..vllm.failures import FailureKind
 
 
-# Causes that no retry can fix: the operator must change the config or the machine.
-CONFIG_CAUSES = frozenset(
-    {Cause.PORT_IN_USE, Cause.MODEL_NOT_FOUND, Cause.MODEL_GATED, Cause.BAD_ARGUMENT, Cause.SERVED_NAME,
-     Cause.UNSUPPORTED_BUILD, Cause.NCCL_KHO, Cause.NO_PROGRAM}
-)
 # The variable that points Triton at another ptxas, and the allocator setting reported to keep the driver's memory in check.
 TRITON_PTXAS_PATH = "TRITON_PTXAS_PATH"
 ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
@@ -60,49 +46,6 @@ AUTOTUNE_FLAG = "enable-flashinfer-autotune"
 NO_EXTENSIBLE_KV = "--no-enable-extensible-kv-cache"
 # How much lower the utilization goes after the driver ran out of memory or CUDA did.
 OOM_MARGIN = 0.05
-
-# More specific failures win over the generic wrappers printed after them.
-_PRECEDENCE: tuple[tuple[type[Failure], Cause], ...] = (
-    (ProgramNotRun, Cause.NO_PROGRAM),
-    (FreeMemoryShort, Cause.FREE_MEMORY),
-    (KvCacheInsufficient, Cause.KV_CACHE),
-    (NoKvCacheMemory, Cause.NO_KV_MEMORY),
-    (CudaOutOfMemory, Cause.CUDA_OOM),
-    (UnsupportedBuild, Cause.UNSUPPORTED_BUILD),
-    (PtxasArchUnsupported, Cause.PTXAS),
-    (DriverOutOfMemory, Cause.DRIVER_OOM),
-    (RdmaRegistrationFailed, Cause.NCCL_KHO),
-    (PortInUse, Cause.PORT_IN_USE),
-    (InternalPortInUse, Cause.INTERNAL_PORT),
-    (ModelGated, Cause.MODEL_GATED),
-    (ModelNotFound, Cause.MODEL_NOT_FOUND),
-    (BadArgument, Cause.BAD_ARGUMENT),
-    (RayWorkerLost, Cause.WORKER_LOST),
-    (EngineDied, Cause.ENGINE_DEAD),
-    (IpcRemoved, Cause.IPC_REMOVED),
-    # vLLM 0.23's `Failed core proc(s): {}` is a cause only when nothing before it said more.
-    (HiddenInitFailure, Cause.HIDDEN_INIT),
-)
-
-# The journal event (MESSAGE_ID, catalog entry) that tells of a failure, by cause.
-_EVENT_KINDS = {
-    Cause.FREE_MEMORY: "free_memory_retry",
-    Cause.STALL: "load_strategy_changed",
-    Cause.CUDA_OOM: "cuda_oom",
-    Cause.KV_CACHE: "kv_cache_insufficient",
-    Cause.NO_KV_MEMORY: "kv_cache_insufficient",
-    Cause.ENGINE_DEAD: "engine_dead",
-    Cause.WORKER_LOST: "engine_dead",
-    Cause.ENGINE_HUNG: "engine_hung",
-    Cause.PTXAS: "ptxas_sm121a",
-    Cause.UNSUPPORTED_BUILD: "unsupported_build",
-    Cause.DRIVER_OOM: "driver_oom",
-    Cause.NCCL_KHO: "nccl_kho",
-    Cause.IPC_REMOVED: "ipc_removed",
-    Cause.HIDDEN_INIT: "crashed",
-    Cause.PULL_STALLED: "image_pull",
-}
-
 
 def starts_new_count(outcome: Failed, config: Config) -> bool:
     """Whether this failure begins a new count of `restart.max_attempts`.
@@ -115,16 +58,17 @@ def starts_new_count(outcome: Failed, config: Config) -> bool:
     return outcome.was_ready and outcome.cause is not Cause.ENGINE_HUNG and outcome.served_s >= config.restart.reset_after_s
 
 
-def classify(failures: Sequence[Failure], exit_status: int | None, was_ready: bool) -> Failed:
+def classify(seen: Sequence[Failure], exit_status: int | None, was_ready: bool) -> Failed:
     """The cause of an attempt that vLLM ended itself (exited), from what it printed."""
-    for kind, cause in _PRECEDENCE:
-        for failure in reversed(failures):
-            if isinstance(failure, kind):
-                return Failed(cause=cause, failure=failure, exit_status=exit_status, was_ready=was_ready)
+    # The registry's order: a more specific failure wins over the generic wrapper printed after it.
+    for kind in failures.kinds():
+        found = next((f for f in reversed(seen) if kind.event is not None and isinstance(f, kind.event)), None)
+        if found is not None:
+            return Failed(cause=kind, failure=found, exit_status=exit_status, was_ready=was_ready)
     if was_ready and exit_status == 0:
         # vLLM exits 0 after its engine dies (REFERENCE: engine death at run time).
         return Failed(cause=Cause.ENGINE_DEAD, exit_status=exit_status, was_ready=was_ready, detail="vLLM exited with status 0 while serving")
-    last = next((f for f in reversed(failures) if isinstance(f, ExceptionRaised)), None)
+    last = next((f for f in reversed(seen) if isinstance(f, ExceptionRaised)), None)
     detail = f"{last.exc_type}: {last.message}" if last else ""
     return Failed(cause=Cause.CRASH, failure=last, exit_status=exit_status, was_ready=was_ready, detail=detail)
 
@@ -183,7 +127,7 @@ def next_attempt(
     `neighbours`: the other gb10d instances of this machine; a lowered
     utilization never takes what their starts reserved.
     """
-    if outcome.cause in CONFIG_CAUSES:
+    if outcome.cause.gives_up:
         return GiveUp(_config_advice(outcome, config), EXIT_CONFIG)
     fix = _fix(outcome, used, config, host)
     if isinstance(fix, GiveUp):
@@ -361,6 +305,8 @@ def describe(outcome: Failed) -> str:
     issue = issue_for(failure) if failure is not None else None
     if issue is not None and outcome.cause.value == issue.name:
         return issue.meaning
+    if outcome.cause.meaning:
+        return outcome.cause.meaning
     if isinstance(failure, FreeMemoryShort):
         return (
             f"free memory {failure.free_gib:g} of {failure.total_gib:g} GiB{where} is below gpu_memory_utilization "
@@ -395,9 +341,9 @@ def _config_advice(outcome: Failed, config: Config) -> str:
     return advice.bad_argument(outcome.detail)
 
 
-def event_kind(cause: Cause) -> str:
+def event_kind(cause: FailureKind) -> str:
     """The journal event that tells of a failure with this cause."""
-    return _EVENT_KINDS.get(cause, "config_error" if cause in CONFIG_CAUSES else "crashed")
+    return cause.journal.kind
 
 
 def after_failure(
@@ -427,4 +373,4 @@ def failure_line(outcome: Failed, decision: Retry | GiveUp, history: History, co
     if isinstance(decision, Retry):
         wait = f" in {decision.delay_s:g} s" if decision.delay_s else ""
         return f"{cause}; {decision.message}{wait} (attempt {history.attempts + 1}/{config.restart.max_attempts})"
-    return decision.message if outcome.cause in CONFIG_CAUSES else f"{cause}: {decision.message}"
+    return decision.message if outcome.cause.gives_up else f"{cause}: {decision.message}"

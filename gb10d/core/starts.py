@@ -42,6 +42,7 @@ from ..vllm.events import (
     UnsupportedBuild,
     VersionSeen,
 )
+from ..vllm import failures as failure_kinds
 from ..vllm.kernel import xid_meaning
 from ..vllm.logparse import Classifier, EventScanner, Kind
 from .pasted import Line, line_times, logging_prefix
@@ -153,11 +154,18 @@ def _serious_xid(e: Failure) -> bool:
     return isinstance(e, GpuXid) and xid_meaning(e.xid).serious
 
 
+def _declared(event: Failure) -> bool:
+    """A failure of a kind that brings its own advice (`failures.FailureKind.advice`): it names its cause."""
+    kind = failure_kinds.for_event(event)
+    return kind is not None and bool(kind.advice)
+
+
 # What decides the verdict when a start shows several failures, most telling first: the
 # platform's own failures explain the vLLM errors they cause, a specific failure explains
 # the wrappers printed after it, and vLLM 0.23's bare `Failed core proc(s): {}` counts only
-# when nothing else was printed. The driver's out-of-memory line is logged by healthy starts
-# on GB10 too (driveroom.py): it explains an engine's death, never an error vLLM named itself.
+# when nothing else was printed. A kind declared with its own advice names its cause. The
+# driver's out-of-memory line is logged by healthy starts on GB10 too (driveroom.py): it
+# explains an engine's death, never an error vLLM named itself.
 _RANKS: tuple[Callable[[Failure], bool], ...] = (
     _serious_xid,
     lambda e: isinstance(e, UnsupportedBuild),
@@ -170,6 +178,7 @@ _RANKS: tuple[Callable[[Failure], bool], ...] = (
     lambda e: isinstance(e, (PortInUse, InternalPortInUse)),
     lambda e: isinstance(e, (ModelNotFound, ModelGated)),
     lambda e: isinstance(e, BadArgument),
+    _declared,
     lambda e: isinstance(e, DriverOutOfMemory),
     lambda e: isinstance(e, EngineDied),
     lambda e: isinstance(e, (IpcRemoved, GpuXid)),

@@ -41,6 +41,8 @@ from ..vllm.kernel import xid_meaning
 from ..vllm.known import by_name, issue_for
 from .diagnosis import Diagnosis, as_logged, sentence
 from .outcome import Cause, Failed
+from ..vllm import failures
+from ..vllm.failures import FailureKind
 from .policy import GiveUp, History, Retry, next_attempt
 from .starts import STOP_EXCEPTIONS, Attempt
 
@@ -63,10 +65,15 @@ class _Scene:
 
 
 def failure_verdict(event: Failure, attempt: Attempt, facts: dict[str, Any], weights_gib: float | None = None) -> Diagnosis:
-    """The verdict for the failure that ended `attempt`: a GB10 platform failure's, else its class's, else a crash."""
+    """The verdict for the failure that ended `attempt`: a GB10 platform failure's, else its kind's own advice,
+    else its class's builder, else a crash."""
     issue = issue_for(event)
     if issue is not None:
         return _platform_verdict(issue.name, event, facts)
+    kind = failures.for_event(event)
+    if kind is not None and kind.verdict is not None and kind.advice:
+        # A kind that brings its own advice needs no builder: its verdict, its meaning and its fix as declared.
+        return Diagnosis(kind.verdict.name, facts, sentence(kind.advice), sentence(kind.meaning) if kind.meaning else "")
     build = next((builder for kind, builder in _BUILDERS if isinstance(event, kind)), _crash)
     return build(event, _Scene(attempt, facts, weights_gib))
 
@@ -79,7 +86,7 @@ def killed_verdict(attempt: Attempt, facts: dict[str, Any]) -> Diagnosis:
         # gb10d answers running out of memory by lowering the utilization 0.05, never below its minimum.
         lower = _lowered(_what_gb10d_does(Cause.CUDA_OOM, CudaOutOfMemory(None), util, None, None), lower)
     return Diagnosis(
-        "crash", facts,
+        failures.VERDICT_CRASH.name, facts,
         "vLLM was killed from outside, most likely by the kernel's OOM killer (on GB10 the GPU's memory is the "
         f"system's). {lower} A lower vllm.args.max_model_len and stopping other large processes help too.",
         "vLLM was killed (SIGKILL), most likely out of host memory.",
@@ -95,7 +102,7 @@ def _kv_cache(event: KvCacheInsufficient, scene: _Scene) -> Diagnosis:
         facts["estimated_max_model_len"] = event.estimated_max_model_len
     decision = _what_gb10d_does(Cause.KV_CACHE, event, attempt.utilization(), attempt.model, attempt.port)
     return Diagnosis(
-        "kv_cache_insufficient", facts, sentence(decision.message),
+        failures.VERDICT_KV_CACHE.name, facts, sentence(decision.message),
         f"The KV cache cannot hold one request of max_model_len {event.max_model_len}"
         + (f": it needs {as_logged(event.needed_gib)} GiB, {as_logged(event.available_gib)} GiB are available."
            if event.needed_gib is not None and event.available_gib is not None else "."),
@@ -106,7 +113,7 @@ def _no_kv_memory(event: NoKvCacheMemory, scene: _Scene) -> Diagnosis:
     attempt = scene.attempt
     decision = _what_gb10d_does(Cause.NO_KV_MEMORY, event, attempt.utilization(), attempt.model, attempt.port)
     return Diagnosis(
-        "kv_cache_insufficient", scene.facts, sentence(decision.message),
+        failures.VERDICT_KV_CACHE.name, scene.facts, sentence(decision.message),
         "No memory was left for the KV cache blocks after loading the weights.",
     )
 
@@ -122,7 +129,7 @@ def _cuda_oom(event: CudaOutOfMemory, scene: _Scene) -> Diagnosis:
     where = " while loading the weights" if event.during_load else ""
     tried = f" allocating {as_logged(event.tried_gib)} GiB" if event.tried_gib is not None else ""
     return Diagnosis(
-        "cuda_oom", facts,
+        failures.VERDICT_CUDA_OOM.name, facts,
         f"{lower} A lower vllm.args.max_model_len helps too; on GB10 also check what else uses the shared memory.",
         f"CUDA ran out of memory{where}{tried}.",
     )
@@ -136,7 +143,7 @@ def _internal_port(event: InternalPortInUse, scene: _Scene) -> Diagnosis:
     if event.address:
         facts["address"] = event.address
     return Diagnosis(
-        "port_in_use", facts, sentence(advice.internal_port_in_use(event.port, event.address)),
+        failures.VERDICT_PORT_IN_USE.name, facts, sentence(advice.internal_port_in_use(event.port, event.address)),
         f"vLLM could not bind an internal socket ({event.address or event.port or 'address not shown'}); "
         "this is not the API port.",
     )
@@ -146,7 +153,7 @@ def _port(event: PortInUse, scene: _Scene) -> Diagnosis:
     port = event.port or scene.attempt.port or DEFAULT_PORT
     scene.facts["port"] = port
     decision = _what_gb10d_does(Cause.PORT_IN_USE, event, None, scene.attempt.model, port)
-    return Diagnosis("port_in_use", scene.facts, sentence(decision.message),
+    return Diagnosis(failures.VERDICT_PORT_IN_USE.name, scene.facts, sentence(decision.message),
                      f"vLLM could not bind port {port}: another process has it.")
 
 
@@ -162,7 +169,7 @@ def _model_gated(event: ModelGated, scene: _Scene) -> Diagnosis:
     model = _model_named(event, scene)
     decision = _what_gb10d_does(Cause.MODEL_GATED, event, None, model, scene.attempt.port)
     return Diagnosis(
-        "model_not_found", scene.facts, sentence(decision.message),
+        failures.VERDICT_MODEL_NOT_FOUND.name, scene.facts, sentence(decision.message),
         f"Hugging Face refused access to the gated repository {model or ''}".rstrip() + ".",
     )
 
@@ -172,7 +179,7 @@ def _model_not_found(event: ModelNotFound, scene: _Scene) -> Diagnosis:
     if event.unreachable:
         scene.facts["hub_unreachable"] = True
     decision = _what_gb10d_does(Cause.MODEL_NOT_FOUND, event, None, model, scene.attempt.port)
-    return Diagnosis("model_not_found", scene.facts, sentence(decision.message), f"vLLM cannot find the model {model!r}.")
+    return Diagnosis(failures.VERDICT_MODEL_NOT_FOUND.name, scene.facts, sentence(decision.message), f"vLLM cannot find the model {model!r}.")
 
 
 def _bad_argument(event: BadArgument, scene: _Scene) -> Diagnosis:
@@ -182,12 +189,12 @@ def _bad_argument(event: BadArgument, scene: _Scene) -> Diagnosis:
     if event.value is not None:
         facts["value"] = event.value
     decision = _what_gb10d_does(Cause.BAD_ARGUMENT, event, None, scene.attempt.model, scene.attempt.port)
-    return Diagnosis("bad_argument", facts, sentence(decision.message), f"vLLM exited at once: {event.message}.")
+    return Diagnosis(failures.VERDICT_BAD_ARGUMENT.name, facts, sentence(decision.message), f"vLLM exited at once: {event.message}.")
 
 
 def _engine_died(event: EngineDied, scene: _Scene) -> Diagnosis:
     return Diagnosis(
-        "engine_dead", scene.facts,
+        failures.VERDICT_ENGINE_DEAD.name, scene.facts,
         "The engine process died; the lines before its death name the cause. gb10d restarts it; if it keeps "
         "dying under load, lower vllm.gpu_memory_utilization or vllm.args.max_model_len.",
         "vLLM's engine core died" + (" after startup." if scene.attempt.substantive else "."),
@@ -201,7 +208,7 @@ def _crash(event: Failure, scene: _Scene) -> Diagnosis:
         None)
     cause = f"{exc.exc_type}: {exc.message}" if exc else "the engine core failed to start"
     return Diagnosis(
-        "crash", scene.facts,
+        failures.VERDICT_CRASH.name, scene.facts,
         "The error says what broke; if it names a flag or a value, change that in vllm.args of gb10d.toml "
         "(gb10d print-command shows the full command), then restart gb10d.",
         f"vLLM crashed: {cause}.",
@@ -228,7 +235,7 @@ def _free_memory(event: FreeMemoryShort, scene: _Scene) -> Diagnosis:
             warning = advice.share_too_small(fits, fits * event.total_gib, weights_gib, weights_from, scene.attempt.max_model_len)
             parts += [warning] if warning else []
     return Diagnosis(
-        "free_memory", facts, " ".join(sentence(p) for p in parts if p),
+        failures.VERDICT_FREE_MEMORY.name, facts, " ".join(sentence(p) for p in parts if p),
         f"vLLM refused to start: free memory {as_logged(event.free_gib)} of {as_logged(event.total_gib)} GiB is below "
         f"gpu_memory_utilization {event.requested_utilization:g} ({as_logged(event.requested_gib)} GiB).",
     )
@@ -283,7 +290,7 @@ def _lowered(decision: Retry | GiveUp, otherwise: str) -> str:
     return sentence(decision.message) if decision.exit_status != EXIT_CONFIG else otherwise
 
 
-def _what_gb10d_does(cause: Cause, failure: Failure | None, utilization: float | None, model: str | None,
+def _what_gb10d_does(cause: FailureKind, failure: Failure | None, utilization: float | None, model: str | None,
                      port: int | None) -> Retry | GiveUp:
     """What gb10d's supervisor decides after this failure on a first attempt: its defaults, plus what the log says.
 

@@ -25,19 +25,20 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from .. import __version__
 from ..vllm.events import Event, SpecDecodingLogged, StatsLogged
 from ..core.phases import Phase
-from ..core.outcome import Cause
-from ..core.policy import CONFIG_CAUSES
+from ..vllm import failures
+
+
+def restart_causes() -> tuple[str, ...]:
+    """The causes of a restart: the failure kinds a retry may mend (those no retry can fix never restart), and
+    node_lost (a machine of a pair left). Known label values are created at zero, so `rate()` and alerts see
+    the series before the first increment instead of a gap."""
+    return (*failures.restart_labels(), "node_lost")
+
 
 # Each phase is one series of the `gb10d_phase` state set, so a dashboard sees
 # a 0 for every phase that is not current rather than a missing series.
 PHASES: tuple[str, ...] = tuple(phase.value for phase in Phase)
 
-# Known label values are created at zero, so `rate()` and alerts see the
-# series before the first increment instead of a gap. A restart's cause is
-# the policy's word for the failure (or node_lost: a machine of a pair left); causes no retry can fix
-# never restart.
-RESTART_CAUSES: tuple[str, ...] = (*(cause.value for cause in Cause if cause not in CONFIG_CAUSES), "node_lost")
-START_REASONS: tuple[str, ...] = ("initial", "reload", *RESTART_CAUSES)
 LIVENESS_CAUSES: tuple[str, ...] = ("health", "hung", "probe_timeout", "engine_dead", "asleep")
 
 # A scrape must not hang on a wedged vLLM: Prometheus' own default timeout is 10 s.
@@ -157,9 +158,10 @@ class Metrics:
             self._prompt, self._generation, self._running, self._waiting, self._kv_usage, self._prefix_hit,
             self._mean_len, self._accept, self._accepted, self._drafted, self._position,
         )
-        for reason in START_REASONS:
+        restarts = restart_causes()
+        for reason in ("initial", "reload", *restarts):
             self._attempts.labels(reason=reason)
-        for cause in RESTART_CAUSES:
+        for cause in restarts:
             self._restarts.labels(cause=cause)
         for cause in LIVENESS_CAUSES:
             self._liveness.labels(cause=cause)

@@ -22,25 +22,19 @@ from collections.abc import Iterable
 from typing import TextIO
 
 from ..base.levels import PRIORITY_INFO
+from ..vllm import failures
 
 DEFAULT_SOCKET_PATH = "/run/systemd/journal/socket"
 
-# One id per event kind, fixed forever: dashboards, alerts and the catalog key on them.
+# One id per event kind, fixed forever: dashboards, alerts and the catalog key on them. Those that tell of a
+# failure are declared with their kind in gb10d.vllm.failures.
 MESSAGE_IDS: dict[str, str] = {
     "starting": "03604dd3b760464589f2447e902c6cd6",
     "ready": "2f292b387efe48d5a5f218d076a8c072",
     "phase": "290d49ba4de74e799e44b00893a695ad",
-    "free_memory_retry": "fe029b905b53406489ece35b5cb58b84",
     "preflight_lowered": "b3b5c9eba24343a1b249bc9861698ef6",
     "page_cache_evicted": "3dfa3ecd54654bc6a895e183781fd9c3",
     "stall_detected": "d44442b9f6d84526964eb3a7663b51b9",
-    "load_strategy_changed": "67390dda31324b039c70a5b2a297e5bd",
-    "cuda_oom": "6fbdabd1140d4b6ab6440bda68b048ca",
-    "kv_cache_insufficient": "ffbbd83cf70e4fe2a1c52bea3c57ba54",
-    "config_error": "7aba519ec3b34d2bb38149b25e2c0e1d",
-    "crashed": "7f957b4dbce94de8906134f4744afe6e",
-    "engine_dead": "c9376a33bde846c4a10f76c6f29e46da",
-    "engine_hung": "ae55414584b743ffb71fa0729cea318b",
     "backoff": "ee63665b0ecf491691a4da5471edec73",
     "gave_up": "f05434347ead402f888a879b3f769617",
     "memory_not_returned": "80838952fbff4318bcdfd1f38634b10b",
@@ -72,11 +66,6 @@ MESSAGE_IDS: dict[str, str] = {
     "host": "199742f100b04de5a80cbd6bbd96b337",
     "host_warning": "4e9ad9f9ce1b497fbf1e0f1e24f2a8cc",
     "gpu_xid": "5540f0d2e67148758e4f82a520b4dbf1",
-    "driver_oom": "37fe2f3266a34f259795e9a6fc87221f",
-    "ptxas_sm121a": "5800808d9ab14290ad4a847d50e17813",
-    "unsupported_build": "d14965f215204b49929f8d856a1d6287",
-    "nccl_kho": "f99475afd80941859cab1b4ed3315341",
-    "ipc_removed": "8b9d65696cf540c88f01a1130f622502",
     "shm_removed": "eb974528cdf74a88a20b334b880fb17f",
     "kernel_log": "69a385c2f39548478c3bb694a441cfdd",
     "memory_wait": "0bb3e03be1b94daeb90d30b8404d063e",
@@ -84,7 +73,6 @@ MESSAGE_IDS: dict[str, str] = {
     "memory_ledger": "79fd0205c95b4bdbb97117329cbdbce4",
     "image": "8468e725c0ed4df085b26ba6672302bd",
     "image_moved": "65d3d8c8e4a7477d8a67a73ce2f6db91",
-    "image_pull": "a89ed8e9b5114c1f96939f95c3bc19d0",
     "container_removed": "f61d1c6e6cd447c08b1840ed652e8a92",
     "parked": "673575428b97495994e1aff34f7d320b",
     "woke": "697ff073e8d74b50ad8196d9b668ef51",
@@ -98,7 +86,17 @@ MESSAGE_IDS: dict[str, str] = {
     "restart_ignored": "f248e4c5518d4285835a043189442b36",
     "control_socket_unavailable": "262fb9852b4f448b8a7276805555a50c",
     "parked_short_of_memory": "d14e4c27d2494c52afcf3f645264bcab",
+    **{kind: event.message_id for kind, event in failures.journal_events().items()},
 }
+
+
+def message_id_of(kind: str) -> str | None:
+    """The MESSAGE_ID of an event kind, a failure kind's taught since the start included; None for an unknown kind."""
+    known = MESSAGE_IDS.get(kind)
+    if known is not None:
+        return known
+    told = failures.journal_events().get(kind)
+    return told.message_id if told is not None else None
 
 
 # journald drops a datagram larger than its receive buffer; a field this long is
@@ -235,7 +233,7 @@ class Journal:
             ("SYSLOG_IDENTIFIER", self._identifier.encode("utf-8", errors="replace")),
             ("GB10D_EVENT", kind.encode("utf-8", errors="replace")),
         ]
-        message_id = MESSAGE_IDS.get(kind)
+        message_id = message_id_of(kind)
         if message_id is not None:
             pairs.append(("MESSAGE_ID", message_id.encode()))
         pairs.extend((field_name(k), _field_value(v)) for k, v in fields.items() if v is not None)

@@ -3,8 +3,9 @@
 Pure. `logparse` turns a message into these issues' events with `match`;
 `diagnose` names its verdicts after them; `advice` reads their fixes; the
 supervisor can ask `issue_for(event)` whether starting again with the same
-settings can help. To teach gb10d another failure, add an entry (and, if no
-event fits, an event class in `events`): nothing else lists them.
+settings can help. To teach gb10d another platform failure, add an entry
+here (and, if no event fits, an event class in `events`) and its failure
+kind in `failures` (docs/DESIGN.md, "Adding a failure kind").
 
 `needles` are plain substrings, checked first because `match` runs on every
 line vLLM prints; a pattern's named groups fill the event's fields.

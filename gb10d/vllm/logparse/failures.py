@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import known
+from .. import failures as failure_kinds
 from ..events import (
     BadArgument,
     CudaOutOfMemory,
@@ -292,7 +293,7 @@ def _failures(msg: str) -> list[Event]:
         out.append(RayWorkerLost(msg.strip()))
     elif "EngineDeadError" in msg or "engine core exited unexpectedly" in msg or "died unexpectedly" in msg:
         out.append(EngineDied(msg.strip()))
-    known_issues = known.match(msg)
+    known_issues = known.match(msg) + failure_kinds.match(msg)
     wrapper = any(isinstance(e, EngineStartFailed) for e in known_issues)
     if not wrapper and ("Engine core initialization failed" in msg or "EngineCore failed to start" in msg
                         or "WorkerProc failed to start" in msg or "WorkerProc initialization failed" in msg

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from .. import known
+from .. import failures as failure_kinds
 from ..events import (
     ArgsSeen,
     CompileProgressed,
@@ -74,7 +75,7 @@ _PROGRESS_GATE = _literal_gate((
 _FAILURE_GATE = _literal_gate((
     "Error", "error", "memory", "Exception", "failed", "in use", "not a local", "Invalid repository", "Not Found", "gated",
     "parser", "configuration of", "unexpectedly", "Interrupt", "Exit", "positional", "Fault", "yaml", "Repo id",
-    "does not appear", "couldn't connect", "No such file", "not found", "registered", *known.NEEDLES,
+    "does not appear", "couldn't connect", "No such file", "not found", "registered", *known.NEEDLES, *failure_kinds.NEEDLES,
 ))
 
 
@@ -134,9 +135,14 @@ def parse_message(msg: str) -> list[Event]:
         progress = _progress(msg)
         if progress:
             return progress
-    if _FAILURE_GATE.search(msg) is not None:
+    if _FAILURE_GATE.search(msg) is not None or (failure_kinds.TAUGHT_NEEDLES and _taught_spotted(msg)):
         return _failures(msg)
     return []
+
+
+def _taught_spotted(msg: str) -> bool:
+    """Whether a failure kind taught after the gate was built may be in the message."""
+    return any(needle in msg for needle in failure_kinds.TAUGHT_NEEDLES)
 
 
 def _progress(msg: str) -> list[Event]:
