@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from config_support import make_config
 from containers import (
     Registry,
     SlowLink,
@@ -201,12 +202,11 @@ def sim_config(engine: Engine, tmp_path: Path, image: str, scenario: str = "heal
         **({"socket": socket_path} if socket_path else {}),
         **container,
     }
-    return Config.model_validate({
-        "vllm": {"image": image, "model": "Qwen/Qwen3.6-27B-FP8", "port": free_port(),
-                 "env": {"GB10D_SIM_SPEED": SIM_SPEED, "GB10D_SIM_SCENARIO": scenario}},
-        "daemon": {"stop_timeout_s": 10},
-        "container": table,
-    })
+    return make_config(
+        vllm={"image": image, "port": free_port(), "env": {"GB10D_SIM_SPEED": SIM_SPEED, "GB10D_SIM_SCENARIO": scenario}},
+        daemon={"stop_timeout_s": 10},
+        container=table,
+    )
 
 
 class Output:
