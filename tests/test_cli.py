@@ -13,6 +13,7 @@ from typing import Any, get_args
 
 import pytest
 
+from config_support import write_config
 from containers import dead_socket, engine_or_skip, ensure_sim_image, sim_image_tag
 from gb10d.cmdline.cli import main
 from gb10d.base.command import Engine, build_argv, container_argv, env_additions
@@ -256,9 +257,9 @@ def cli(*argv: str, user: int | None = None, env: dict[str, str] | None = None) 
     return subprocess.run([sys.executable, "-m", "gb10d", *argv], capture_output=True, text=True, env={**base, **(env or {})}, user=user, timeout=120)
 
 
-def image_toml(image: str, **container: str) -> str:
-    table = "".join(f'{k} = "{v}"\n' for k, v in container.items())
-    return f'[vllm]\nimage = "{image}"\nmodel = "Qwen/Qwen3.6-27B-FP8"\n\n[container]\n{table}'
+def image_config(config: Path, image: str, **container: str) -> Path:
+    """A gb10d.toml at config that runs vLLM in image, with these [container] keys."""
+    return write_config(config, vllm={"image": image}, container=container)
 
 
 @pytest.mark.slow
@@ -266,7 +267,7 @@ def image_toml(image: str, **container: str) -> str:
 def test_check_config_of_an_image_names_the_engine_that_runs_it(kind: Any, tmp_path: Path) -> None:
     engine = engine_or_skip(kind)
     config = tmp_path / "gb10d.toml"
-    config.write_text(image_toml(ensure_sim_image(engine), engine=kind, gpu="none", pull="never"))
+    image_config(config, ensure_sim_image(engine), engine=kind, gpu="none", pull="never")
     result = cli("check-config", "--config", str(config))
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1].endswith(f"with gpu_memory_utilization 0.9 from the image {sim_image_tag()} with {kind}")
@@ -277,7 +278,7 @@ def test_check_config_of_an_image_names_the_engine_that_runs_it(kind: Any, tmp_p
 def test_check_config_with_pull_never_and_no_image_says_how_to_load_it(kind: Any, tmp_path: Path) -> None:
     engine_or_skip(kind)
     config = tmp_path / "gb10d.toml"
-    config.write_text(image_toml("localhost/gb10d-test/absent:1", engine=kind, gpu="none", pull="never"))
+    image_config(config, "localhost/gb10d-test/absent:1", engine=kind, gpu="none", pull="never")
     result = cli("check-config", "--config", str(config))
     assert result.returncode == EXIT_CONFIG
     assert (f'gb10d: {config}:8: container.pull: the image localhost/gb10d-test/absent:1 is not present in {kind} and container.pull is "never"; '
@@ -297,7 +298,7 @@ def test_check_config_says_how_to_start_an_engine_that_does_not_answer(kind: str
         pytest.skip(f"the {kind} client is not installed")
     sock = dead_socket(tmp_path / f"{kind}.sock")
     config = tmp_path / "gb10d.toml"
-    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine=kind, socket=str(sock)))
+    image_config(config, "nvcr.io/nvidia/vllm:26.05-py3", engine=kind, socket=str(sock))
     result = cli("check-config", "--config", str(config))
     assert result.returncode == EXIT_CONFIG
     problem = result.stderr.splitlines()[0]
@@ -310,7 +311,7 @@ def test_a_container_socket_that_is_not_there_is_reported_on_its_line(kind: str,
         pytest.skip(f"the {kind} client is not installed")
     sock = tmp_path / "absent.sock"
     config = tmp_path / "gb10d.toml"
-    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine=kind, socket=str(sock)))
+    image_config(config, "nvcr.io/nvidia/vllm:26.05-py3", engine=kind, socket=str(sock))
     result = cli("check-config", "--config", str(config))
     assert result.returncode == EXIT_CONFIG
     assert result.stderr.splitlines()[0] == (
@@ -325,7 +326,7 @@ def test_check_config_as_a_user_outside_the_docker_group_says_to_add_it_and_what
         pytest.skip("needs root to run check-config as another user")
     tmp_path.chmod(0o755)
     config = tmp_path / "gb10d.toml"
-    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine="docker"))
+    image_config(config, "nvcr.io/nvidia/vllm:26.05-py3", engine="docker")
     config.chmod(0o644)
     try:
         result = cli("check-config", "--config", str(config), user=65534, env={"HOME": str(tmp_path)})
@@ -344,7 +345,7 @@ def test_check_config_of_podman_without_a_cdi_description_of_the_gpu_says_how_to
     if any(Path(d, "nvidia.yaml").exists() for d in ("/etc/cdi", "/var/run/cdi")):
         pytest.skip("this machine has a CDI description of its GPU")
     config = tmp_path / "gb10d.toml"
-    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine="podman"))
+    image_config(config, "nvcr.io/nvidia/vllm:26.05-py3", engine="podman")
     result = cli("check-config", "--config", str(config))
     assert result.returncode == EXIT_CONFIG
     assert "container.gpu: podman gives the GPU through CDI, but there is no /etc/cdi/nvidia.yaml" in result.stderr
@@ -375,7 +376,7 @@ def test_cleanup_of_vllm_from_a_venv_has_nothing_to_do(tmp_path: Path) -> None:
 
 def test_cleanup_through_an_engine_that_is_not_running_says_how_to_start_it(tmp_path: Path) -> None:
     config = tmp_path / "gb10d.toml"
-    config.write_text(image_toml("nvcr.io/nvidia/vllm:26.05-py3", engine="docker", socket=str(dead_socket(tmp_path / "docker.sock"))))
+    image_config(config, "nvcr.io/nvidia/vllm:26.05-py3", engine="docker", socket=str(dead_socket(tmp_path / "docker.sock")))
     result = cli("cleanup", "--config", str(config))
     assert result.returncode == EXIT_GAVE_UP and result.stdout == ""
     assert result.stderr.startswith("gb10d: docker version failed: ") and "start it: sudo systemctl enable --now docker" in result.stderr

@@ -8,12 +8,14 @@ program. How `gb10d run` drives the pair: tests/test_pair.py.
 
 from __future__ import annotations
 
+from functools import partial
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from config_support import make_config, write_config
 from gb10d.core.cluster import LINK_WAIT_S, waits_for_link
 from gb10d.core.statefile import StateRecord
 from gb10d.core.cluster import (
@@ -38,16 +40,14 @@ from gb10d.core.cluster import (
     watcher_argv,
 )
 from gb10d.base.command import build_argv
-from gb10d.base.config import Config
 from gb10d.base.configload import parse_config
 from gb10d.base.errors import ConfigError
 
 
-def config(role: str = "head", **cluster: object) -> Config:
-    return parse_config({
-        "vllm": {"venv": "/opt/vllm", "model": "Qwen/Qwen3-235B-A22B-FP8"},
-        "cluster": {"role": role, "head_address": "10.0.0.1", **cluster},
-    })
+config = partial(make_config, {
+    "vllm": {"venv": "/opt/vllm", "model": "Qwen/Qwen3-235B-A22B-FP8"},
+    "cluster": {"role": "head", "head_address": "10.0.0.1"},
+})
 
 
 def problems(data: dict[str, object], text: str = "") -> list[str]:
@@ -64,12 +64,12 @@ def test_ray_comes_from_the_same_venv_as_vllm_unless_set() -> None:
     c = config()
     assert c.cluster is not None
     assert ray_program(c.cluster, c.vllm) == Path("/opt/vllm/bin/ray")
-    other = config(ray="/opt/ray/bin/ray")
+    other = config(cluster={"ray": "/opt/ray/bin/ray"})
     assert other.cluster is not None and ray_program(other.cluster, other.vllm) == Path("/opt/ray/bin/ray")
 
 
 def test_the_head_runs_a_blocking_ray_head_on_its_link_address() -> None:
-    c = config(ray_args=["--num-gpus=1"])
+    c = config(cluster={"ray_args": ["--num-gpus=1"]})
     assert c.cluster is not None
     assert ray_argv(c.cluster, c.vllm, "10.0.0.1") == [
         "/opt/vllm/bin/ray", "start", "--block", "--node-ip-address=10.0.0.1",
@@ -78,7 +78,7 @@ def test_the_head_runs_a_blocking_ray_head_on_its_link_address() -> None:
 
 
 def test_the_worker_joins_the_head_address_and_port() -> None:
-    c = config("worker", port=6380)
+    c = config(cluster={"role": "worker", "port": 6380})
     assert c.cluster is not None
     assert ray_argv(c.cluster, c.vllm, "10.0.0.2") == [
         "/opt/vllm/bin/ray", "start", "--block", "--node-ip-address=10.0.0.2", "--address=10.0.0.1:6380", "--disable-usage-stats",
@@ -86,7 +86,7 @@ def test_the_worker_joins_the_head_address_and_port() -> None:
 
 
 def test_both_machines_pin_every_transport_to_the_link_and_switch_off_rays_memory_monitor() -> None:
-    c = config("worker")
+    c = config(cluster={"role": "worker"})
     assert c.cluster is not None
     env = cluster_env(c.cluster, "enp1s0f0np0", "10.0.0.2")
     assert {name: env[name] for name in INTERFACE_VARIABLES} == dict.fromkeys(INTERFACE_VARIABLES, "enp1s0f0np0")
@@ -95,12 +95,12 @@ def test_both_machines_pin_every_transport_to_the_link_and_switch_off_rays_memor
 
 
 def test_the_head_serves_with_one_tensor_parallel_rank_per_machine_over_ray() -> None:
-    c = config(nodes=2)
+    c = config(cluster={"nodes": 2})
     assert c.cluster is not None
     argv = build_argv(c.vllm, cluster_flags=vllm_flags(c.cluster))
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert argv[argv.index("--distributed-executor-backend") + 1] == "ray"
-    worker = config("worker")
+    worker = config(cluster={"role": "worker"})
     assert worker.cluster is not None and vllm_flags(worker.cluster) == []
 
 
@@ -131,26 +131,17 @@ def test_an_unknown_role_and_a_one_machine_cluster_are_refused() -> None:
 
 # --- through the CLI ----------------------------------------------------------
 
-CLUSTER_TOML = """\
-[vllm]
-executable = "{vllm}"
-model = "m"
-
-[cluster]
-role = "{role}"
-head_address = "10.213.60.1"
-ray_args = ["--num-gpus=1"]
-"""
-
-
-def write_config(tmp_path: Path, role: str) -> Path:
+def cluster_config(tmp_path: Path, role: str) -> Path:
+    """A gb10d.toml for this role whose vLLM is a stub in tmp_path/bin (the ray program beside it is not there)."""
     vllm = tmp_path / "bin" / "vllm"
     vllm.parent.mkdir(exist_ok=True)
     vllm.write_text("#!/bin/sh\n")
     vllm.chmod(0o755)
-    path = tmp_path / f"{role}.toml"
-    path.write_text(CLUSTER_TOML.format(vllm=vllm, role=role))
-    return path
+    return write_config(
+        tmp_path / f"{role}.toml",
+        vllm={"executable": str(vllm), "model": "m"},
+        cluster={"role": role, "head_address": "10.213.60.1", "ray_args": ["--num-gpus=1"]},
+    )
 
 
 def gb10d(*args: str, netns: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -160,7 +151,7 @@ def gb10d(*args: str, netns: str | None = None) -> subprocess.CompletedProcess[s
 
 @pytest.mark.slow
 def test_check_config_wants_the_ray_program_beside_vllm(tmp_path: Path) -> None:
-    done = gb10d("check-config", "--config", str(write_config(tmp_path, "worker")))
+    done = gb10d("check-config", "--config", str(cluster_config(tmp_path, "worker")))
     assert done.returncode == 78
     assert f"vllm.executable: {tmp_path / 'bin' / 'ray'} does not exist; is that the path of the ray program?" in done.stderr
     assert "Traceback" not in done.stderr
@@ -169,7 +160,7 @@ def test_check_config_wants_the_ray_program_beside_vllm(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_print_command_shows_each_machines_ray_start_on_the_link_and_says_why(tmp_path: Path, link: tuple[str, str]) -> None:
     head_ns, worker_ns = link
-    head = gb10d("print-command", "--config", str(write_config(tmp_path, "head")), netns=head_ns)
+    head = gb10d("print-command", "--config", str(cluster_config(tmp_path, "head")), netns=head_ns)
     assert head.returncode == 0, head.stderr
     ray_line, vllm_line = head.stdout.splitlines()
     assert "NCCL_SOCKET_IFNAME=gb10c-h" in ray_line and "VLLM_HOST_IP=10.213.60.1" in ray_line
@@ -178,7 +169,7 @@ def test_print_command_shows_each_machines_ray_start_on_the_link_and_says_why(tm
     assert vllm_line.endswith("--tensor-parallel-size 2 --distributed-executor-backend ray")
     assert "cluster head: using gb10c-h (10.213.60.1) because it carries cluster.head_address 10.213.60.1" in head.stderr
 
-    worker = gb10d("print-command", "--config", str(write_config(tmp_path, "worker")), netns=worker_ns)
+    worker = gb10d("print-command", "--config", str(cluster_config(tmp_path, "worker")), netns=worker_ns)
     assert worker.returncode == 0, worker.stderr
     (line,) = worker.stdout.splitlines()
     assert "VLLM_HOST_IP=10.213.60.2" in line and line.endswith("--address=10.213.60.1:6379 --disable-usage-stats --num-gpus=1")
@@ -188,7 +179,7 @@ def test_print_command_shows_each_machines_ray_start_on_the_link_and_says_why(tm
 @pytest.mark.slow
 def test_print_command_on_a_machine_without_the_head_address_says_which_interfaces_it_has(tmp_path: Path, link: tuple[str, str]) -> None:
     _, worker_ns = link
-    done = gb10d("print-command", "--config", str(write_config(tmp_path, "head")), netns=worker_ns)
+    done = gb10d("print-command", "--config", str(cluster_config(tmp_path, "head")), netns=worker_ns)
     assert done.returncode == 78
     assert "cluster.head_address: 10.213.60.1 is not an address of this machine" in done.stderr
     assert "gb10c-w: 10.213.60.2/24" in done.stderr
@@ -249,7 +240,7 @@ def test_vllm_placed_on_a_machine_that_left_cannot_serve_even_when_another_took_
 
 
 def test_status_texts_say_what_each_machine_waits_for() -> None:
-    head, worker = config().cluster, config("worker").cluster
+    head, worker = config().cluster, config(cluster={"role": "worker"}).cluster
     assert head is not None and worker is not None
     assert view_text(WHOLE, head) == "2 of 2 machines with a GPU up: 10.0.0.1 (head), 10.0.0.2"
     assert view_text(None, head) == "the Ray cluster's node table is not read yet"
@@ -260,7 +251,7 @@ def test_status_texts_say_what_each_machine_waits_for() -> None:
 
 
 def test_the_state_file_lists_the_machines_serving_for_gb10d_status() -> None:
-    cluster = config("worker").cluster
+    cluster = config(cluster={"role": "worker"}).cluster
     assert cluster is not None
     record = StateRecord(cluster=view_state(View((HEAD, Node("b2", "10.0.0.2", False, False, 1.0))), cluster, "10.0.0.2", "enp1s0f0np0"))
     assert record.to_json()["cluster"] == {

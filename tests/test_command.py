@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import shlex
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from config_support import make_config
 from gb10d.base.command import (
     CHILD_DEFAULTS,
     CONTAINER_CACHE_ENV,
@@ -181,8 +183,7 @@ IMAGE = "nvcr.io/nvidia/vllm:26.05-py3"
 DOCKER = Engine("docker", ("docker",))
 
 
-def image_config(container: dict[str, Any] | None = None, **fields: Any) -> Config:
-    return Config.model_validate({"vllm": {"image": IMAGE, "model": "Qwen/Qwen3.6-27B-FP8", **fields}, "container": container or {}})
+image_config = partial(make_config, {"vllm": {"image": IMAGE}})
 
 
 def run_line(config: Config, engine: Engine = DOCKER, path: str = "/etc/gb10d.toml") -> list[str]:
@@ -217,27 +218,27 @@ def test_podman_gets_the_gpu_through_cdi_and_the_same_options() -> None:
     ],
 )
 def test_container_settings_become_their_run_options(container: dict[str, Any], present: list[str], absent: list[str]) -> None:
-    argv = run_line(image_config(container))
+    argv = run_line(image_config(container=container))
     line = " ".join(argv)
     assert all(f" {words} " in line for words in present), line
     assert all(option not in argv[: argv.index(IMAGE)] for option in absent), line
 
 
 def test_a_local_model_directory_is_mounted_read_only_at_its_own_path() -> None:
-    argv = run_line(image_config(model="/srv/models/Qwen3.6-27B-FP8"))
+    argv = run_line(image_config(vllm={"model": "/srv/models/Qwen3.6-27B-FP8"}))
     assert "/srv/models/Qwen3.6-27B-FP8:/srv/models/Qwen3.6-27B-FP8:ro" in argv
     assert argv[argv.index(IMAGE) + 3] == "/srv/models/Qwen3.6-27B-FP8"
 
 
 def test_a_model_in_a_mounted_directory_is_a_path_inside_the_container() -> None:
-    argv = run_line(image_config({"mounts": ["/srv/models:/models:ro"]}, model="/models/Qwen3-8B"))
+    argv = run_line(image_config(container={"mounts": ["/srv/models:/models:ro"]}, vllm={"model": "/models/Qwen3-8B"}))
     assert [w for w in argv if w.startswith("/srv/models") or w.startswith("/models")] == ["/srv/models:/models:ro", "/models/Qwen3-8B"]
 
 
 def test_secrets_are_passed_by_name_only_and_never_appear_in_the_argv(tmp_path: Path) -> None:
     secrets = tmp_path / "secrets.env"
     secrets.write_text("HF_TOKEN=hf_live\n")
-    config = image_config(env={"VLLM_API_KEY": "sk-1", "VLLM_LOGGING_LEVEL": "DEBUG"}, env_file=str(secrets))
+    config = image_config(vllm={"env": {"VLLM_API_KEY": "sk-1", "VLLM_LOGGING_LEVEL": "DEBUG"}, "env_file": str(secrets)})
     argv = run_line(config)
     assert "-e HF_TOKEN -e VLLM_API_KEY -e VLLM_LOGGING_LEVEL=DEBUG " in " ".join(argv)
     assert "hf_live" not in " ".join(argv) and "sk-1" not in " ".join(argv)
@@ -250,7 +251,7 @@ def test_the_tunables_of_an_attempt_reach_vllm_in_the_container() -> None:
 
 
 def test_the_container_environment_is_gb10ds_additions_not_the_hosts() -> None:
-    env = env_additions(image_config(env={"CUDA_VISIBLE_DEVICES": "0"}).vllm)
+    env = env_additions(image_config(vllm={"env": {"CUDA_VISIBLE_DEVICES": "0"}}).vllm)
     assert env == {**CHILD_DEFAULTS, **CONTAINER_CACHE_ENV, "CUDA_VISIBLE_DEVICES": "0"}
     assert "VIRTUAL_ENV" not in env and "PATH" not in env
 
@@ -261,7 +262,7 @@ def test_the_container_environment_is_gb10ds_additions_not_the_hosts() -> None:
 )
 def test_the_container_is_named_after_the_config(path: str, name: str) -> None:
     assert container_name(image_config().container, Path(path)) == name
-    assert container_name(image_config({"name": "mine"}).container, Path(path)) == "mine"
+    assert container_name(image_config(container={"name": "mine"}).container, Path(path)) == "mine"
 
 
 @pytest.mark.parametrize(

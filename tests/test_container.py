@@ -16,11 +16,12 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
 
+from config_support import make_config
 from containers import (
     Registry,
     SlowLink,
@@ -201,12 +202,11 @@ def sim_config(engine: Engine, tmp_path: Path, image: str, scenario: str = "heal
         **({"socket": socket_path} if socket_path else {}),
         **container,
     }
-    return Config.model_validate({
-        "vllm": {"image": image, "model": "Qwen/Qwen3.6-27B-FP8", "port": free_port(),
-                 "env": {"GB10D_SIM_SPEED": SIM_SPEED, "GB10D_SIM_SCENARIO": scenario}},
-        "daemon": {"stop_timeout_s": 10},
-        "container": table,
-    })
+    return make_config(
+        vllm={"image": image, "port": free_port(), "env": {"GB10D_SIM_SPEED": SIM_SPEED, "GB10D_SIM_SCENARIO": scenario}},
+        daemon={"stop_timeout_s": 10},
+        container=table,
+    )
 
 
 class Output:
@@ -388,6 +388,21 @@ def test_a_container_gb10d_did_not_start_is_left_alone(engine: Engine, tmp_path:
     assert container_exists(engine, launcher.name)
 
 
+async def _settled(count: Callable[[], int | None], within_s: float = 30.0) -> int | None:
+    """The count once two readings a quarter second apart agree: the loader has gone to sleep in its hang.
+
+    The stand-in reads all through a shard's load, so a loading shard moves the count between any two such readings."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    last = count()
+    while True:
+        await asyncio.sleep(0.25)
+        now = count()
+        if now == last:
+            return now
+        assert asyncio.get_running_loop().time() < deadline, f"the byte count still moved {within_s:.0f} s after the loader's hang began"
+        last = now
+
+
 def test_io_bytes_grow_while_the_sim_loads_and_stay_flat_while_it_hangs(engine: Engine, tmp_path: Path, cleanup: list[str]) -> None:
     # Two shards of about two seconds each, really reading, then the loader hangs as on GB10's mmap stall.
     config = sim_config(engine, tmp_path, ensure_sim_image(engine), scenario="slow_shards=100,stall_at=2")
@@ -402,8 +417,7 @@ def test_io_bytes_grow_while_the_sim_loads_and_stay_flat_while_it_hangs(engine: 
         await started.output.wait_for(b"1/6 [")
         loaded = runtime.io_bytes()
         await started.output.wait_for(b"2/6 [")
-        await asyncio.sleep(0.5)  # the loader is asleep in its hang from here on
-        hung = runtime.io_bytes()
+        hung = await _settled(runtime.io_bytes)
         await asyncio.sleep(3.0)  # a span to measure over, not a synchronisation
         still = runtime.io_bytes()
         await runtime.kill()

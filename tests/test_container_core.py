@@ -9,11 +9,12 @@ what `gb10d status` shows, and which engine error needs the operator.
 from __future__ import annotations
 
 from datetime import datetime, UTC
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from config_support import make_config
 from gb10d.core.advice import status_of_give_up
 from gb10d.base.command import Tunables, container_mounts, host_path, model_on_host
 from gb10d.base.config import Config
@@ -34,12 +35,7 @@ OLD = "sha256:" + "a" * 64
 NEW = "sha256:" + "b" * 64
 
 
-def config(container: dict[str, Any] | None = None, **vllm: Any) -> Config:
-    return Config.model_validate({
-        "vllm": {"image": IMAGE, "model": "Qwen/Qwen3.6-27B-FP8", "gpu_memory_utilization": 0.8, **vllm},
-        "container": container or {},
-        "restart": {"max_attempts": 3},
-    })
+config = partial(make_config, {"vllm": {"image": IMAGE, "gpu_memory_utilization": 0.8}, "restart": {"max_attempts": 3}})
 
 
 # --- an image without vllm ----------------------------------------------------------------------------------
@@ -74,14 +70,14 @@ def test_an_image_without_vllm_is_a_config_error_that_names_the_image(status: in
 @pytest.mark.parametrize(("engine", "program"), [("podman", "vllm"), ("podman", None), ("auto", None)])
 def test_under_podman_the_advice_for_an_image_without_vllm_names_podman(engine: str, program: str | None) -> None:
     outcome = classify([ProgramNotRun(program, "No such file or directory")], 1, False)
-    _, decision = after_failure(outcome, Tunables(0.8), History(1), config({"engine": engine}))
+    _, decision = after_failure(outcome, Tunables(0.8), History(1), config(container={"engine": engine}))
     assert isinstance(decision, GiveUp)
     assert decision.message.endswith("; podman run --rm IMAGE vllm --version checks one")
 
 
 def test_status_of_a_give_up_is_the_cause_and_a_pointer_to_the_journal_never_cut_mid_word() -> None:
     outcome = classify([ProgramNotRun(None, "No such file or directory")], 1, False)
-    _, decision = after_failure(outcome, Tunables(0.8), History(1), config({"engine": "podman"}))
+    _, decision = after_failure(outcome, Tunables(0.8), History(1), config(container={"engine": "podman"}))
     assert isinstance(decision, GiveUp) and len(decision.message) > STATUS_MAX
     shown = status_of_give_up(decision.message, STATUS_MAX)
     assert shown == f"failed: the image {IMAGE} cannot run vllm (No such file or directory): it has no vllm program on its PATH; the journal says how to fix it"
@@ -116,7 +112,7 @@ def test_ptxas_in_an_image_is_not_pointed_at_the_hosts_toolkit() -> None:
     decision = next_attempt(outcome, Tunables(0.8), History(1), config(), HostFacts("6.17.0", ptxas="/usr/local/cuda/bin/ptxas"))
     assert isinstance(decision, GiveUp) and decision.exit_status == EXIT_CONFIG
     assert decision.message.startswith(f"Triton in the image {IMAGE} cannot compile for sm_121a; use an image built for DGX Spark")
-    given = next_attempt(outcome, Tunables(0.8), History(1), config(env={"TRITON_PTXAS_PATH": "/opt/cuda/bin/ptxas"}))
+    given = next_attempt(outcome, Tunables(0.8), History(1), config(vllm={"env": {"TRITON_PTXAS_PATH": "/opt/cuda/bin/ptxas"}}))
     assert isinstance(given, GiveUp) and given.message.startswith("Triton still fails to compile for sm_121a with TRITON_PTXAS_PATH=/opt/cuda/bin/ptxas")
 
 
@@ -144,7 +140,7 @@ def test_what_was_learned_with_another_image_is_not_applied_and_the_journal_says
 
 
 def test_another_image_and_another_config_name_every_change() -> None:
-    verdict = applicable(learned_with(OLD), config(gpu_memory_utilization=0.9), NEW)
+    verdict = applicable(learned_with(OLD), config(vllm={"gpu_memory_utilization": 0.9}), NEW)
     assert verdict.entry is None
     assert f'image_digest "{OLD}" -> "{NEW}"' in verdict.reason and "vllm.gpu_memory_utilization 0.8 -> 0.9" in verdict.reason
 
@@ -155,12 +151,12 @@ def test_another_image_and_another_config_name_every_change() -> None:
 @pytest.mark.parametrize(
     ("new", "keys"),
     [
-        (config(image="nvcr.io/nvidia/vllm:26.06-py3"), ("vllm.image",)),
-        (config({"mounts": ["/srv/models:/models:ro"]}), ("container.mounts",)),
-        (config({"shm_size": "16g"}), ("container.shm_size",)),
-        (config({"run_args": ["--ulimit", "nofile=65536:65536"]}), ("container.run_args",)),
-        (config({"pull": "always"}), ("container.pull",)),
-        (config({"engine": "podman"}), ("container.engine",)),
+        (config(vllm={"image": "nvcr.io/nvidia/vllm:26.06-py3"}), ("vllm.image",)),
+        (config(container={"mounts": ["/srv/models:/models:ro"]}), ("container.mounts",)),
+        (config(container={"shm_size": "16g"}), ("container.shm_size",)),
+        (config(container={"run_args": ["--ulimit", "nofile=65536:65536"]}), ("container.run_args",)),
+        (config(container={"pull": "always"}), ("container.pull",)),
+        (config(container={"engine": "podman"}), ("container.engine",)),
     ],
 )
 def test_a_new_image_or_a_change_of_how_the_container_runs_replaces_the_container(new: Config, keys: tuple[str, ...]) -> None:
@@ -178,10 +174,10 @@ def test_gb10d_own_settings_still_apply_without_replacing_the_container() -> Non
 
 
 def test_the_mounts_are_the_cache_a_local_model_and_the_configs_own() -> None:
-    assert container_mounts(config({"cache_dir": "/var/cache/gb10d"}, model="/srv/models/qwen")) == [
+    assert container_mounts(config(container={"cache_dir": "/var/cache/gb10d"}, vllm={"model": "/srv/models/qwen"})) == [
         "/var/cache/gb10d:/root/.cache", "/srv/models/qwen:/srv/models/qwen:ro"
     ]
-    assert container_mounts(config({"mounts": ["/srv/models:/models:ro"]}, model="/models/qwen")) == [
+    assert container_mounts(config(container={"mounts": ["/srv/models:/models:ro"]}, vllm={"model": "/models/qwen"})) == [
         "/var/cache/gb10d:/root/.cache", "/srv/models:/models:ro"
     ]
 
@@ -198,14 +194,14 @@ def test_the_mounts_are_the_cache_a_local_model_and_the_configs_own() -> None:
     ],
 )
 def test_a_path_inside_the_container_is_found_on_the_host_through_the_deepest_mount(inside: str, host: str | None) -> None:
-    cfg = config({"mounts": ["/srv/models:/models:ro", "/data/extra:/models/extra"]})
+    cfg = config(container={"mounts": ["/srv/models:/models:ro", "/data/extra:/models/extra"]})
     assert host_path(cfg, inside) == (Path(host) if host else None)
 
 
 def test_the_model_is_evicted_from_the_hosts_side_of_the_mount() -> None:
     env = {"HF_HOME": "/root/.cache/huggingface", "XDG_CACHE_HOME": "/root/.cache", "PATH": "/usr/bin"}
     assert model_on_host(config(), env) == ("Qwen/Qwen3.6-27B-FP8", {"HF_HUB_CACHE": "/var/cache/gb10d/huggingface/hub"})
-    assert model_on_host(config({"mounts": ["/srv/models:/models:ro"]}, model="/models/qwen"), env) == ("/srv/models/qwen", {})
+    assert model_on_host(config(container={"mounts": ["/srv/models:/models:ro"]}, vllm={"model": "/models/qwen"}), env) == ("/srv/models/qwen", {})
     moved = {**env, "HF_HUB_CACHE": "/hub"}  # a hub the config moved where no mount shows it
     assert model_on_host(config(), moved) is None
     venv = Config.model_validate({"vllm": {"venv": "/opt/vllm", "model": "Qwen/Qwen3.6-27B-FP8"}})

@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from gb10d.base.command import Tunables
-from gb10d.base.config import Config, MemorySection
+from config_support import make_config
+from gb10d.base.config import MemorySection
 from gb10d.core.driveroom import DriverRoom, Evidence, judge, not_answering, note, stall_deadline, stalled
 from gb10d.vllm.events import DriverOutOfMemory, ShardsProgressed
 from gb10d.core.facts import DriverLine, Parsed, ProbeKind, Probed, Tick
@@ -21,8 +22,7 @@ PLENTY = 40 * GIB
 MEMORY = MemorySection()  # burst 50 within 60 s, headroom 1 GiB
 
 
-def config() -> Config:
-    return Config.model_validate({"vllm": {"executable": "/usr/bin/vllm", "model": "Qwen/Qwen3.6-27B-FP8"}})
+config = make_config
 
 
 def room(*times: float, window_s: float = MEMORY.driver_oom_window_s) -> DriverRoom:

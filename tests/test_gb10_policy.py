@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
 import pytest
 
+from config_support import make_config
 from gb10d.base.command import Tunables, build_argv, build_env
-from gb10d.base.config import Config
 from gb10d.base.errors import EXIT_CONFIG, EXIT_MEMORY_NOT_RETURNED
 from gb10d.vllm.events import DriverOutOfMemory, GpuXid, HiddenInitFailure, IpcRemoved, PtxasArchUnsupported, RdmaRegistrationFailed, UnsupportedBuild
 from gb10d.core.facts import Parsed
@@ -21,10 +22,7 @@ PTXAS = "/usr/local/cuda/bin/ptxas"
 HOST = HostFacts("6.17.0-1008-nvidia", "580.95.05", 1048576, 1040000, PTXAS)
 
 
-def config(**vllm: object) -> Config:
-    return Config.model_validate(
-        {"vllm": {"executable": "/usr/bin/vllm", "model": "Qwen/Qwen3.6-27B-FP8", "gpu_memory_utilization": 0.8, **vllm}}
-    )
+config = partial(make_config, {"vllm": {"gpu_memory_utilization": 0.8}})
 
 
 @pytest.mark.parametrize(
@@ -64,7 +62,7 @@ def test_ptxas_failure_without_a_toolkit_says_what_to_install_and_does_not_retry
 @pytest.mark.parametrize("where", ["tunables", "config"])
 def test_ptxas_failure_with_the_variable_already_set_gives_up(where: str) -> None:
     used = Tunables(0.8, env=(("TRITON_PTXAS_PATH", PTXAS),)) if where == "tunables" else Tunables(0.8)
-    cfg = config(env={"TRITON_PTXAS_PATH": PTXAS}) if where == "config" else config()
+    cfg = config(vllm={"env": {"TRITON_PTXAS_PATH": PTXAS}}) if where == "config" else config()
     decision = next_attempt(Failed(cause=Cause.PTXAS), used, History(2), cfg, HOST)
     assert isinstance(decision, GiveUp) and decision.exit_status == EXIT_CONFIG
     assert decision.message.startswith(f"Triton still fails to compile for sm_121a with TRITON_PTXAS_PATH={PTXAS}")
@@ -93,7 +91,7 @@ def test_a_failure_no_retry_can_help_gives_up_at_once_as_a_config_error(cause: C
 
 def test_driver_out_of_memory_restarts_lower_with_the_workaround() -> None:
     outcome = Failed(cause=Cause.DRIVER_OOM, failure=DriverOutOfMemory(detail="NV_ERR_NO_MEMORY"), was_ready=True)
-    decision = next_attempt(outcome, Tunables(0.8), History(1), config(args={"enable_flashinfer_autotune": True}), HOST)
+    decision = next_attempt(outcome, Tunables(0.8), History(1), config(vllm={"args": {"enable_flashinfer_autotune": True}}), HOST)
     assert isinstance(decision, Retry) and decision.delay_s == 0
     assert decision.tunables == Tunables(0.75, env=(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"),), without=("enable-flashinfer-autotune",))
     assert decision.message == (
@@ -115,14 +113,14 @@ def test_driver_out_of_memory_at_the_minimum_gives_up_with_the_memory_status() -
 
 def test_the_workaround_drops_the_flag_and_adds_the_variable_where_the_config_sets_none() -> None:
     tunables = Tunables(0.75, env=(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"),), without=("enable-flashinfer-autotune",))
-    for cfg in (config(args={"enable_flashinfer_autotune": True}), config(extra_args=["--enable-flashinfer-autotune", "--enforce-eager"])):
+    for cfg in (config(vllm={"args": {"enable_flashinfer_autotune": True}}), config(vllm={"extra_args": ["--enable-flashinfer-autotune", "--enforce-eager"]})):
         argv = build_argv(cfg.vllm, tunables)
         assert "--enable-flashinfer-autotune" not in argv
         assert "--gpu-memory-utilization" in argv
-    assert "--enforce-eager" in build_argv(config(extra_args=["--enable-flashinfer-autotune", "--enforce-eager"]).vllm, tunables)
+    assert "--enforce-eager" in build_argv(config(vllm={"extra_args": ["--enable-flashinfer-autotune", "--enforce-eager"]}).vllm, tunables)
     cfg = config()
     assert build_env(cfg.vllm, base={}, added=tunables.env)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
-    own = config(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    own = config(vllm={"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}})
     assert build_env(own.vllm, base={}, added=tunables.env)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 

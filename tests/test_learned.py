@@ -6,6 +6,7 @@ in tmp_path; `gb10d forget` runs as a real subprocess.
 
 from __future__ import annotations
 
+from functools import partial
 import os
 import shutil
 import stat
@@ -19,9 +20,9 @@ from typing import Any, Callable
 import pytest
 import tomli_w
 
+from config_support import make_config, write_config
 from gb10d.base.command import Tunables
 from gb10d.base.config import Config
-from gb10d.base.configload import parse_config
 from gb10d.core.learned import LearnedEntry, LearnedState, applicable, fingerprint, merge, remember
 from gb10d.daemon.learnedfile import LearnedFileError, forget, load, save
 
@@ -29,15 +30,13 @@ AT = datetime(2026, 12, 2, 3, 14, 15, tzinfo=UTC)
 WHY = "free memory 103.45 of 121.69 GiB below 0.92 requested"
 
 
-def config(**vllm: Any) -> Config:
-    table: dict[str, Any] = {
-        "model": "org/model",
-        "executable": "/srv/vllm/bin/vllm",
-        "gpu_memory_utilization": 0.92,
-        "args": {"max_model_len": 32768, "kv-cache-dtype": "fp8"},
-    }
-    table.update(vllm)
-    return parse_config({"vllm": table})
+RUNNING = {"vllm": {
+    "model": "org/model",
+    "executable": "/srv/vllm/bin/vllm",
+    "gpu_memory_utilization": 0.92,
+    "args": {"max_model_len": 32768, "kv-cache-dtype": "fp8"},
+}}
+config = partial(make_config, RUNNING)
 
 
 def lowered(cfg: Config, utilization: float = 0.85) -> LearnedEntry:
@@ -98,7 +97,7 @@ def test_nothing_learned_gives_no_entry_and_nothing_to_say() -> None:
 )
 def test_changing_a_setting_that_matters_discards_what_was_learned_naming_the_key(changed: dict[str, Any], named: str) -> None:
     entry = lowered(config())
-    verdict = applicable(LearnedState(entry), config(**changed))
+    verdict = applicable(LearnedState(entry), config(vllm=changed))
     assert verdict.entry is None
     assert named in verdict.reason
     assert verdict.reason.startswith("discarding the settings learned 2026-12-02T03:14:15+00:00 (gpu_memory_utilization 0.85)")
@@ -115,15 +114,15 @@ def test_changing_a_setting_that_matters_discards_what_was_learned_naming_the_ke
     ],
 )
 def test_changing_a_setting_that_does_not_matter_keeps_what_was_learned(changed: dict[str, Any]) -> None:
-    before = config(args={"max_model_len": 32768, "kv-cache-dtype": "fp8", "api-key": "sk-old"}) if "api-key" in str(changed) else config()
+    before = config(vllm={"args": {"max_model_len": 32768, "kv-cache-dtype": "fp8", "api-key": "sk-old"}}) if "api-key" in str(changed) else config()
     entry = lowered(before)
-    assert applicable(LearnedState(entry), config(**changed)).entry == entry
-    assert fingerprint(before) == fingerprint(config(**changed))
+    assert applicable(LearnedState(entry), config(vllm=changed)).entry == entry
+    assert fingerprint(before) == fingerprint(config(vllm=changed))
 
 
 def test_an_api_key_is_not_stored_with_what_was_learned(tmp_path: Path) -> None:
     path = tmp_path / "state.toml"
-    save(path, LearnedState(lowered(config(args={"api-key": "sk-secret-1"}))))
+    save(path, LearnedState(lowered(config(vllm={"args": {"api-key": "sk-secret-1"}}))))
     assert "sk-secret-1" not in path.read_text()
 
 
@@ -132,7 +131,7 @@ def test_an_api_key_is_not_stored_with_what_was_learned(tmp_path: Path) -> None:
 
 def test_save_and_load_round_trip_in_a_new_directory(tmp_path: Path) -> None:
     path = tmp_path / "var" / "lib" / "gb10d" / "state.toml"
-    cfg = config(args={"max_model_len": 32768, "speculative-config": {"method": "mtp", "num_speculative_tokens": 2}})
+    cfg = config(vllm={"args": {"max_model_len": 32768, "speculative-config": {"method": "mtp", "num_speculative_tokens": 2}}})
     entry = remember(cfg, Tunables(0.85, "prefetch", 32768), WHY, AT)
     assert entry is not None
     save(path, LearnedState(entry))
@@ -242,28 +241,22 @@ def gb10d(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProce
 WITHOUT_ROOT_POWERS = ("setpriv", "--bounding-set=-all", "--inh-caps=-all") if os.geteuid() == 0 else ()
 
 
-def write_config(tmp_path: Path, learned_file: Path) -> Path:
-    path = tmp_path / "gb10d.toml"
-    data = {
-        "vllm": {"model": "org/model", "executable": "/srv/vllm/bin/vllm", "gpu_memory_utilization": 0.92,
-                 "args": {"max_model_len": 32768, "kv-cache-dtype": "fp8"}},
-        "daemon": {"learned_file": str(learned_file)},
-    }
-    path.write_text(tomli_w.dumps(data))
-    return path
+def running_config(tmp_path: Path, learned_file: Path) -> Path:
+    """RUNNING as a gb10d.toml, its learned settings kept in learned_file."""
+    return write_config(tmp_path / "gb10d.toml", RUNNING, daemon={"learned_file": str(learned_file)})
 
 
 @pytest.mark.slow
 def test_gb10d_forget_clears_what_was_learned_and_says_what_it_was(tmp_path: Path) -> None:
     learned = tmp_path / "lib" / "state.toml"
     save(learned, LearnedState(lowered(config())))
-    result = gb10d("forget", "--config", str(write_config(tmp_path, learned)))
+    result = gb10d("forget", "--config", str(running_config(tmp_path, learned)))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"removed {learned}: forgot the settings gpu_memory_utilization 0.85 (learned 2026-12-02T03:14:15+00:00: {WHY}).")
     assert "begins from the config's values" in result.stdout
     assert not learned.exists()
 
-    again = gb10d("forget", "--config", str(write_config(tmp_path, learned)))
+    again = gb10d("forget", "--config", str(running_config(tmp_path, learned)))
     assert again.returncode == 0, again.stderr
     assert again.stdout == f"nothing was learned: {learned} does not exist\n"
 
@@ -271,7 +264,7 @@ def test_gb10d_forget_clears_what_was_learned_and_says_what_it_was(tmp_path: Pat
 @pytest.mark.slow
 def test_gb10d_forget_removes_a_damaged_file_too(tmp_path: Path) -> None:
     learned = _damaged("not toml at all [", tmp_path)
-    result = gb10d("forget", "--config", str(write_config(tmp_path, learned)))
+    result = gb10d("forget", "--config", str(running_config(tmp_path, learned)))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"removed {learned}: it held nothing gb10d could use.")
     assert not learned.exists()
@@ -295,7 +288,7 @@ def test_gb10d_forget_without_permission_says_who_may(tmp_path: Path) -> None:
     save(learned, LearnedState(lowered(config())))
     directory.chmod(0o555)
     try:
-        result = gb10d("forget", "--config", str(write_config(tmp_path, learned)), prefix=WITHOUT_ROOT_POWERS)
+        result = gb10d("forget", "--config", str(running_config(tmp_path, learned)), prefix=WITHOUT_ROOT_POWERS)
     finally:
         directory.chmod(0o755)
     assert result.returncode == 1

@@ -10,9 +10,11 @@ names the cause.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 
+from config_support import make_config
 from gb10d.core.lifecycle import LISTEN_GRACE_S, waits_for_listen
 from gb10d.base.command import Tunables
 from gb10d.base.config import Config, OnDemandSection
@@ -57,14 +59,11 @@ STALL_S = 300.0
 READY_TIMEOUT_S = 3600.0
 
 
-def config(**startup: object) -> Config:
-    return Config.model_validate(
-        {
-            "vllm": {"executable": "/usr/bin/vllm", "model": "Qwen/Qwen3.6-27B-FP8", "gpu_memory_utilization": 0.8},
-            "startup": {"stall_timeout_s": STALL_S, "ready_timeout_s": READY_TIMEOUT_S, **startup},
-            "restart": {"max_attempts": 5},
-        }
-    )
+config = partial(make_config, {
+    "vllm": {"gpu_memory_utilization": 0.8},
+    "startup": {"stall_timeout_s": STALL_S, "ready_timeout_s": READY_TIMEOUT_S},
+    "restart": {"max_attempts": 5},
+})
 
 
 CONFIG = config()
@@ -73,7 +72,7 @@ CONFIG = config()
 
 @pytest.mark.parametrize(("stall_s", "wait_s", "asked"), [(300.0, 0.0, 360.0), (300.0, 8.0, 368.0), (5.0, 0.0, 65.0), (5.0, 120.0, 185.0)])
 def test_the_start_time_asked_covers_the_wait_and_a_whole_stall_timeout_with_a_margin(stall_s: float, wait_s: float, asked: float) -> None:
-    assert start_time_asked(config(stall_timeout_s=stall_s), wait_s) == asked
+    assert start_time_asked(config(startup={"stall_timeout_s": stall_s}), wait_s) == asked
 
 
 @dataclass

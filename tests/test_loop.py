@@ -83,18 +83,17 @@ def test_the_watchdog_is_pinged_while_the_daemon_awaits_something_else() -> None
     finally:
         del os.environ["WATCHDOG_USEC"]
 
-    async def main() -> None:
+    async def main() -> object:
         facts = FactLoop(notifier)
         facts.install()
         try:
-            await asyncio.sleep(1.1)  # not waiting on the queue at all
+            # Not waiting on the queue at all: awaiting the receiver's thread until the fifth ping (one every 0.2 s).
+            return await asyncio.to_thread(receiver.wait, lambda m: receiver.count("WATCHDOG", "1") >= 5, 10)
         finally:
             await facts.remove()
 
     try:
-        asyncio.run(main())
-        # A ping every 0.2 s for 1.1 s, though nothing waited on the queue.
-        pinged = receiver.wait(lambda m: receiver.count("WATCHDOG", "1") >= 5, timeout=10)
+        pinged = asyncio.run(main())
         assert pinged is not None, receiver.keys()
     finally:
         receiver.close()

@@ -350,13 +350,6 @@ def sample_while(port: int, running: threading.Event) -> tuple[list[Sample], thr
     return samples, thread
 
 
-@pytest.fixture
-def notify() -> Iterator[NotifySocket]:
-    sock = NotifySocket()
-    yield sock
-    sock.close()
-
-
 @pytest.mark.slow
 def test_scrapes_during_a_sim_start_follow_every_phase_to_ready(tmp_path: Path, notify: NotifySocket) -> None:
     port = free_port()

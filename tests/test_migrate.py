@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 
 from gb10d.machine.access import WayOut
-from gb10d.vllm.importtoml import Imported
+from gb10d.vllm.importscript import Imported
 from gb10d.cmdline.migrate import Surroundings, for_the_service, merge
 from hub_support import populate_hub
 

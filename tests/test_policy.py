@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
 import pytest
 
+from config_support import make_config
 from gb10d.base.command import Tunables
-from gb10d.base.config import Config
 from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP
 from gb10d.vllm.events import (
     BadArgument,
@@ -39,10 +40,7 @@ from gb10d.core.policy import (
 )
 
 
-def config(**tables: dict[str, object]) -> Config:
-    data: dict[str, object] = {"vllm": {"executable": "/usr/bin/vllm", "model": "Qwen/Qwen3.6-27B-FP8", "gpu_memory_utilization": 0.92}}
-    data.update(tables)
-    return Config.model_validate(data)
+config = partial(make_config, {"vllm": {"gpu_memory_utilization": 0.92}})
 
 
 FREE = FreeMemoryShort(free_gib=103.45, total_gib=123.73, requested_utilization=0.92, requested_gib=113.83)

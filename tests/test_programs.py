@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
+from config_support import make_config
 from gb10d.core import programs
 from gb10d.machine import programsfile
-from gb10d.base.config import Config
 from gb10d.core.programs import Program, Programs, Rejected
 
 
-def config(**vllm: object) -> Config:
-    return Config.model_validate({"vllm": {"model": "m", **(vllm or {"venv": "/opt/vllm-new"})}})
+config = partial(make_config, {"vllm": {"model": "m", "venv": "/opt/vllm-new"}})
 
 
 GOOD = Program("/opt/vllm-old", "venv", "0.33.0", "abc")
@@ -19,7 +19,7 @@ GOOD = Program("/opt/vllm-old", "venv", "0.33.0", "abc")
 
 def test_only_another_program_than_the_good_one_is_a_candidate() -> None:
     assert programs.is_candidate(config(), Programs(GOOD))
-    assert not programs.is_candidate(config(venv="/opt/vllm-old"), Programs(GOOD))
+    assert not programs.is_candidate(config(vllm={"venv": "/opt/vllm-old"}), Programs(GOOD))
     assert not programs.is_candidate(config(), Programs()), "nothing served yet: nothing to go back to"
 
 
@@ -37,7 +37,7 @@ def test_falling_back_puts_the_good_program_in_place_of_any_kind() -> None:
     image = Program("nvcr.io/nvidia/vllm:26.05-py3", "image")
     back = programs.fall_back(config(), image).vllm
     assert (back.image, back.venv, back.executable) == ("nvcr.io/nvidia/vllm:26.05-py3", None, None)
-    assert programs.fall_back(config(image="nvcr.io/nvidia/vllm:26.06-py3"), GOOD).vllm.image is None
+    assert programs.fall_back(config(vllm={"image": "nvcr.io/nvidia/vllm:26.06-py3"}), GOOD).vllm.image is None
 
 
 def test_the_record_survives_a_round_trip_and_a_damaged_one_is_empty(tmp_path: Path) -> None:

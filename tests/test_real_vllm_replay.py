@@ -19,6 +19,7 @@ stderr and stdout through Ray, behind a chain of three tags.
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import re
 from dataclasses import dataclass, field
@@ -26,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
+from config_support import make_config
 from gb10d.machine import programsfile
 from gb10d.base.command import Tunables
-from gb10d.base.config import Config
 from gb10d.vllm.events import EngineDied, Event, Failure, FreeMemoryShort, RayWorkerLost, StartupCompleted
 from gb10d.vllm.logparse import Classifier, EventScanner, Kind, LineFramer
 from gb10d.core.phases import Phase, advance, start
@@ -91,12 +92,11 @@ def replay(name: str, fixtures: Path = FIXTURES) -> Replay:
     return result
 
 
-def config() -> Config:
-    # As in the live runs: what another process left of the GPU leaves room for less than the GB10 default minimum.
-    return Config.model_validate({
-        "vllm": {"executable": "/opt/vllm/bin/vllm", "model": "/srv/models/tiny-llama", "gpu_memory_utilization": 0.9},
-        "memory": {"min_gpu_memory_utilization": 0.1},
-    })
+# As in the live runs: what another process left of the GPU leaves room for less than the GB10 default minimum.
+config = partial(make_config, {
+    "vllm": {"executable": "/opt/vllm/bin/vllm", "model": "/srv/models/tiny-llama", "gpu_memory_utilization": 0.9},
+    "memory": {"min_gpu_memory_utilization": 0.1},
+})
 
 
 @pytest.mark.parametrize("version", RUNS)

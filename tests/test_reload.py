@@ -8,6 +8,7 @@ deadline; the only bounded wait for absence is the quiet period after it.
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 import os
 import shutil
 import threading
@@ -16,6 +17,7 @@ from typing import Any, Awaitable, Callable
 
 import pytest
 
+from config_support import make_config
 from gb10d.base.config import Config
 from gb10d.base.configload import load_config, parse_config
 from gb10d.core import programs
@@ -27,12 +29,7 @@ DEBOUNCE_S = 1.0
 QUIET_S = 3 * DEBOUNCE_S
 
 
-def config(**sections: dict[str, Any]) -> Config:
-    """A config with [vllm] model and executable set, plus the given tables merged in."""
-    data: dict[str, Any] = {"vllm": {"model": "org/model", "executable": "/srv/vllm/bin/vllm"}}
-    for name, table in sections.items():
-        data.setdefault(name, {}).update(table)
-    return parse_config(data)
+config = partial(make_config, {"vllm": {"model": "org/model", "executable": "/srv/vllm/bin/vllm"}})
 
 
 def diff(old: Config, new: Config, old_env_file: dict[str, str] | None = None, new_env_file: dict[str, str] | None = None) -> ConfigDiff:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from config_support import write_config
 from gb10d.base.configload import load_config
 from gb10d.base.errors import ConfigError
 from gb10d.core.reload import ConfigSnapshot, diff_configs
@@ -69,26 +70,29 @@ def test_the_control_socket_sits_beside_the_state_file() -> None:
     assert control_path(Path("/run/gb10d/chat.json")) == Path("/run/gb10d/chat.sock")
 
 
-def config(tmp_path: Path, host: str, on_demand: str = '[on_demand]\npark = "sleep"\nidle_timeout_s = 30\n') -> Path:
-    path = tmp_path / "gb10d.toml"
-    path.write_text(f'[vllm]\nexecutable = "/usr/bin/true"\nmodel = "m"\nhost = "{host}"\nport = 8101\n\n{on_demand}')
-    return path
+SLEEPS = {"park": "sleep", "idle_timeout_s": 30}
+
+
+def config(tmp_path: Path, host: str, on_demand: dict[str, object] | None = SLEEPS) -> Path:
+    """A gb10d.toml of vLLM on host, parked on demand as on_demand says (None: always on)."""
+    parked = {} if on_demand is None else {"on_demand": on_demand}
+    return write_config(tmp_path / "gb10d.toml", parked, vllm={"executable": "/usr/bin/true", "model": "m", "host": host, "port": 8101})
 
 
 def test_on_demand_sleep_adds_the_flag_and_the_dev_mode_and_nothing_without_it(tmp_path: Path) -> None:
     parked = load_config(config(tmp_path, "127.0.0.1"))
     assert vllm_flags(parked) == ("--enable-sleep-mode",) and vllm_env(parked) == {"VLLM_SERVER_DEV_MODE": "1"}
-    plain = load_config(config(tmp_path, "0.0.0.0", on_demand=""))
+    plain = load_config(config(tmp_path, "0.0.0.0", on_demand=None))
     assert vllm_flags(plain) == () and vllm_env(plain) == {}
 
 
 def test_turning_on_demand_on_by_a_reload_restarts_vllm_and_a_new_idle_timeout_does_not(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    plain = ConfigSnapshot.take(load_config(config(tmp_path / "a", "127.0.0.1", on_demand="")))
+    plain = ConfigSnapshot.take(load_config(config(tmp_path / "a", "127.0.0.1", on_demand=None)))
     parked = ConfigSnapshot.take(load_config(config(tmp_path / "b", "127.0.0.1")))
     assert diff_configs(plain, parked).needs_vllm_restart, "--enable-sleep-mode is on vLLM's command line"
-    later = ConfigSnapshot.take(load_config(config(tmp_path / "a", "127.0.0.1", on_demand='[on_demand]\npark = "sleep"\nidle_timeout_s = 90\n')))
+    later = ConfigSnapshot.take(load_config(config(tmp_path / "a", "127.0.0.1", on_demand={"park": "sleep", "idle_timeout_s": 90})))
     assert not diff_configs(parked, later).needs_vllm_restart
 
 
@@ -100,7 +104,7 @@ def test_sleep_on_a_public_address_is_a_config_error_naming_the_host(tmp_path: P
 
 
 def test_park_stop_is_the_default_runs_vllm_without_sleep_mode_and_may_listen_anywhere(tmp_path: Path) -> None:
-    stopped = load_config(config(tmp_path, "0.0.0.0", on_demand="[on_demand]\nidle_timeout_s = 30\n"))
+    stopped = load_config(config(tmp_path, "0.0.0.0", on_demand={"idle_timeout_s": 30}))
     assert stopped.on_demand is not None and stopped.on_demand.park == "stop"
     assert vllm_flags(stopped) == () and vllm_env(stopped) == {}, "no development endpoints: nothing to keep off the network"
 

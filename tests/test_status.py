@@ -319,13 +319,6 @@ def test_a_default_config_that_does_not_load_falls_back_to_the_default_state_fil
 # --- against a real `gb10d run` with gb10d.sim ------------------------------------
 
 
-@pytest.fixture
-def notify() -> Iterator[NotifySocket]:
-    sock = NotifySocket()
-    yield sock
-    sock.close()
-
-
 @pytest.mark.slow
 def test_status_of_a_serving_daemon_then_exit_3_after_it_stops(tmp_path: Path, notify: NotifySocket) -> None:
     setup = Setup(tmp_path)

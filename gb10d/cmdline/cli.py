@@ -269,8 +269,7 @@ def _print_ray_command(cluster: ClusterSection, vllm: VllmSection) -> dict[str, 
 
 def cmd_import_script(args: argparse.Namespace) -> int:
     """Translate a hand-written start script into gb10d.toml on stdout."""
-    from ..vllm.importscript import import_script, read_script
-    from ..vllm.importtoml import render
+    from ..vllm.importscript import import_script, read_script, render
     from .migrate import for_the_service, merge, script_owner, survey
 
     text, shown = read_script(args.script)

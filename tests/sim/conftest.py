@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import pytest
 
-from sim_support import Sim, start_sim
+from sim_support import Sim, StartSim, start_sim
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -19,12 +19,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture
-def sim() -> Iterator[Callable[..., Sim]]:
+def sim() -> Iterator[StartSim]:
     """Start gb10d.sim processes; their whole process groups are SIGKILLed at teardown."""
     started: list[Sim] = []
 
-    def start(*args: str, **kwargs: Any) -> Sim:
-        process = start_sim(list(args), **kwargs)
+    def start(*args: str, env: dict[str, str] | None = None, port: int | None = None, speed: str = "0.01") -> Sim:
+        process = start_sim(list(args), env=env, port=port, speed=speed)
         started.append(process)
         return process
 

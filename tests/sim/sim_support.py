@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from gb10d.daemon.lab import free_port, live_pids
 
@@ -258,6 +258,12 @@ class Sim:
         match = re.search(rb"\(EngineCore pid=(\d+)\)", bytes(self.stdout))
         assert match
         return int(match.group(1))
+
+
+class StartSim(Protocol):
+    """The `sim` fixture (tests/sim/conftest.py): start_sim with the arguments spread, each process killed at teardown."""
+
+    def __call__(self, *args: str, env: dict[str, str] | None = None, port: int | None = None, speed: str = "0.01") -> Sim: ...
 
 
 def start_sim(args: list[str], env: dict[str, str] | None = None, port: int | None = None, speed: str = "0.01") -> Sim:

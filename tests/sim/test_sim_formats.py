@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -52,7 +54,7 @@ def test_uvicorn_level_is_padded_to_nine_then_a_space() -> None:
     assert format_uvicorn("WARNING", "x") == "WARNING:  x\n"
 
 
-def _captured_console(tmp_path, style: LogStyle, name: str = "EngineCore", pid: int = 9):  # type: ignore[no-untyped-def]
+def _captured_console(tmp_path: Path, style: LogStyle, name: str = "EngineCore", pid: int = 9) -> tuple[Console, Callable[[], tuple[bytes, bytes]]]:
     """A Console whose fds 1 and 2 are files, read back after writing."""
     out, err = tmp_path / "out", tmp_path / "err"
     saved = os.dup(1), os.dup(2)
@@ -70,7 +72,7 @@ def _captured_console(tmp_path, style: LogStyle, name: str = "EngineCore", pid: 
     return Console(style, name, pid), restore
 
 
-def test_wrapper_tag_starts_every_physical_line_including_bar_padding(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_wrapper_tag_starts_every_physical_line_including_bar_padding(tmp_path: Path) -> None:
     console, restore = _captured_console(tmp_path, LogStyle(wrapper_tag=True))
     console.write(2, "\rlong state line\n")
     console.write(2, "\rshort\n" + " " * 10)
@@ -81,7 +83,7 @@ def test_wrapper_tag_starts_every_physical_line_including_bar_padding(tmp_path) 
     assert err == tag + b"\rlong state line\n" + tag + b"\rshort\n" + tag + b" " * 10 + b"\rnext\n" + tag + b"\n"
 
 
-def test_no_tag_anywhere_without_vllm_logging_configuration(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_no_tag_anywhere_without_vllm_logging_configuration(tmp_path: Path) -> None:
     console, restore = _captured_console(tmp_path, LogStyle(wrapper_tag=True, configured=False))
     console.log("INFO", "x.py:1", "hidden")
     console.log("WARNING", "x.py:1", "shown bare")
@@ -108,7 +110,7 @@ def test_default_meter_draws_the_ten_column_unicode_bar_of_the_recording() -> No
     )
 
 
-def test_a_fast_shard_bar_shows_zero_then_the_final_state_once_then_an_empty_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_fast_shard_bar_shows_zero_then_the_final_state_once_then_an_empty_line(tmp_path: Path) -> None:
     console, restore = _captured_console(tmp_path, LogStyle(wrapper_tag=False))
     bar = Bar(console, "Loading safetensors checkpoint shards", 6, shard_format=True)
     for _ in range(6):
@@ -153,8 +155,8 @@ def test_engine_start_failure_ends_with_the_recorded_empty_set() -> None:
 
 
 def test_spec_decoding_line_has_vllms_fixed_order() -> None:
-    now = {"accepted": 30, "draft_tokens": 60, "pos0": 17, "pos1": 9, "pos2": 4}
-    before = {"accepted": 0, "draft_tokens": 0}
+    now: dict[str, float] = {"accepted": 30, "draft_tokens": 60, "pos0": 17, "pos1": 9, "pos2": 4}
+    before: dict[str, float] = {"accepted": 0, "draft_tokens": 0}
     line = ApiServer._spec_line(now, before, 20, 3, 10.0)
     assert line == (
         "SpecDecoding metrics: Mean acceptance length: 2.50, Accepted throughput: 3.00 tokens/s, Drafted throughput: 6.00 tokens/s, "
@@ -199,7 +201,7 @@ def test_era_selects_tag_placement_and_default_version() -> None:
     assert from_environ({"GB10D_SIM_VERSION": "0.33.1"}).era == "0.31"
 
 
-def test_memory_comes_from_meminfo_memtotal_and_memfree(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_memory_comes_from_meminfo_memtotal_and_memfree(tmp_path: Path) -> None:
     path = tmp_path / "meminfo"
     path.write_text("MemTotal:       127601760 kB\nMemFree:        83886080 kB\nMemAvailable:   120000000 kB\n")
     settings = from_environ({"GB10D_SIM_MEMINFO": str(path)})

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from gb10d.core.diagnose import diagnose
-from sim_support import RECORD, messages, physical_lines
+from sim_support import RECORD, Sim, StartSim, messages, physical_lines
 
 ENGINE_FAILED = "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
 PTXAS_FATAL = "ptxas fatal   : Value 'sm_121a' is not defined for option 'gpu-name'"
 
 
-def _log(s) -> str:  # type: ignore[no-untyped-def]
+def _log(s: Sim) -> str:
     """The run's output as a paste: stdout, then stderr."""
     return (bytes(s.stdout) + bytes(s.stderr)).decode("utf-8", "replace")
 
@@ -35,7 +35,7 @@ def _fake_ptxas(directory: Path, answer: str = "Cuda compilation tools, release 
 
 
 @pytest.mark.parametrize(("flags", "where"), [((), "torch.compile"), (("--enforce-eager",), "warm-up")])
-def test_ptxas_that_does_not_know_sm121a_fails_the_start_as_triton_says_it(sim, flags: tuple[str, ...], where: str) -> None:  # type: ignore[no-untyped-def]
+def test_ptxas_that_does_not_know_sm121a_fails_the_start_as_triton_says_it(sim: StartSim, flags: tuple[str, ...], where: str) -> None:
     s = sim("m", *flags, env={"GB10D_SIM_SCENARIO": "ptxas"})
     assert s.wait_exit() == 1
     s.drain()
@@ -57,14 +57,14 @@ def test_ptxas_that_does_not_know_sm121a_fails_the_start_as_triton_says_it(sim, 
     assert 'TRITON_PTXAS_PATH = "/usr/local/cuda/bin/ptxas"' in found.advice
 
 
-def test_triton_ptxas_path_naming_a_working_ptxas_lets_the_start_succeed(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_triton_ptxas_path_naming_a_working_ptxas_lets_the_start_succeed(sim: StartSim, tmp_path: Path) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": "ptxas", "TRITON_PTXAS_PATH": str(_fake_ptxas(tmp_path))})
     s.wait_ready()
     assert b"ptxas" not in bytes(s.stdout) + bytes(s.stderr)
 
 
 @pytest.mark.parametrize("broken", ["missing", "not_a_ptxas"])
-def test_a_triton_ptxas_path_triton_cannot_use_falls_back_to_the_bundled_one(sim, tmp_path: Path, broken: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_triton_ptxas_path_triton_cannot_use_falls_back_to_the_bundled_one(sim: StartSim, tmp_path: Path, broken: str) -> None:
     path = tmp_path / "nope" if broken == "missing" else _fake_ptxas(tmp_path, "hello")
     s = sim("m", "--enforce-eager", env={"GB10D_SIM_SCENARIO": "ptxas", "TRITON_PTXAS_PATH": str(path)})
     assert s.wait_exit() == 1
@@ -72,7 +72,7 @@ def test_a_triton_ptxas_path_triton_cannot_use_falls_back_to_the_bundled_one(sim
     assert PTXAS_FATAL in _engine_record(bytes(s.stdout))
 
 
-def test_a_build_without_kernels_for_the_gpu_fails_right_after_the_weights(sim) -> None:  # type: ignore[no-untyped-def]
+def test_a_build_without_kernels_for_the_gpu_fails_right_after_the_weights(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": "no_kernel_image"})
     assert s.wait_exit() == 1
     s.drain()
@@ -85,7 +85,7 @@ def test_a_build_without_kernels_for_the_gpu_fails_right_after_the_weights(sim) 
     assert verdict.verdict == "unsupported_build" and "cu130" in verdict.advice and verdict.facts["retry_helps"] is False
 
 
-def test_vllm_023s_hidden_engine_failure_leaves_only_the_api_servers_empty_braces(sim) -> None:  # type: ignore[no-untyped-def]
+def test_vllm_023s_hidden_engine_failure_leaves_only_the_api_servers_empty_braces(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": "hidden_init_failure", "GB10D_SIM_VERSION": "0.23.0"})
     assert s.wait_exit() == 1
     s.drain()
@@ -96,14 +96,14 @@ def test_vllm_023s_hidden_engine_failure_leaves_only_the_api_servers_empty_brace
     assert diagnose(_log(s)).verdict == "hidden_init_failure"
 
 
-def test_the_hidden_engine_failure_is_refused_for_a_vllm_that_prints_the_cause(sim) -> None:  # type: ignore[no-untyped-def]
+def test_the_hidden_engine_failure_is_refused_for_a_vllm_that_prints_the_cause(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": "hidden_init_failure", "GB10D_SIM_VERSION": "0.24.0"})
     assert s.wait_exit() == 2
     s.drain()
     assert b"hidden_init_failure is vLLM 0.23's behaviour" in bytes(s.stderr)
 
 
-def test_a_removed_semaphore_kills_the_spawned_engine_before_it_tags_its_lines(sim) -> None:  # type: ignore[no-untyped-def]
+def test_a_removed_semaphore_kills_the_spawned_engine_before_it_tags_its_lines(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": "ipc_removed"})
     assert s.wait_exit() == 1
     s.drain()
@@ -115,7 +115,7 @@ def test_a_removed_semaphore_kills_the_spawned_engine_before_it_tags_its_lines(s
     assert found.verdict == "ipc_removed" and "RemoveIPC=no" in found.advice
 
 
-def test_the_gb10_scenarios_are_listed_when_a_scenario_is_unknown(sim) -> None:  # type: ignore[no-untyped-def]
+def test_the_gb10_scenarios_are_listed_when_a_scenario_is_unknown(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": "ptxas,nonsense"})
     assert s.wait_exit() == 2
     s.drain()

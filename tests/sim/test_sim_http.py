@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from sim_support import DEADLINE_S, FIXTURES, SPEC, STATS, Sim, http, start_sim, messages, physical_lines, port_refuses
+from sim_support import DEADLINE_S, FIXTURES, SPEC, STATS, Sim, StartSim, http, start_sim, messages, physical_lines, port_refuses
 
 
 def _probe(section: str) -> str:
@@ -53,7 +53,7 @@ def served() -> Iterator[Sim]:
         s.kill_group()
 
 
-def test_health_ping_and_version_answer_like_vllm(served) -> None:  # type: ignore[no-untyped-def]
+def test_health_ping_and_version_answer_like_vllm(served: Sim) -> None:
     health = http(served.port, "/health")
     assert (health.status, health.body, health.headers["server"], health.headers["content-length"]) == (200, b"", "uvicorn", "0")
     assert http(served.port, "/ping").status == 200
@@ -62,7 +62,7 @@ def test_health_ping_and_version_answer_like_vllm(served) -> None:  # type: igno
     served.wait_text('"GET /health HTTP/1.1" 200 OK')
 
 
-def test_models_lists_every_served_name_in_vllms_card_shape(served) -> None:  # type: ignore[no-untyped-def]
+def test_models_lists_every_served_name_in_vllms_card_shape(served: Sim) -> None:
     body = http(served.port, "/v1/models").json()
     assert _keys(body) == _keys(json.loads(_probe("models")))
     assert [card["id"] for card in body["data"]] == ["tiny", "alias"]
@@ -70,7 +70,7 @@ def test_models_lists_every_served_name_in_vllms_card_shape(served) -> None:  # 
     assert body["data"][0]["max_model_len"] == 2048
 
 
-def test_completion_has_vllms_shape_and_honours_max_tokens(served) -> None:  # type: ignore[no-untyped-def]
+def test_completion_has_vllms_shape_and_honours_max_tokens(served: Sim) -> None:
     first = http(served.port, "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 5}).json()
     again = http(served.port, "/v1/completions", {"model": "alias", "prompt": "Hello", "max_tokens": 5}).json()
     assert _keys(first) == _keys(json.loads(_probe("completion ok")))
@@ -80,7 +80,7 @@ def test_completion_has_vllms_shape_and_honours_max_tokens(served) -> None:  # t
     assert again["model"] == "alias"
 
 
-def test_chat_completion_stops_naturally_or_at_max_tokens(served) -> None:  # type: ignore[no-untyped-def]
+def test_chat_completion_stops_naturally_or_at_max_tokens(served: Sim) -> None:
     full = http(served.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}).json()
     short = http(served.port, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).json()
     assert full["object"] == "chat.completion"
@@ -89,7 +89,7 @@ def test_chat_completion_stops_naturally_or_at_max_tokens(served) -> None:  # ty
     assert full["choices"][0]["message"]["content"].startswith(short["choices"][0]["message"]["content"])
 
 
-def test_streaming_sends_sse_chunks_ending_with_done(served) -> None:  # type: ignore[no-untyped-def]
+def test_streaming_sends_sse_chunks_ending_with_done(served: Sim) -> None:
     request = urllib.request.Request(
         f"http://127.0.0.1:{served.port}/v1/completions",
         data=json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 6, "stream": True}).encode(),
@@ -106,14 +106,14 @@ def test_streaming_sends_sse_chunks_ending_with_done(served) -> None:  # type: i
     assert streamed == whole["choices"][0]["text"]
 
 
-def test_wrong_model_name_gets_vllms_exact_404(served) -> None:  # type: ignore[no-untyped-def]
+def test_wrong_model_name_gets_vllms_exact_404(served: Sim) -> None:
     reply = http(served.port, "/v1/completions", {"model": "Qwen3.6-27B-FP8", "prompt": "x", "max_tokens": 1})
     assert (reply.status, reply.body.decode()) == (404, _probe("completion wrong model"))
     served.wait_text('"POST /v1/completions HTTP/1.1" 404 Not Found')
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
-def test_api_key_guards_v1_paths_only(sim, how: str) -> None:  # type: ignore[no-untyped-def]
+def test_api_key_guards_v1_paths_only(sim: StartSim, how: str) -> None:
     s = sim("m", "--api-key", "s3cret") if how == "flag" else sim("m", env={"VLLM_API_KEY": "s3cret"})
     s.wait_ready()
     denied = http(s.port, "/v1/models")
@@ -122,7 +122,7 @@ def test_api_key_guards_v1_paths_only(sim, how: str) -> None:  # type: ignore[no
     assert [http(s.port, p).status for p in ("/health", "/metrics", "/version", "/ping")] == [200] * 4
 
 
-def test_metrics_use_vllms_names_and_move_with_requests(served) -> None:  # type: ignore[no-untyped-def]
+def test_metrics_use_vllms_names_and_move_with_requests(served: Sim) -> None:
     before = _scrape(served.port)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count"):
@@ -137,7 +137,7 @@ def test_metrics_use_vllms_names_and_move_with_requests(served) -> None:  # type
     assert _metric(after, "vllm:request_success_total", finished_reason="length") == _metric(before, "vllm:request_success_total", finished_reason="length") + 1
 
 
-def test_stats_line_follows_served_requests(sim) -> None:  # type: ignore[no-untyped-def]
+def test_stats_line_follows_served_requests(sim: StartSim) -> None:
     served = sim("m", "--served-model-name", "tiny")
     served.wait_ready()
     http(served.port, "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 5})
@@ -153,7 +153,7 @@ def test_stats_line_follows_served_requests(sim) -> None:  # type: ignore[no-unt
     assert round(generated(bytes(served.stdout))) == 5
 
 
-def test_speculative_config_adds_spec_decoding_lines_and_counters(sim) -> None:  # type: ignore[no-untyped-def]
+def test_speculative_config_adds_spec_decoding_lines_and_counters(sim: StartSim) -> None:
     s = sim("m", "--speculative-config", '{"method":"mtp","num_speculative_tokens":3}')
     s.wait_ready()
     http(s.port, "/v1/completions", {"prompt": "Hello", "max_tokens": 40})
@@ -174,7 +174,7 @@ def _wait_status(port: int, wanted: int) -> None:
         assert time.monotonic() < deadline, f"/health never answered {wanted}"
 
 
-def test_killed_engine_core_turns_health_503_with_the_recorded_lines(sim) -> None:  # type: ignore[no-untyped-def]
+def test_killed_engine_core_turns_health_503_with_the_recorded_lines(sim: StartSim) -> None:
     s = sim("m", env={"VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"})
     s.wait_ready()
     os.kill(s.engine_pid(), signal.SIGKILL)
@@ -188,7 +188,7 @@ def test_killed_engine_core_turns_health_503_with_the_recorded_lines(sim) -> Non
     assert http(s.port, "/v1/completions", {"prompt": "x"}).status == 500
 
 
-def test_after_engine_death_the_port_closes_and_the_api_server_exits_0(sim) -> None:  # type: ignore[no-untyped-def]
+def test_after_engine_death_the_port_closes_and_the_api_server_exits_0(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": "engine_dies_after=1"})
     s.wait_text("Application startup complete.", "stderr")
     assert s.wait_exit() == 0
@@ -199,7 +199,7 @@ def test_after_engine_death_the_port_closes_and_the_api_server_exits_0(sim) -> N
     assert s.group_pids() == []
 
 
-def test_hung_engine_keeps_health_200_but_never_finishes_a_completion(sim) -> None:  # type: ignore[no-untyped-def]
+def test_hung_engine_keeps_health_200_but_never_finishes_a_completion(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": "hang_after=0"})
     s.wait_ready()
     before = _metric(_scrape(s.port), "vllm:generation_tokens_total")
@@ -210,7 +210,7 @@ def test_hung_engine_keeps_health_200_but_never_finishes_a_completion(sim) -> No
     assert _metric(_scrape(s.port), "vllm:num_requests_running") == 1
 
 
-def test_concurrent_completions_are_all_served(served) -> None:  # type: ignore[no-untyped-def]
+def test_concurrent_completions_are_all_served(served: Sim) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     def one(index: int) -> int:
@@ -220,12 +220,12 @@ def test_concurrent_completions_are_all_served(served) -> None:  # type: ignore[
         assert list(pool.map(one, range(6))) == [20] * 6
 
 
-def test_unknown_paths_and_methods_get_fastapis_answers(served) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_paths_and_methods_get_fastapis_answers(served: Sim) -> None:
     assert (http(served.port, "/nope").status, http(served.port, "/nope").body) == (404, b'{"detail":"Not Found"}')
     assert http(served.port, "/v1/models", {"x": 1}).status == 405
 
 
-def test_idle_stats_lines_are_debug_records_with_the_relative_source(sim) -> None:  # type: ignore[no-untyped-def]
+def test_idle_stats_lines_are_debug_records_with_the_relative_source(sim: StartSim) -> None:
     s = sim("m", env={"VLLM_LOGGING_LEVEL": "DEBUG"})
     s.wait_ready()
     s.wait_text("[v1/metrics/loggers.py:271] Engine 000:")

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from hub_support import populate_hub
-from sim_support import physical_lines
+from sim_support import StartSim, physical_lines
 
 MODEL = "Qwen/Qwen3.6-27B-FP8"
 DOWNLOADED = re.compile(rb"Time spent downloading weights for Qwen/Qwen3\.6-27B-FP8: [\d.]+ seconds")
@@ -21,7 +21,7 @@ def downloads(stdout: bytes) -> int:
     return len(DOWNLOADED.findall(stdout))
 
 
-def test_model_in_the_given_cache_loads_without_a_download(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_model_in_the_given_cache_loads_without_a_download(sim: StartSim, tmp_path: Path) -> None:
     populate_hub(tmp_path / "hf" / "hub", MODEL)
     s = sim(MODEL, env={"HF_HOME": str(tmp_path / "hf")})
     s.wait_ready()
@@ -29,7 +29,7 @@ def test_model_in_the_given_cache_loads_without_a_download(sim, tmp_path: Path) 
     assert b"safetensors: " not in bytes(s.stderr) and b"config.json: " not in bytes(s.stderr)
 
 
-def test_model_missing_from_the_cache_is_downloaded_once_per_start_with_hub_bars(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_model_missing_from_the_cache_is_downloaded_once_per_start_with_hub_bars(sim: StartSim, tmp_path: Path) -> None:
     hub = tmp_path / "hub"
     hub.mkdir()
     s = sim(MODEL, env={"HF_HUB_CACHE": str(hub)})
@@ -43,7 +43,7 @@ def test_model_missing_from_the_cache_is_downloaded_once_per_start_with_hub_bars
     assert list(hub.iterdir()) == []
 
 
-def test_hf_hub_cache_wins_over_hf_home_as_in_huggingface_hub(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_hf_hub_cache_wins_over_hf_home_as_in_huggingface_hub(sim: StartSim, tmp_path: Path) -> None:
     populate_hub(tmp_path / "elsewhere", MODEL)
     (tmp_path / "home").mkdir()
     s = sim(MODEL, env={"HF_HOME": str(tmp_path / "home"), "HF_HUB_CACHE": str(tmp_path / "elsewhere")})
@@ -51,7 +51,7 @@ def test_hf_hub_cache_wins_over_hf_home_as_in_huggingface_hub(sim, tmp_path: Pat
     assert downloads(bytes(s.stdout)) == 0
 
 
-def test_offline_with_the_model_missing_fails_the_start_as_an_unknown_model(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_offline_with_the_model_missing_fails_the_start_as_an_unknown_model(sim: StartSim, tmp_path: Path) -> None:
     s = sim(MODEL, env={"HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
     assert s.wait_exit() == 1
     s.drain()
@@ -59,7 +59,7 @@ def test_offline_with_the_model_missing_fails_the_start_as_an_unknown_model(sim,
     assert downloads(bytes(s.stdout)) == 0
 
 
-def test_a_local_model_directory_is_never_downloaded(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_local_model_directory_is_never_downloaded(sim: StartSim, tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")

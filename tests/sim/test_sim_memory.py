@@ -17,7 +17,7 @@ from harness import meminfo_text, wait_until
 from gb10d.base.units import GIB
 from gb10d.machine.memory import read_meminfo
 from gb10d.sim.memory import adjust
-from sim_support import physical_lines
+from sim_support import Sim, StartSim, physical_lines
 
 KB = 1024
 FREE_MEMORY = re.compile(r"ValueError: Free memory on device cuda:0 \(([\d.]+)/121\.69 GiB\) on startup is less than desired GPU memory utilization \(0\.5, ([\d.]+) GiB\)")
@@ -36,7 +36,7 @@ def taken(meminfo: Path, before: tuple[int, int]) -> tuple[int, int]:
     return before[0] - now.free, before[1] - now.available
 
 
-def test_a_start_takes_its_weights_then_its_whole_share_and_gives_all_back_when_it_stops(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_start_takes_its_weights_then_its_whole_share_and_gives_all_back_when_it_stops(sim: StartSim, tmp_path: Path) -> None:
     meminfo = machine(tmp_path)
     start = read_meminfo(meminfo)
     before = (start.free, start.available)
@@ -53,7 +53,7 @@ def test_a_start_takes_its_weights_then_its_whole_share_and_gives_all_back_when_
     assert meminfo.read_text() == meminfo_text(121.69, 100.0, 112.0), "the file is as it was, field for field"
 
 
-def test_kill_9_of_the_whole_group_gives_the_memory_back_as_the_kernel_would(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_kill_9_of_the_whole_group_gives_the_memory_back_as_the_kernel_would(sim: StartSim, tmp_path: Path) -> None:
     meminfo = machine(tmp_path)
     start = read_meminfo(meminfo)
     s = sim("m", "--gpu-memory-utilization", "0.5", env={"GB10D_SIM_MEMINFO": str(meminfo)})
@@ -64,7 +64,7 @@ def test_kill_9_of_the_whole_group_gives_the_memory_back_as_the_kernel_would(sim
     wait_until(lambda: taken(meminfo, (start.free, start.available)) == (0, 0), what="the memory of the killed stand-in given back")
 
 
-def test_without_holding_the_stand_in_reads_the_file_for_its_check_and_leaves_it_as_it_was(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_without_holding_the_stand_in_reads_the_file_for_its_check_and_leaves_it_as_it_was(sim: StartSim, tmp_path: Path) -> None:
     # For a stand-in in a container, whose engine kills its keeper with it: the file is only read.
     meminfo = machine(tmp_path, free_gib=50.0)
     too_much = sim("m", "--gpu-memory-utilization", "0.5", env={"GB10D_SIM_MEMINFO": str(meminfo), "GB10D_SIM_MEMINFO_HOLD": "0"})
@@ -75,7 +75,7 @@ def test_without_holding_the_stand_in_reads_the_file_for_its_check_and_leaves_it
     assert meminfo.read_text() == meminfo_text(121.69, 100.0, 112.0)
 
 
-def test_a_second_stand_in_fails_vllms_free_memory_check_when_the_first_holds_the_memory(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_second_stand_in_fails_vllms_free_memory_check_when_the_first_holds_the_memory(sim: StartSim, tmp_path: Path) -> None:
     meminfo = machine(tmp_path)
     first = sim("m", "--gpu-memory-utilization", "0.5", env={"GB10D_SIM_MEMINFO": str(meminfo)})
     first.wait_ready()
@@ -88,7 +88,7 @@ def test_a_second_stand_in_fails_vllms_free_memory_check_when_the_first_holds_th
     assert abs(free + requested - 100.0) <= 0.02  # the 100 GiB that were free, less the first one's share
 
 
-def test_memory_taken_by_another_process_during_the_load_fails_the_cache_allocation_as_cuda_does(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_memory_taken_by_another_process_during_the_load_fails_the_cache_allocation_as_cuda_does(sim: StartSim, tmp_path: Path) -> None:
     meminfo = machine(tmp_path)
     start = read_meminfo(meminfo)
     s = sim("m", "--gpu-memory-utilization", "0.5", env={"GB10D_SIM_MEMINFO": str(meminfo), "GB10D_SIM_SCENARIO": "slow_shards=200"})
@@ -103,13 +103,13 @@ def test_memory_taken_by_another_process_during_the_load_fails_the_cache_allocat
     wait_until(lambda: taken(meminfo, (start.free, start.available)) == (60 * GIB, 60 * GIB), what="the failed start's memory given back")
 
 
-def kv_available(s) -> float:  # type: ignore[no-untyped-def]
+def kv_available(s: Sim) -> float:
     found = [m for line in physical_lines(bytes(s.stdout)) if (m := re.search(r"Available KV cache memory: (-?[\d.]+) GiB", line))]
     assert found, physical_lines(bytes(s.stdout))[-5:]
     return float(found[-1].group(1))
 
 
-def test_034s_extensible_kv_cache_is_sized_from_memfree_after_the_load_where_the_page_cache_counts_as_used(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_034s_extensible_kv_cache_is_sized_from_memfree_after_the_load_where_the_page_cache_counts_as_used(sim: StartSim, tmp_path: Path) -> None:
     meminfo = machine(tmp_path)  # 100 GiB free, 12 GiB of page cache
     start = read_meminfo(meminfo)
     env = {"GB10D_SIM_MEMINFO": str(meminfo), "GB10D_SIM_VERSION": "0.34.0", "GB10D_SIM_SCENARIO": "page_cache_gib=50"}

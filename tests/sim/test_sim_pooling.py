@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from sim_support import http
+from sim_support import StartSim, http
 
 EMBEDDING_MODEL = "Qwen/Qwen3-Embedding-8B"
 
 
-def test_embedding_model_says_its_tasks_serves_embeddings_and_refuses_completions_as_vllm_does(sim) -> None:  # type: ignore[no-untyped-def]
+def test_embedding_model_says_its_tasks_serves_embeddings_and_refuses_completions_as_vllm_does(sim: StartSim) -> None:
     s = sim(EMBEDDING_MODEL, "--gpu-memory-utilization", "0.2")
     s.wait_ready()
     s.wait_text("Supported tasks: ['embed', 'token_embed']")
@@ -27,14 +27,14 @@ def test_embedding_model_says_its_tasks_serves_embeddings_and_refuses_completion
     assert f'vllm:generation_tokens_total{{engine="0",model_name="{EMBEDDING_MODEL}"}} 0.0' in metrics
 
 
-def test_embedding_model_at_a_tenth_of_gb10_cannot_hold_its_weights(sim) -> None:  # type: ignore[no-untyped-def]
+def test_embedding_model_at_a_tenth_of_gb10_cannot_hold_its_weights(sim: StartSim) -> None:
     s = sim(EMBEDDING_MODEL, "--gpu-memory-utilization", "0.1")
     assert s.wait_exit() != 0
     s.drain()
     assert "Available KV cache memory: -" in s.stdout.decode()
 
 
-def test_converted_model_classifies_and_generates_nothing(sim) -> None:  # type: ignore[no-untyped-def]
+def test_converted_model_classifies_and_generates_nothing(sim: StartSim) -> None:
     s = sim("m", "--convert", "classify", "--served-model-name", "judge")
     s.wait_ready()
     s.wait_text("Supported tasks: ['classify', 'token_classify']")

@@ -26,8 +26,9 @@ from typing import Iterator
 
 import pytest
 
+from gb10d.daemon.lab import free_port, live_pids
 from gb10d.sim import make_venv, texts
-from sim_support import Sim, free_port, http, live_pids, physical_lines
+from sim_support import Sim, StartSim, http, physical_lines
 
 ray = pytest.importorskip("ray")
 from ray._raylet import GcsClient  # noqa: E402 - only once Ray is known to be there
@@ -173,7 +174,7 @@ def _assert_engine_init_failure(s: Sim, final: str) -> tuple[int, list[str]]:
     return engine, record
 
 
-def test_tensor_parallel_2_on_a_one_gpu_cluster_refuses_to_start(sim, one_gpu: RayHead) -> None:  # type: ignore[no-untyped-def]
+def test_tensor_parallel_2_on_a_one_gpu_cluster_refuses_to_start(sim: StartSim, one_gpu: RayHead) -> None:
     s = sim(*TP2, env=one_gpu.env())
     _, record = _assert_engine_init_failure(s, texts.RAY_NOT_ENOUGH_GPUS)
     assert '    initialize_ray_cluster(self.parallel_config)' in record
@@ -181,7 +182,7 @@ def test_tensor_parallel_2_on_a_one_gpu_cluster_refuses_to_start(sim, one_gpu: R
     assert b"RayWorkerWrapper" not in bytes(s.stdout) + bytes(s.stderr)
 
 
-def test_tensor_parallel_2_on_two_gpus_loads_in_workers_and_serves(sim, two_gpus_low_memory: RayHead) -> None:  # type: ignore[no-untyped-def]
+def test_tensor_parallel_2_on_two_gpus_loads_in_workers_and_serves(sim: StartSim, two_gpus_low_memory: RayHead) -> None:
     s = sim(*TP2, *FITS, env=two_gpus_low_memory.env())
     s.wait_ready(DEADLINE_S)
     engine = s.engine_pid()
@@ -197,7 +198,7 @@ def test_tensor_parallel_2_on_two_gpus_loads_in_workers_and_serves(sim, two_gpus
     assert reply["usage"]["completion_tokens"] == 4 and reply["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_node_short_of_memory_fails_in_the_worker_until_the_utilization_fits(sim, two_gpus_low_memory: RayHead) -> None:  # type: ignore[no-untyped-def]
+def test_a_node_short_of_memory_fails_in_the_worker_until_the_utilization_fits(sim: StartSim, two_gpus_low_memory: RayHead) -> None:
     total = int(TOTAL_GIB * 2**30)
     requested = math.ceil(total * 0.92)
     message = texts.free_memory_error(int(LOW_FREE_GIB * 2**30), total, 0.92, requested, "cuda:0")
@@ -229,7 +230,7 @@ def test_a_node_short_of_memory_fails_in_the_worker_until_the_utilization_fits(s
     fits.wait_ready(DEADLINE_S)
 
 
-def test_sigterm_to_the_group_leaves_no_ray_worker_behind(sim, two_gpus_low_memory: RayHead) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_to_the_group_leaves_no_ray_worker_behind(sim: StartSim, two_gpus_low_memory: RayHead) -> None:
     s = sim(*TP2, *FITS, env=two_gpus_low_memory.env())
     s.wait_ready(DEADLINE_S)
     seen = {int(pid) for pid in re.findall(WORKER, bytes(s.stdout) + bytes(s.stderr))}
@@ -243,7 +244,7 @@ def test_sigterm_to_the_group_leaves_no_ray_worker_behind(sim, two_gpus_low_memo
     assert not set(two_gpus_low_memory.worker_pids()) & seen
 
 
-def test_a_worker_lost_while_serving_ends_the_engine_as_engine_death(sim, two_gpus_low_memory: RayHead) -> None:  # type: ignore[no-untyped-def]
+def test_a_worker_lost_while_serving_ends_the_engine_as_engine_death(sim: StartSim, two_gpus_low_memory: RayHead) -> None:
     s = sim(*TP2, *FITS, env=two_gpus_low_memory.env())
     s.wait_ready(DEADLINE_S)
     victim = int(re.findall(WORKER, bytes(s.stdout))[0])

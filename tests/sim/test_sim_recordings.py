@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from gb10d.vllm.logparse import EventScanner, LineFramer
-from sim_support import FIXTURES, RECORD, STARTUP_ORDER, STATS, THIRD_PARTY, Sim, http, kind_of, messages, physical_lines
+from sim_support import FIXTURES, RECORD, STARTUP_ORDER, STATS, THIRD_PARTY, Sim, StartSim, http, kind_of, messages, physical_lines
 
 RECORDED_FLAGS = ["/srv/models/tiny-llama", "--served-model-name", "tiny", "--max-model-len", "2048", "--gpu-memory-utilization", "0.30"]
 
@@ -62,7 +62,7 @@ def test_recorded_stats_line_fits_the_stats_regex() -> None:
     assert stats and all(STATS.match(m) for m in stats)
 
 
-def _healthy_run(sim) -> Sim:  # type: ignore[no-untyped-def]
+def _healthy_run(sim: StartSim) -> Sim:
     """What the recording did: start, one completion, a 404, a stats line, SIGTERM."""
     s = sim(*RECORDED_FLAGS, port=None)
     s.wait_ready()
@@ -75,14 +75,14 @@ def _healthy_run(sim) -> Sim:  # type: ignore[no-untyped-def]
     return s
 
 
-def test_sim_lines_are_of_the_same_kinds_as_the_recording(sim) -> None:  # type: ignore[no-untyped-def]
+def test_sim_lines_are_of_the_same_kinds_as_the_recording(sim: StartSim) -> None:
     s = _healthy_run(sim)
     assert _kinds(bytes(s.stdout)) == _kinds(_recorded("healthy.stdout"))
     assert _kinds(bytes(s.stderr)) == _kinds(_recorded("healthy.stderr"))
     assert _in_order(messages(bytes(s.stdout))) == [name for name, _ in STARTUP_ORDER]
 
 
-def test_sim_shutdown_lines_are_the_recorded_ones_per_process(sim) -> None:  # type: ignore[no-untyped-def]
+def test_sim_shutdown_lines_are_the_recorded_ones_per_process(sim: StartSim) -> None:
     def shutdown(data: bytes, process: str) -> list[str]:
         lines = [RECORD.match(line) for line in physical_lines(data)]
         return [m.group("msg") for m in lines if m and "[shutdown]" in m.group("msg") and m.group("tag").startswith(f"({process} ")]
@@ -92,13 +92,13 @@ def test_sim_shutdown_lines_are_the_recorded_ones_per_process(sim) -> None:  # t
         assert shutdown(bytes(s.stdout), process) == shutdown(_recorded("healthy.stdout"), process)
 
 
-def test_replaying_the_recording_and_the_sim_through_logparse_gives_the_same_events(sim) -> None:  # type: ignore[no-untyped-def]
+def test_replaying_the_recording_and_the_sim_through_logparse_gives_the_same_events(sim: StartSim) -> None:
     s = _healthy_run(sim)
     assert _event_kinds(bytes(s.stdout)) == _event_kinds(_recorded("healthy.stdout"))
     assert _event_kinds(bytes(s.stderr)) == _event_kinds(_recorded("healthy.stderr"))
 
 
-def test_engine_death_gives_the_recorded_lines_and_events(sim) -> None:  # type: ignore[no-untyped-def]
+def test_engine_death_gives_the_recorded_lines_and_events(sim: StartSim) -> None:
     s = sim("/srv/models/tiny-llama", "--served-model-name", "tiny", "--max-model-len", "2048", "--gpu-memory-utilization", "0.30", "--enforce-eager")
     s.wait_ready()
     os.kill(s.engine_pid(), signal.SIGKILL)
@@ -119,7 +119,7 @@ def test_engine_death_gives_the_recorded_lines_and_events(sim) -> None:  # type:
     ]
 
 
-def test_both_eras_give_gb10ds_parser_the_same_events(sim) -> None:  # type: ignore[no-untyped-def]
+def test_both_eras_give_gb10ds_parser_the_same_events(sim: StartSim) -> None:
     runs = [sim(*RECORDED_FLAGS, env={"GB10D_SIM_ERA": era}) for era in ("0.30", "0.31")]
     for s in runs:
         s.wait_ready()

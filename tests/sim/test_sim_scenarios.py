@@ -12,7 +12,7 @@ import pytest
 from gb10d.daemon.lab import write_meminfo
 
 from harness import wait_until
-from sim_support import BLANK_TAGGED, RECORD, SHARD_BAR, TRACEBACK, messages, physical_lines
+from sim_support import BLANK_TAGGED, RECORD, SHARD_BAR, Sim, StartSim, TRACEBACK, messages, physical_lines
 
 FREE_MEMORY = re.compile(
     r"Free memory on device (\S+) \(([\d.]+)/([\d.]+) GiB\) on startup is less than desired GPU memory utilization \(([\d.]+), ([\d.]+) GiB\)"
@@ -28,7 +28,7 @@ def _failure_record(stdout: bytes) -> list[str]:
     return lines[start : end + 1]
 
 
-def _assert_engine_start_failed(s, last_engine_line: str) -> None:  # type: ignore[no-untyped-def]
+def _assert_engine_start_failed(s: Sim, last_engine_line: str) -> None:
     """vLLM's chain of §3.1: the ERROR record, `Process EngineCore:` on stderr, the API's RuntimeError, exit 1."""
     assert s.wait_exit() == 1
     s.drain()
@@ -46,7 +46,7 @@ def _assert_engine_start_failed(s, last_engine_line: str) -> None:  # type: igno
     assert s.group_pids() == []
 
 
-def test_free_memory_below_utilization_fails_exactly_as_vllm(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_free_memory_below_utilization_fails_exactly_as_vllm(sim: StartSim, tmp_path: Path) -> None:
     meminfo = write_meminfo(tmp_path / "meminfo", 121.69, 80.0, cached_gib=12.0)
     s = sim("m", "--gpu-memory-utilization", "0.9", env={"GB10D_SIM_MEMINFO": str(meminfo)})
     expected = (
@@ -57,7 +57,7 @@ def test_free_memory_below_utilization_fails_exactly_as_vllm(sim, tmp_path: Path
     assert FREE_MEMORY.search(expected)
 
 
-def test_a_lower_utilization_that_fits_starts(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_lower_utilization_that_fits_starts(sim: StartSim, tmp_path: Path) -> None:
     meminfo = write_meminfo(tmp_path / "meminfo", 121.69, 80.0, cached_gib=12.0)
     s = sim("m", "--gpu-memory-utilization", "0.65", env={"GB10D_SIM_MEMINFO": str(meminfo)})
     s.wait_ready()
@@ -66,7 +66,7 @@ def test_a_lower_utilization_that_fits_starts(sim, tmp_path: Path) -> None:  # t
     assert b"Free memory on device" not in bytes(s.stdout) + bytes(s.stderr)
 
 
-def test_free_and_total_gib_knobs_feed_the_same_check(sim) -> None:  # type: ignore[no-untyped-def]
+def test_free_and_total_gib_knobs_feed_the_same_check(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_TOTAL_GIB": "100", "GB10D_SIM_FREE_GIB": "50"})
     _assert_engine_start_failed(
         s,
@@ -89,7 +89,7 @@ def _state(pid: int) -> str:
     return stat[stat.rindex(")") + 2 :].split()[0]
 
 
-def test_stall_at_k_stops_the_bar_and_all_output_and_io(sim) -> None:  # type: ignore[no-untyped-def]
+def test_stall_at_k_stops_the_bar_and_all_output_and_io(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": "stall_at=2"})
     s.wait_output(lambda out, err: (2, 6) in _bar_states(err))
     engine = s.engine_pid()
@@ -104,7 +104,7 @@ def test_stall_at_k_stops_the_bar_and_all_output_and_io(sim) -> None:  # type: i
     assert s.process.poll() is None
 
 
-def test_slow_shards_progress_and_read_real_bytes(sim) -> None:  # type: ignore[no-untyped-def]
+def test_slow_shards_progress_and_read_real_bytes(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": "slow_shards=50"})
     s.wait_output(lambda out, err: (1, 6) in _bar_states(err))
     engine = s.engine_pid()
@@ -115,14 +115,14 @@ def test_slow_shards_progress_and_read_real_bytes(sim) -> None:  # type: ignore[
     assert _bar_states(bytes(s.stderr)) == [(n, 6) for n in range(7)] + [(6, 6)]
 
 
-def test_eager_load_strategy_is_not_hit_by_the_stall(sim) -> None:  # type: ignore[no-untyped-def]
+def test_eager_load_strategy_is_not_hit_by_the_stall(sim: StartSim) -> None:
     s = sim("m", "--safetensors-load-strategy", "eager", env={"GB10D_SIM_SCENARIO": "stall_at=2"})
     s.wait_ready()
     assert (6, 6) in _bar_states(bytes(s.stderr))
 
 
 @pytest.mark.parametrize("phase", ["load", "profile", "graphs"])
-def test_cuda_oom_fails_the_engine_start(sim, phase: str) -> None:  # type: ignore[no-untyped-def]
+def test_cuda_oom_fails_the_engine_start(sim: StartSim, phase: str) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": f"cuda_oom_during={phase}"})
     assert s.wait_exit() == 1
     s.drain()
@@ -135,7 +135,7 @@ def test_cuda_oom_fails_the_engine_start(sim, phase: str) -> None:  # type: igno
     assert any(m.startswith("Graph capturing finished") for m in found) is False
 
 
-def test_kv_insufficient_fails_with_vllms_text(sim) -> None:  # type: ignore[no-untyped-def]
+def test_kv_insufficient_fails_with_vllms_text(sim: StartSim) -> None:
     s = sim("m", "--max-model-len", "131072", env={"GB10D_SIM_SCENARIO": "kv_insufficient"})
     assert s.wait_exit() == 1
     s.drain()
@@ -151,7 +151,7 @@ def test_kv_insufficient_fails_with_vllms_text(sim) -> None:  # type: ignore[no-
     _assert_engine_start_failed(s, last)
 
 
-def test_a_utilization_below_the_weights_leaves_no_kv_blocks(sim) -> None:  # type: ignore[no-untyped-def]
+def test_a_utilization_below_the_weights_leaves_no_kv_blocks(sim: StartSim) -> None:
     s = sim("m", "--gpu-memory-utilization", "0.2")
     _assert_engine_start_failed(
         s,
@@ -161,7 +161,7 @@ def test_a_utilization_below_the_weights_leaves_no_kv_blocks(sim) -> None:  # ty
     )
 
 
-def test_model_not_found_fails_in_the_api_server_before_any_engine(sim) -> None:  # type: ignore[no-untyped-def]
+def test_model_not_found_fails_in_the_api_server_before_any_engine(sim: StartSim) -> None:
     s = sim("Qwen/No-Such-Model", env={"GB10D_SIM_SCENARIO": "model_not_found"})
     assert s.wait_exit() == 1
     s.drain()
@@ -172,7 +172,7 @@ def test_model_not_found_fails_in_the_api_server_before_any_engine(sim) -> None:
     assert all(TRACEBACK.match(line) or BLANK_TAGGED.match(line) for line in physical_lines(bytes(s.stderr)))
 
 
-def test_bad_tool_parser_fails_before_the_port_is_bound(sim) -> None:  # type: ignore[no-untyped-def]
+def test_bad_tool_parser_fails_before_the_port_is_bound(sim: StartSim) -> None:
     s = sim("m", "--enable-auto-tool-choice", "--tool-call-parser", "qwen9", env={})
     assert s.wait_exit() == 1
     s.drain()
@@ -184,7 +184,7 @@ def test_bad_tool_parser_fails_before_the_port_is_bound(sim) -> None:  # type: i
     assert "KeyError: 'invalid reasoning parser: qwen3 (chose from {" in physical_lines(bytes(forced.stderr))[-1]
 
 
-def test_port_in_use_is_vllms_oserror_before_any_engine(sim) -> None:  # type: ignore[no-untyped-def]
+def test_port_in_use_is_vllms_oserror_before_any_engine(sim: StartSim) -> None:
     with socket.socket() as holder:
         holder.bind(("0.0.0.0", 0))
         holder.listen()
@@ -195,7 +195,7 @@ def test_port_in_use_is_vllms_oserror_before_any_engine(sim) -> None:  # type: i
     assert b"EngineCore" not in bytes(s.stdout)
 
 
-def test_served_model_name_without_a_model_is_vllms_value_error(sim) -> None:  # type: ignore[no-untyped-def]
+def test_served_model_name_without_a_model_is_vllms_value_error(sim: StartSim) -> None:
     s = sim("--served-model-name", "tiny")
     assert s.wait_exit() == 1
     s.drain()
@@ -205,19 +205,22 @@ def test_served_model_name_without_a_model_is_vllms_value_error(sim) -> None:  #
     )
 
 
-def test_leak_gib_leaves_memory_trapped_in_the_meminfo_file_after_a_failed_start(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_leak_gib_leaves_memory_trapped_in_the_meminfo_file_after_a_failed_start(sim: StartSim, tmp_path: Path) -> None:
     meminfo = write_meminfo(tmp_path / "meminfo", 121.69, 100.0, cached_gib=12.0)
     before = {k: v for k, v in (line.split(":") for line in meminfo.read_text().splitlines())}
     s = sim("m", env={"GB10D_SIM_MEMINFO": str(meminfo), "GB10D_SIM_SCENARIO": "cuda_oom_during=profile,leak_gib=40"})
     assert s.wait_exit() == 1
     after = {k: v for k, v in (line.split(":") for line in meminfo.read_text().splitlines())}
-    kb = lambda text: int(text.split()[0])  # noqa: E731
+
+    def kb(text: str) -> int:
+        return int(text.split()[0])
+
     assert kb(before["MemAvailable"]) - kb(after["MemAvailable"]) == 40 * 1024 * 1024
     assert kb(before["MemFree"]) - kb(after["MemFree"]) == 40 * 1024 * 1024
     assert after["MemTotal"] == before["MemTotal"]
 
 
-def test_a_missing_meminfo_file_is_one_line_not_a_traceback_of_the_stand_in(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_missing_meminfo_file_is_one_line_not_a_traceback_of_the_stand_in(sim: StartSim, tmp_path: Path) -> None:
     s = sim("m", env={"GB10D_SIM_MEMINFO": str(tmp_path / "absent")})
     assert s.wait_exit() == 1
     s.drain()

@@ -12,7 +12,7 @@ from pathlib import Path
 from gb10d.base.units import GIB
 from gb10d.machine.memory import read_meminfo
 from gb10d.sim.memory import adjust
-from sim_support import Reply, http
+from sim_support import Reply, StartSim, http
 from test_sim_memory import machine
 
 DEV = {"VLLM_SERVER_DEV_MODE": "1"}
@@ -30,7 +30,7 @@ def sleep_gauge(port: int) -> str:
     return lines[0].split('sleep_state="')[1].split('"')[0]
 
 
-def test_without_dev_mode_the_sleep_endpoints_do_not_exist(sim) -> None:  # type: ignore[no-untyped-def]
+def test_without_dev_mode_the_sleep_endpoints_do_not_exist(sim: StartSim) -> None:
     s = sim("m", "--enable-sleep-mode")
     s.wait_ready()
     assert http(s.port, "/sleep?level=2", {}).status == 404
@@ -40,7 +40,7 @@ def test_without_dev_mode_the_sleep_endpoints_do_not_exist(sim) -> None:  # type
     assert b"SECURITY WARNING" not in s.stdout
 
 
-def test_level_2_sleep_gives_the_memory_back_and_the_tagged_wake_with_reload_answers_as_before(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_level_2_sleep_gives_the_memory_back_and_the_tagged_wake_with_reload_answers_as_before(sim: StartSim, tmp_path: Path) -> None:
     meminfo = machine(tmp_path)
     s = sim("m", "--enable-sleep-mode", "--gpu-memory-utilization", "0.5", env={**DEV, "GB10D_SIM_MEMINFO": str(meminfo)})
     s.wait_ready()
@@ -69,7 +69,7 @@ def test_level_2_sleep_gives_the_memory_back_and_the_tagged_wake_with_reload_ans
     assert complete(s.port) == before
 
 
-def test_a_plain_wake_from_level_2_without_reload_answers_200_with_empty_text(sim) -> None:  # type: ignore[no-untyped-def]
+def test_a_plain_wake_from_level_2_without_reload_answers_200_with_empty_text(sim: StartSim) -> None:
     s = sim("m", "--enable-sleep-mode", env=DEV)
     s.wait_ready()
     assert complete(s.port) != ""
@@ -79,7 +79,7 @@ def test_a_plain_wake_from_level_2_without_reload_answers_200_with_empty_text(si
     assert complete(s.port) == "", "silent garbage: the weights were never reloaded"
 
 
-def test_a_request_sent_while_asleep_is_held_until_the_wake(sim) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_sent_while_asleep_is_held_until_the_wake(sim: StartSim) -> None:
     s = sim("m", "--enable-sleep-mode", env=DEV)
     s.wait_ready()
     assert http(s.port, "/sleep?level=2", {}).status == 200
@@ -95,7 +95,7 @@ def test_a_request_sent_while_asleep_is_held_until_the_wake(sim) -> None:  # typ
     assert answers and answers[0] != ""
 
 
-def test_level_1_keeps_a_host_copy_of_the_weights_that_the_wake_does_not_give_back(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_level_1_keeps_a_host_copy_of_the_weights_that_the_wake_does_not_give_back(sim: StartSim, tmp_path: Path) -> None:
     meminfo = machine(tmp_path)
     s = sim("m", "--enable-sleep-mode", "--gpu-memory-utilization", "0.5", env={**DEV, "GB10D_SIM_MEMINFO": str(meminfo)})
     s.wait_ready()
@@ -108,7 +108,7 @@ def test_level_1_keeps_a_host_copy_of_the_weights_that_the_wake_does_not_give_ba
     assert awake - read_meminfo(meminfo).available > 27 * GIB, "on unified memory the host copy is a second copy of the weights"
 
 
-def test_a_wake_whose_memory_another_process_took_kills_the_engine(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_wake_whose_memory_another_process_took_kills_the_engine(sim: StartSim, tmp_path: Path) -> None:
     meminfo = machine(tmp_path)
     s = sim("m", "--enable-sleep-mode", "--gpu-memory-utilization", "0.5", env={**DEV, "GB10D_SIM_MEMINFO": str(meminfo)})
     s.wait_ready()
@@ -121,7 +121,7 @@ def test_a_wake_whose_memory_another_process_took_kills_the_engine(sim, tmp_path
     assert http(s.port, "/health").status == 503
 
 
-def test_a_body_sent_to_a_development_route_is_read_so_the_next_request_on_the_connection_is_answered(sim) -> None:  # type: ignore[no-untyped-def]
+def test_a_body_sent_to_a_development_route_is_read_so_the_next_request_on_the_connection_is_answered(sim: StartSim) -> None:
     s = sim("m", "--enable-sleep-mode", env=DEV)
     s.wait_ready()
     completion = json.dumps({"model": "m", "prompt": "Say something", "max_tokens": 4}).encode()

@@ -16,7 +16,7 @@ import pytest
 
 from gb10d.sim import make_venv
 from sim_support import (
-    ACCESS, DEADLINE_S, GRAPH_BAR, http, RECORD, SHARD_BAR, STARTUP_ORDER, UVICORN, UVICORN_STARTUP, kind_of, messages,
+    ACCESS, DEADLINE_S, GRAPH_BAR, http, RECORD, SHARD_BAR, STARTUP_ORDER, StartSim, UVICORN, UVICORN_STARTUP, kind_of, messages,
     physical_lines, port_refuses,
 )
 
@@ -33,7 +33,7 @@ def _assert_in_order(found: list[str]) -> None:
 
 
 @pytest.mark.parametrize("era", ["0.30", "0.31"])
-def test_healthy_start_prints_every_phase_in_order_on_the_right_streams(sim, era: str) -> None:  # type: ignore[no-untyped-def]
+def test_healthy_start_prints_every_phase_in_order_on_the_right_streams(sim: StartSim, era: str) -> None:
     s = sim(*RECORDED_FLAGS, env={"GB10D_SIM_ERA": era, "VLLM_DISABLE_LOG_LOGO": "1"})
     s.wait_ready()
     stdout, stderr = bytes(s.stdout), bytes(s.stderr)
@@ -49,7 +49,7 @@ def test_healthy_start_prints_every_phase_in_order_on_the_right_streams(sim, era
     assert [m.split(" [")[0] for m in uvicorn] == UVICORN_STARTUP
 
 
-def test_era_0_30_tags_every_line_and_0_31_only_the_records(sim) -> None:  # type: ignore[no-untyped-def]
+def test_era_0_30_tags_every_line_and_0_31_only_the_records(sim: StartSim) -> None:
     old = sim("m", env={"GB10D_SIM_ERA": "0.30"})
     new = sim("m", env={"GB10D_SIM_ERA": "0.31"})
     old.wait_ready()
@@ -63,7 +63,7 @@ def test_era_0_30_tags_every_line_and_0_31_only_the_records(sim) -> None:  # typ
     assert "(MainProcess pid=" in physical_lines(bytes(new.stdout))[0]
 
 
-def test_logo_banner_is_the_recorded_multi_line_record(sim) -> None:  # type: ignore[no-untyped-def]
+def test_logo_banner_is_the_recorded_multi_line_record(sim: StartSim) -> None:
     s = sim("/srv/models/tiny-llama")
     s.wait_text("non-default args")
     lines = physical_lines(bytes(s.stdout))[:6]
@@ -78,14 +78,14 @@ def test_logo_banner_is_the_recorded_multi_line_record(sim) -> None:  # type: ig
     assert all(line.endswith("\r") for line in lines[:5]) and not lines[5].endswith("\r")
 
 
-def test_healthy_start_at_speed_0_01_is_ready_in_under_3_seconds(sim) -> None:  # type: ignore[no-untyped-def]
+def test_healthy_start_at_speed_0_01_is_ready_in_under_3_seconds(sim: StartSim) -> None:
     started = time.monotonic()
     s = sim("m")
     s.wait_ready()
     assert time.monotonic() - started < 3.0
 
 
-def test_port_refuses_connections_until_startup_is_complete(sim) -> None:  # type: ignore[no-untyped-def]
+def test_port_refuses_connections_until_startup_is_complete(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": "slow_shards=100"})
     s.wait_text("Loading safetensors checkpoint shards", "stderr")
     assert port_refuses(s.port)
@@ -97,7 +97,7 @@ def test_port_refuses_connections_until_startup_is_complete(sim) -> None:  # typ
             other.bind(("0.0.0.0", s.port))
 
 
-def test_prefix_and_logging_switches_are_honoured(sim) -> None:  # type: ignore[no-untyped-def]
+def test_prefix_and_logging_switches_are_honoured(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_ERA": "0.31", "VLLM_LOGGING_PREFIX": "[gpu0] ", "VLLM_DISABLE_LOG_LOGO": "1"})
     s.wait_ready()
     assert all(line.startswith("[gpu0] (") for line in physical_lines(bytes(s.stdout)) if not ACCESS.match(line))
@@ -107,7 +107,7 @@ def test_prefix_and_logging_switches_are_honoured(sim) -> None:  # type: ignore[
     assert b"pid=" not in bytes(quiet.stderr)
 
 
-def test_engine_core_is_a_separate_child_in_the_same_process_group(sim) -> None:  # type: ignore[no-untyped-def]
+def test_engine_core_is_a_separate_child_in_the_same_process_group(sim: StartSim) -> None:
     s = sim("m")
     s.wait_ready()
     engine = s.engine_pid()
@@ -118,7 +118,7 @@ def test_engine_core_is_a_separate_child_in_the_same_process_group(sim) -> None:
     assert int(stat[stat.rindex(")") + 2 :].split()[1]) == s.process.pid  # parent is the API server
 
 
-def test_sigkill_of_the_api_server_leaves_the_engine_core_running(sim) -> None:  # type: ignore[no-untyped-def]
+def test_sigkill_of_the_api_server_leaves_the_engine_core_running(sim: StartSim) -> None:
     s = sim("m")
     s.wait_ready()
     engine = s.engine_pid()
@@ -129,7 +129,7 @@ def test_sigkill_of_the_api_server_leaves_the_engine_core_running(sim) -> None: 
     os.killpg(s.process.pid, signal.SIGKILL)
 
 
-def test_sigterm_while_serving_prints_the_shutdown_lines_and_exits_0(sim) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_while_serving_prints_the_shutdown_lines_and_exits_0(sim: StartSim) -> None:
     s = sim("m")
     s.wait_ready()
     s.process.send_signal(signal.SIGTERM)
@@ -147,7 +147,7 @@ def test_sigterm_while_serving_prints_the_shutdown_lines_and_exits_0(sim) -> Non
     assert s.group_pids() == []
 
 
-def test_sigterm_while_connections_keep_arriving_still_stops_the_server(sim) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_while_connections_keep_arriving_still_stops_the_server(sim: StartSim) -> None:
     # Every connection starts a handler thread, and a thread being created
     # readily takes a process-directed signal; the stop must still happen.
     s = sim("m")
@@ -173,7 +173,7 @@ def test_sigterm_while_connections_keep_arriving_still_stops_the_server(sim) -> 
     assert messages(bytes(s.stdout))[-1] == "[shutdown] API server: shutting down FastAPI HTTP server"
 
 
-def test_sigterm_during_startup_exits_as_keyboard_interrupt_and_stops_the_engine(sim) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_during_startup_exits_as_keyboard_interrupt_and_stops_the_engine(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": "slow_shards=100"})
     s.wait_text("Loading safetensors checkpoint shards", "stderr")
     s.process.send_signal(signal.SIGTERM)
@@ -183,7 +183,7 @@ def test_sigterm_during_startup_exits_as_keyboard_interrupt_and_stops_the_engine
     assert s.group_pids() == []
 
 
-def test_unknown_flag_is_an_argparse_usage_error_with_status_2(sim) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_flag_is_an_argparse_usage_error_with_status_2(sim: StartSim) -> None:
     s = sim("m", "--no-such-flag", "1")
     assert s.wait_exit() == 2
     s.drain()
@@ -194,7 +194,7 @@ def test_unknown_flag_is_an_argparse_usage_error_with_status_2(sim) -> None:  # 
     ]
 
 
-def test_bad_knob_is_one_line_without_traceback(sim) -> None:  # type: ignore[no-untyped-def]
+def test_bad_knob_is_one_line_without_traceback(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_SCENARIO": "explode"})
     assert s.wait_exit() == 2
     s.drain()
@@ -218,7 +218,7 @@ def test_make_venv_command_prints_the_program_path(tmp_path: Path) -> None:
     assert result.stdout.strip() == str(tmp_path / "v" / "bin" / "vllm")
 
 
-def test_shard_bar_and_graph_bars_match_the_tqdm_formats(sim) -> None:  # type: ignore[no-untyped-def]
+def test_shard_bar_and_graph_bars_match_the_tqdm_formats(sim: StartSim) -> None:
     s = sim("m", env={"GB10D_SIM_SHARDS": "3"})
     s.wait_ready()
     bars = [SHARD_BAR.match(line) for line in physical_lines(bytes(s.stderr)) if SHARD_BAR.match(line)]
@@ -229,7 +229,7 @@ def test_shard_bar_and_graph_bars_match_the_tqdm_formats(sim) -> None:  # type: 
     assert all(g.endswith("51/51" + g.rsplit("51/51", 1)[1]) for g in graphs)
 
 
-def test_eager_load_strategy_marks_the_bar(sim) -> None:  # type: ignore[no-untyped-def]
+def test_eager_load_strategy_marks_the_bar(sim: StartSim) -> None:
     s = sim("m", "--safetensors-load-strategy", "eager", "--enforce-eager")
     s.wait_ready()
     stderr = bytes(s.stderr).decode()
@@ -238,7 +238,7 @@ def test_eager_load_strategy_marks_the_bar(sim) -> None:  # type: ignore[no-unty
     assert not any(m.startswith("torch.compile took") for m in messages(bytes(s.stdout)))
 
 
-def test_newer_versions_print_the_one_line_kv_form_and_gib_memory(sim) -> None:  # type: ignore[no-untyped-def]
+def test_newer_versions_print_the_one_line_kv_form_and_gib_memory(sim: StartSim) -> None:
     s = sim("m", "--max-model-len", "32k", env={"GB10D_SIM_VERSION": "0.29.0"})
     s.wait_ready()
     found = messages(bytes(s.stdout))
@@ -248,7 +248,7 @@ def test_newer_versions_print_the_one_line_kv_form_and_gib_memory(sim) -> None: 
     assert http(s.port, "/version").json() == {"version": "0.29.0"}
 
 
-def test_only_0_34_knows_the_extensible_kv_cache_and_there_a_short_start_passes_the_start(sim) -> None:  # type: ignore[no-untyped-def]
+def test_only_0_34_knows_the_extensible_kv_cache_and_there_a_short_start_passes_the_start(sim: StartSim) -> None:
     older = sim("m", "--no-enable-extensible-kv-cache", env={"GB10D_SIM_VERSION": "0.33.0"})
     assert older.wait_exit() == 2
     older.drain()
@@ -263,7 +263,7 @@ def test_only_0_34_knows_the_extensible_kv_cache_and_there_a_short_start_passes_
                "activations within `gpu_memory_utilization`=0.92;" in m for m in found), found[-3:]
 
 
-def test_a_local_model_folder_gives_its_shards_architecture_and_real_reads(sim, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_local_model_folder_gives_its_shards_architecture_and_real_reads(sim: StartSim, tmp_path: Path) -> None:
     model = tmp_path / "tiny"
     model.mkdir()
     (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
@@ -282,7 +282,7 @@ def test_version_flag_prints_the_simulated_version() -> None:
     assert (result.returncode, result.stdout) == (0, "0.33.0\n")
 
 
-def test_uvicorn_log_level_warning_hides_the_uvicorn_lines(sim) -> None:  # type: ignore[no-untyped-def]
+def test_uvicorn_log_level_warning_hides_the_uvicorn_lines(sim: StartSim) -> None:
     s = sim("m", "--uvicorn-log-level", "warning")
     s.wait_text("Starting vLLM server on")
     deadline = time.monotonic() + DEADLINE_S

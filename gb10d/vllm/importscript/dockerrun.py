@@ -1,7 +1,7 @@
 """vLLM from a container image: `docker run [options] IMAGE [vllm serve] MODEL flags`, podman alike.
 
 Each option of the engine becomes a [container] key, an environment variable, a note that gb10d does it itself,
-or run_args; the command after the image is read as any vLLM command (gb10d.vllm.servecommand). Apart because
+or run_args; the command after the image is read as any vLLM command (servecommand). Apart because
 these are the engine's words, not the shell's or vLLM's.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import posixpath
 
-from ..base.command import CHILD_DEFAULTS, CONTAINER_CACHE_ENV
+from ...base.command import CHILD_DEFAULTS, CONTAINER_CACHE_ENV
 from .importtoml import Findings
 from .servecommand import is_python, is_vllm, vllm_command
 from .shellexpansion import Shell

@@ -1,4 +1,4 @@
-"""docker compose files: the one vLLM service read as the `docker run` it amounts to (gb10d.vllm.dockerrun).
+"""docker compose files: the one vLLM service read as the `docker run` it amounts to (dockerrun).
 
 gb10d does not run compose (its restart policy would restart the container behind gb10d's back); the answer is
 the equivalent config. Only the subset of YAML that compose files use is read, so no YAML library is needed.
@@ -10,7 +10,7 @@ import re
 import shlex
 from typing import Any
 
-from ..base.errors import ConfigError, ConfigProblem
+from ...base.errors import ConfigError, ConfigProblem
 from .dockerrun import container_command
 from .importtoml import Findings, Imported, import_script_result
 from .shellexpansion import Shell

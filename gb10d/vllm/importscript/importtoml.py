@@ -13,9 +13,9 @@ from typing import Any
 
 import tomli_w
 
-from ..base.command import DRAIN_MARGIN_S
-from ..base.configload import parse_config
-from ..base.errors import ConfigError
+from ...base.command import DRAIN_MARGIN_S
+from ...base.configload import parse_config
+from ...base.errors import ConfigError
 
 
 @dataclass

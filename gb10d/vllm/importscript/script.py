@@ -23,7 +23,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..base.errors import ConfigError, ConfigProblem
+from ...base.errors import ConfigError, ConfigProblem
 from .compose import import_compose, looks_like_compose
 from .dockerrun import ENGINES, container_command
 from .importtoml import Findings, Imported, import_script_result

@@ -3,7 +3,7 @@
 This is bash's grammar for the parts a start script uses (backslash continuations, comments, `;`, `&&`, `|`, `&`,
 redirections, `if`, loops, `case`, `{ }`), apart from what any command means to gb10d. Words are scanned here
 as written (quote-aware, keeping the quotes, `${}` and `$()` whole) because their expansion
-(gb10d.vllm.shellexpansion) depends on the quotes; each command keeps its line, so that every note can say where.
+(shellexpansion) depends on the quotes; each command keeps its line, so that every note can say where.
 """
 
 from __future__ import annotations

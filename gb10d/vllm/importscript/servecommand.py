@@ -13,7 +13,7 @@ import re
 import shlex
 from typing import Any
 
-from ..base.flags import normalize_flag
+from ...base.flags import normalize_flag
 from .importtoml import Findings
 from .shellexpansion import Shell
 from .shellsyntax import Command
