@@ -7,7 +7,21 @@ from dataclasses import replace
 
 import pytest
 
-from gb10d.front.core import Answer, AwaitRoom, Evict, Instance, Readiness, Slot, StartIt, Wait, admit, error, make_room, readiness_of
+from gb10d.front.core import (
+    SWAP_TURN_S,
+    Answer,
+    AwaitRoom,
+    Evict,
+    Instance,
+    Readiness,
+    Slot,
+    StartIt,
+    Wait,
+    admit,
+    error,
+    make_room,
+    readiness_of,
+)
 from gb10d.core.statefile import DaemonState, StateRecord
 
 GIB = 2**30
@@ -68,17 +82,16 @@ def test_a_model_asked_to_start_counts_before_its_share_is_in_the_ledger() -> No
     (model("alpha", 50, serving=False, unbooked=True), 86, "36.00"),
     # Starting with its share reserved: the room the ledger leaves counts it already.
     (model("alpha", 50, serving=False), 36, "36.00"),
+    # Serving with requests: nothing to park.
+    (model("alpha", 50, busy=True), 36, "36.00"),
 ])
-def test_a_model_asleep_is_not_woken_beside_a_start_in_progress_it_waits_for_that_start(other: Slot, room: int, free: str) -> None:
-    # Its wake checks MemAvailable, which does not show the other start's memory yet: both would come up, and the
-    # pinned model's next restart would find its share taken (found by the soak, seed 7).
+def test_a_model_asleep_beside_a_busy_or_starting_model_waits_as_a_stopped_one_does(other: Slot, room: int, free: str) -> None:
+    # Its wake would check MemAvailable, short now or not yet showing the other start's memory: woken, it would find
+    # the memory short and start cold (a failed wake each time, found by the soak), or both models would come up and
+    # the pinned model's next restart would find its share taken (soak, seed 7).
     asleep = replace(WANTED, asleep=True)
     assert make_room(asleep, [other], room * GIB, TOTAL) == AwaitRoom(
-        f"it needs 50.00 GiB, {free} GiB is free; waiting for the start of alpha, then its wake checks its own memory"
-    )
-    # Once it serves, nothing is starting: the wake goes ahead and checks its own memory.
-    assert make_room(asleep, [model("alpha", 50, busy=True)], 36 * GIB, TOTAL) == StartIt(
-        "a wake from sleep checks its own memory (on_demand.wake_margin_gib)"
+        f"it needs 50.00 GiB, {free} GiB is free; every model that could make room has requests or is pinned"
     )
 
 
@@ -149,3 +162,35 @@ def test_a_request_for_a_parked_model_that_may_fit_is_held(room: StartIt | Await
 def test_a_request_for_a_parked_model_that_can_never_fit_is_refused_not_held() -> None:
     never = error(503, "beta can never fit: ...", "ServiceUnavailableError")
     assert admit(BETA, PARKED, 0, 256, 0.0, 900.0, True, never) is never
+
+
+def test_a_busy_model_that_had_its_turn_is_drained_for_one_whose_requests_waited_a_turn() -> None:
+    # Without turns a model that always has requests keeps the memory, and the other's requests wait out
+    # front.hold_timeout_s and get 503 (found by the soak: two models with steady traffic).
+    waiting = replace(WANTED, waited_s=SWAP_TURN_S)
+    others = [model("alpha", 60, busy=True, served_s=SWAP_TURN_S + 5), model("gamma", 40, busy=True, served_s=SWAP_TURN_S + 30)]
+    assert make_room(waiting, others, 10 * GIB, TOTAL) == Evict(
+        "gamma",
+        "it needs 50.00 GiB, 10.00 GiB is free; its requests waited 10 s and gamma has served for 40 s (a turn is 10 s): "
+        "gamma's requests in flight finish, its new ones wait, then it parks",
+        drain=True,
+    )
+
+
+@pytest.mark.parametrize(("waited_s", "served_s"), [(SWAP_TURN_S - 1, SWAP_TURN_S + 60), (SWAP_TURN_S + 60, SWAP_TURN_S - 1)])
+def test_a_busy_model_keeps_serving_until_both_turns_are_due(waited_s: float, served_s: float) -> None:
+    decided = make_room(replace(WANTED, waited_s=waited_s), [model("alpha", 60, busy=True, served_s=served_s)], 10 * GIB, TOTAL)
+    assert decided == AwaitRoom("it needs 50.00 GiB, 10.00 GiB is free; every model that could make room has requests or is pinned")
+
+
+def test_an_idle_model_is_parked_before_a_busy_one_is_drained() -> None:
+    waiting = replace(WANTED, waited_s=SWAP_TURN_S * 3)
+    others = [model("alpha", 60, busy=True, served_s=SWAP_TURN_S * 3), model("gamma", 60, active_at=5.0)]
+    decided = make_room(waiting, others, 10 * GIB, TOTAL)
+    assert isinstance(decided, Evict) and (decided.victim, decided.drain) == ("gamma", False)
+
+
+def test_a_pinned_busy_model_is_never_drained() -> None:
+    waiting = replace(WANTED, waited_s=SWAP_TURN_S * 3)
+    pinned = model("chat", 60, on_demand=False, busy=True, served_s=SWAP_TURN_S * 3)
+    assert isinstance(make_room(waiting, [pinned], 10 * GIB, TOTAL), AwaitRoom)

@@ -207,6 +207,14 @@ class Slot:
     # Parked by sleep: its wake checks its own memory (on_demand.wake_margin_gib) and starts cold when it is short.
     asleep: bool = False
     active_at: float = 0.0  # its last request began or ended (monotonic seconds)
+    waited_s: float = 0.0  # how long its oldest held request has waited (none held: 0)
+    served_s: float = 0.0  # how long it has served since it last became ready (not serving: 0)
+
+
+# A busy model is drained and parked for a parked one whose requests have waited this long, once it has served this
+# long itself: each model with traffic gets turns of at least this, and no request waits out front.hold_timeout_s
+# behind a model that is never idle. Shorter turns would swap more often than they serve (a swap takes seconds).
+SWAP_TURN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -219,10 +227,12 @@ class StartIt:
 @dataclass(frozen=True)
 class Evict:
     """Park `victim`, the least recently used idle on-demand model, to make room; start the wanted one once the
-    victim's memory is back."""
+    victim's memory is back. `drain`: the victim is busy and had its turn; its new requests wait from now on, and it
+    is parked once those in flight are answered (a park stops vLLM, which would cut them)."""
 
     victim: str
     message: str
+    drain: bool = False
 
 
 @dataclass(frozen=True)
@@ -266,12 +276,19 @@ def make_room(wanted: Slot, others: Sequence[Slot], room_bytes: int, total_bytes
     if parking:
         return AwaitRoom(f"{short}; waiting for the memory of {', '.join(parking)}, which parks")
     idle = [o for o in running if o.on_demand and o.serving and not o.busy]
-    coming = sorted(o.name for o in running if o.unbooked or not (o.serving or o.parking))
-    if not idle and wanted.asleep and coming:
-        # Its wake would count what is free now, before the memory of these starts shows: two would fit on paper.
-        return AwaitRoom(f"{short}; waiting for the start of {', '.join(coming)}, then its wake checks its own memory")
-    if not idle and wanted.asleep:
-        # Nothing of gb10d's to park: its wake checks its own memory, and starts vLLM cold when it is short.
+    due = [o for o in running if o.on_demand and o.serving and o.busy and o.served_s >= SWAP_TURN_S]
+    if not idle and due and wanted.waited_s >= SWAP_TURN_S:
+        victim = max(due, key=lambda o: (o.served_s, o.name))
+        return Evict(
+            victim.name,
+            f"{short}; its requests waited {wanted.waited_s:.0f} s and {victim.name} has served for {victim.served_s:.0f} s "
+            f"(a turn is {SWAP_TURN_S:g} s): {victim.name}'s requests in flight finish, its new ones wait, then it parks",
+            drain=True,
+        )
+    if not idle and wanted.asleep and not running:
+        # No model of gb10d's holds the memory: its wake checks its own memory, and starts vLLM cold when it is short.
+        # Beside a busy or starting model it waits as a stopped one does: its wake would find the memory short (or
+        # count on a start's memory MemAvailable does not show yet), stop vLLM and start it cold, for nothing.
         return StartIt("a wake from sleep checks its own memory (on_demand.wake_margin_gib)")
     if not idle:
         # What neither gb10d's models nor free memory account for is other programs' (MemAvailable counts it).

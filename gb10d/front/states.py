@@ -43,6 +43,10 @@ class Watched:
     # A park or a wake asked and not yet shown in the state file (asked once, not every poll), and when.
     parking_asked: bool = False
     wake_asked: bool = False
+    # Busy and chosen to make room: new requests wait (parking_asked is set), the park is asked once none is in flight.
+    draining: bool = False
+    # When it last became serving: a busy model is drained only after its turn (core.SWAP_TURN_S).
+    serving_since: float = 0.0
     asked_at: float = 0.0
     # When the last wake was asked, for the swap time; the last reason said for not waking it yet (said once).
     wake_asked_at: float | None = None
@@ -148,9 +152,9 @@ class States:
         if ready.serving or not ready.parked:
             watched.wake_asked = False
         if not ready.serving:
-            watched.parking_asked = False
+            watched.parking_asked = watched.draining = False
         elif not was_serving:  # idle counts from when it serves, not from before its start
-            watched.active_at = time.monotonic()
+            watched.active_at = watched.serving_since = time.monotonic()
         watched.ready = ready
         self.notify(watched, left=was_serving and not ready.serving)
 

@@ -41,7 +41,10 @@ class Swaps:
         if watched.ready.serving and watched.wake_asked_at is not None:
             self.metrics.swap_seconds.labels(watched.name).observe(now - watched.wake_asked_at)
             watched.wake_asked_at = None
-        if (watched.parking_asked or watched.wake_asked) and now - watched.asked_at > ASKED_EXPIRE_S:
+        if watched.draining and watched.in_flight == 0:
+            watched.draining = False
+            self.ask(watched, "park")
+        if ((watched.parking_asked and not watched.draining) or watched.wake_asked) and now - watched.asked_at > ASKED_EXPIRE_S:
             self.journal.say(f"{watched.name}'s state file never showed the {'park' if watched.parking_asked else 'wake'} asked {ASKED_EXPIRE_S:.0f} s ago; asking anew when needed", 4)
             watched.parking_asked = watched.wake_asked = False
             self.states.notify(watched, left=False)
@@ -65,9 +68,15 @@ class Swaps:
             self.ask(watched, "wake")
         elif isinstance(decided, Evict):
             victim = self.states[decided.victim]
-            self.journal.say(f"evicting {decided.victim} to make room for {name}: {decided.message}")
+            self.journal.say(f"{'draining' if decided.drain else 'evicting'} {decided.victim} to make room for {name}: {decided.message}")
             self.metrics.swaps.labels(decided.victim, "evict").inc()
-            self.ask(victim, "park")
+            if decided.drain:
+                # Its new requests wait from now on (as for a park); the park is asked by tick once none is in flight.
+                victim.draining = victim.parking_asked = True
+                victim.asked_at = time.monotonic()
+                self.states.notify(victim, left=False)
+            else:
+                self.ask(victim, "park")
         else:
             text = decided.message  # AwaitRoom, or an Answer: it can no longer fit (a pinned instance started meanwhile)
             if text != watched.room_said:
@@ -100,7 +109,7 @@ class Swaps:
     @staticmethod
     def _slot(watched: Watched, total: int, booked: set[int]) -> Slot:
         """The instance as make_room counts it; `booked`: the gb10d pids whose share the ledger reserves now."""
-        known, ready = watched.known, watched.ready
+        known, ready, now = watched.known, watched.ready, time.monotonic()
         # Asked to wake, or starting (not serving, parked or parking) while its record reserves nothing yet: a wake
         # asked and not yet taken, a start before its admission, a wake from sleep without a ledger.
         coming = (watched.wake_asked and ready.parked) or (ready.coming and not (ready.serving or ready.parked or ready.parking))
@@ -108,7 +117,8 @@ class Swaps:
             known.instance.name, budget.share_bytes(known.utilization, total, known.memory.headroom_gib), known.control is not None,
             running=ready.coming and not ready.parked, serving=ready.serving, parking=watched.parking_asked or ready.parking,
             busy=watched.held + watched.in_flight > 0, unbooked=coming and watched.pid not in booked, active_at=watched.active_at,
-            asleep=ready.asleep,
+            asleep=ready.asleep, waited_s=now - watched.hold_started if watched.held else 0.0,
+            served_s=now - watched.serving_since if ready.serving else 0.0,
         )
 
     def ask(self, watched: Watched, command: str) -> None:
