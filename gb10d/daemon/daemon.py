@@ -108,7 +108,8 @@ async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier
         if pair is not None and pair.cluster.role == "worker":
             return await WorkerDaemon(keeper, reporter, loop, pair).serve()
         # vLLM runs here: its share of the machine's memory is booked in the ledger the instances share.
-        reporter.booking = preflight.booking = booking
+        reporter.ledger.booked(booking)
+        preflight.booking = booking
         if booking is not None:
             keeping = asyncio.create_task(_keep_booked(booking))
         # Every instance listens: the front parks and wakes an on-demand one, and its page may restart any.
