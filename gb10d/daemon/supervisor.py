@@ -1,9 +1,10 @@
-"""The supervisor: the loop over attempts, config changes during them, and the stop ladder.
+"""The supervisor: the loop over attempts, and what follows the end of each.
 
 One coroutine owns the sequence of attempts. A sequence begins by fetching
 what vLLM runs from (`pull.Pull`: a container image, pulled with progress;
 nothing for a venv), so that the settings learned for that very image apply.
-Each attempt (`attempt.Attempt`)
+Each attempt (`attempt.Attempt`, followed by `following.Following` with the
+config changes, restarts and parks asked meanwhile)
 follows one start of vLLM and returns how it ended; the supervisor decides
 what comes next with the pure `policy` (retry with corrected settings, back
 off, or give up), runs the checks around each start (`preflight`: the
@@ -11,7 +12,8 @@ machine's memory budget shared with other gb10d instances, which a start
 may wait for, and free memory), applies reloads (`keeper`), and on a pair
 of machines lets the cluster (`pair`) say when vLLM may start and whether a
 machine left. Every wait is on the fact queue (`loop`) with a deadline;
-nothing sleeps blindly.
+nothing sleeps blindly. A stop signal, wherever it comes, ends the sequence,
+and `supervise()` then stops everything in one place (`stopladder`).
 """
 
 from __future__ import annotations
