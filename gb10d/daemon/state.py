@@ -69,10 +69,6 @@ class Situation:
         return self._status_text
 
     @property
-    def number(self) -> int:
-        return self._number
-
-    @property
     def tunables(self) -> Tunables | None:
         return self._tunables
 
