@@ -508,7 +508,8 @@ async def start_shell(setup: Setup, scripts: Sequence[Script], clock: VirtualClo
         snapshot.config.memory.ledger_path, instance_name(setup.config), str(setup.config),
         lambda text: reporter.say("memory_ledger", text, PRIORITY_WARNING), holds(snapshot.config, setup.config),
     )
-    reporter.booking = preflight.booking = booking
+    reporter.ledger.booked(booking)
+    preflight.booking = booking
     pair = Pair(keeper, reporter, loop, ScriptedRay) if snapshot.config.cluster is not None else None
     supervisor = Supervisor(keeper, reporter, loop, preflight, launchers, pair)
     shell = Shell(setup, launcher, notify, out, reporter, keeper, loop, supervisor, clock)

@@ -149,7 +149,7 @@ def test_a_reload_or_asked_restart_keeps_its_share_while_vllm_restarts_so_a_mode
                 a.reload(**{"vllm.gpu_memory_utilization": 0.45})
             else:
                 a.loop.post(RestartAsked())  # the front's page, over the control socket
-            booking = a.reporter.booking
+            booking = a.reporter.ledger.booking
             assert booking is not None
             await a.until(lambda: booking.record is not None and booking.record.stage is Stage.RESTARTING, "a's vLLM gone")
             b.loop.post(WakeAsked())

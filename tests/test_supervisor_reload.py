@@ -2,7 +2,7 @@
 
 What needs a real process stays here: the file watcher (inotify and its
 debounce), settings learned by one run of gb10d used by the next, and a
-pair's Ray restarted by gb10d. What a reload applies to vLLM and in which
+pair's Ray restarted by gb10d (and told as every decision is). What a reload applies to vLLM and in which
 order is tested in one process in test_shell_reload.
 """
 
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import Daemon, NotifySocket, Setup
+from gb10d.machine.statefile import read_state
+from harness import Daemon, NotifySocket, Setup, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -136,3 +137,19 @@ def test_a_pairs_ray_gets_the_env_file_as_last_reloaded_and_an_edit_alone_change
     hup(daemon)
     since = after_reload(daemon)
     daemon.wait_line(r"\(ray\) mark=edited", timeout=30, since=since)
+
+
+def test_a_pairs_ray_exits_are_decisions_like_any_other_the_front_sees_them_in_the_state_file(
+    tmp_path: Path, notify: NotifySocket, daemons: list[Daemon]
+) -> None:
+    setup, daemon = pair_head(tmp_path, notify, daemons, "echo starting ray", **{"restart.backoff_initial_s": 0.2, "restart.backoff_max_s": 0.2})
+    daemon.wait_line(r"gb10d: Ray on this machine exited with status 3; starting it again in 0\.2 s")
+    daemon.wait_line(r"\(ray\) starting ray")  # Ray's own output still reaches the journal, at its own priority
+
+    def told(event: str) -> bool:
+        record = read_state(setup.state_file)
+        return record is not None and any(d.event == event for d in record.decisions)
+
+    # Ray's lines go through the same door as gb10d's other decisions: the page's latest decisions carry them.
+    wait_until(lambda: told("ray_started") and told("ray_exited"), what="Ray's start and exit among the state file's decisions")
+    assert daemon.stop() == 0

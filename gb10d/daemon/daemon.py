@@ -15,6 +15,7 @@ left running afterwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from pathlib import Path
 
@@ -76,75 +77,71 @@ class EngineChoice:
 
 
 async def serve(path: Path, snapshot: ConfigSnapshot, journal: Journal, notifier: Notifier, metrics: Metrics) -> int:
-    """Run the daemon the config asks for until it stops (0) or gives up (its exit status)."""
+    """Run the daemon the config asks for until it stops (0) or gives up (its exit status).
+
+    Its parts close in the reverse order of their making: vLLM (the supervisor) first, Ray after it, the memory
+    ledger's record once both are gone, the reporter last, with every line said.
+    """
     config = snapshot.config
     reporter = Reporter(config, journal, notifier, metrics)
-    try:
-        # First, before the state file or the metrics port is touched: they may be another living instance's.
-        booking = open_booking(
-            config.memory.ledger_path, instance_name(path), str(path),
-            lambda text: reporter.say("memory_ledger", text, PRIORITY_WARNING), holds(config, path),
-        )
-    except GiveUp as exc:
-        reporter.say("gave_up", exc.reason, PRIORITY_ERR, exit_status=exc.exit_status)
-        notifier.status(f"failed: {exc.reason}"[:STATUS_MAX])
-        reporter.close()
-        return exc.exit_status
-    keeper = ConfigKeeper(path, snapshot, reporter)
-    loop = FactLoop(notifier)
-    pair = Pair(keeper, reporter, loop) if config.cluster is not None else None
-    preflight = Preflight(keeper, reporter)
-    supervisor: Supervisor | None = None
-    control: ControlSocket | None = None
-    keeping: asyncio.Task[None] | None = None
-    kernel = KernelLog(config.daemon.kernel_log, loop.post, lambda text: reporter.say("kernel_log", text, PRIORITY_WARNING))
-    loop.install()
-    reporter.serve_metrics()
-    keeper.watch(asyncio.get_running_loop(), lambda: loop.post(Edited()))
-    kernel.start()
-    try:
-        preflight.gpu()
-        host = preflight.host()
-        if pair is not None and pair.cluster.role == "worker":
-            return await WorkerDaemon(keeper, reporter, loop, pair).serve()
-        # vLLM runs here: its share of the machine's memory is booked in the ledger the instances share.
-        reporter.booking = preflight.booking = booking
-        if booking is not None:
-            keeping = asyncio.create_task(_keep_booked(booking))
-        # Every instance listens: the front parks and wakes an on-demand one, and its page may restart any.
-        control = ControlSocket(sleepmode.control_path(config.daemon.state_file), loop.post, on_demand=config.on_demand is not None)
+    async with contextlib.AsyncExitStack() as parts:
+        parts.callback(reporter.close)
         try:
-            await control.start()
-        except OSError as exc:
-            if config.on_demand is not None:
-                raise  # the front could never wake it: as before, no start without its socket
-            reporter.say(
-                "control_socket_unavailable",
-                f"cannot listen on {control.path} ({exc.strerror or exc}): the front's page cannot restart this instance "
-                "(systemctl restart can); serving without it",
-                PRIORITY_WARNING,
+            # First, before the state file or the metrics port is touched: they may be another living instance's.
+            booking = open_booking(
+                config.memory.ledger_path, instance_name(path), str(path),
+                lambda text: reporter.say("memory_ledger", text, PRIORITY_WARNING), holds(config, path),
             )
-            control = None
-        supervisor = Supervisor(keeper, reporter, loop, preflight, EngineChoice(path), pair, host)
-        return await supervisor.supervise()
-    except GiveUp as exc:
-        reporter.gave_up(exc.reason, exc.exit_status, exc.told)
-        return exc.exit_status
-    finally:
-        keeper.close()
-        await kernel.close()
-        if supervisor is not None:
-            await supervisor.close()
-        if pair is not None:
-            await pair.close()
-        await loop.remove()
-        if keeping is not None:
-            keeping.cancel()
+        except GiveUp as exc:
+            reporter.say("gave_up", exc.reason, PRIORITY_ERR, exit_status=exc.exit_status)
+            notifier.status(f"failed: {exc.reason}"[:STATUS_MAX])
+            return exc.exit_status
         if booking is not None:
-            booking.close()
-        if control is not None:
-            await control.close()
-        reporter.close()
+            parts.callback(booking.close)
+        keeper = ConfigKeeper(path, snapshot, reporter)
+        loop = FactLoop(notifier)
+        pair = Pair(keeper, reporter, loop) if config.cluster is not None else None
+        preflight = Preflight(keeper, reporter)
+        kernel = KernelLog(config.daemon.kernel_log, loop.post, lambda text: reporter.say("kernel_log", text, PRIORITY_WARNING))
+        loop.install()
+        parts.push_async_callback(loop.remove)
+        if pair is not None:
+            parts.push_async_callback(pair.close)
+        reporter.serve_metrics()
+        keeper.watch(asyncio.get_running_loop(), lambda: loop.post(Edited()))
+        parts.callback(keeper.close)
+        kernel.start()
+        parts.push_async_callback(kernel.close)
+        try:
+            preflight.gpu()
+            host = preflight.host()
+            if pair is not None and pair.cluster.role == "worker":
+                return await WorkerDaemon(keeper, reporter, loop, pair).serve()
+            # vLLM runs here: its share of the machine's memory is booked in the ledger the instances share.
+            reporter.ledger.booked(booking)
+            preflight.booking = booking
+            if booking is not None:
+                parts.callback(asyncio.create_task(_keep_booked(booking)).cancel)
+            # Every instance listens: the front parks and wakes an on-demand one, and its page may restart any.
+            control = ControlSocket(sleepmode.control_path(config.daemon.state_file), loop.post, on_demand=config.on_demand is not None)
+            parts.push_async_callback(control.close)
+            try:
+                await control.start()
+            except OSError as exc:
+                if config.on_demand is not None:
+                    raise  # the front could never wake it: as before, no start without its socket
+                reporter.say(
+                    "control_socket_unavailable",
+                    f"cannot listen on {control.path} ({exc.strerror or exc}): the front's page cannot restart this instance "
+                    "(systemctl restart can); serving without it",
+                    PRIORITY_WARNING,
+                )
+            supervisor = Supervisor(keeper, reporter, loop, preflight, EngineChoice(path), pair, host)
+            parts.push_async_callback(supervisor.close)
+            return await supervisor.supervise()
+        except GiveUp as exc:
+            reporter.gave_up(exc.reason, exc.exit_status, exc.told)
+            return exc.exit_status
 
 
 async def _keep_booked(booking: Booking) -> None:

@@ -176,7 +176,7 @@ class ConfigKeeper:
         """The config's settings, or what a corrected start learned for this very config (and container `image`)."""
         base = Tunables.from_config(self.config.vllm)
         self.image = image
-        self.reporter.last_start = load_start_times(start_times_file(self.config.daemon.learned_file), learned.fingerprint(self.config, image))
+        self.reporter.start_times(load_start_times(start_times_file(self.config.daemon.learned_file), learned.fingerprint(self.config, image)))
         state = load(self.config.daemon.learned_file)
         if state.problem:
             self.reporter.say("learned_discarded", f"{state.problem}; starting from the config's values", PRIORITY_WARNING)
@@ -196,7 +196,7 @@ class ConfigKeeper:
         except LearnedFileError as exc:
             self.reporter.say("learned_discarded", f"cannot keep the start's phase times for the next estimate: {exc}", PRIORITY_WARNING)
             return
-        self.reporter.last_start = phases
+        self.reporter.start_times(phases)
 
     def remember(self, tunables: Tunables) -> None:
         """After a corrected start reached ready, keep what worked for the next boot."""

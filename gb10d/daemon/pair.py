@@ -88,12 +88,12 @@ class Pair:
             except InterfaceError as exc:
                 if not waits_for_link(time.monotonic() - started):
                     raise
-                if self.reporter.state is not DaemonState.WAITING_FOR_LINK:
+                if self.reporter.situation.state is not DaemonState.WAITING_FOR_LINK:
                     self.reporter.say("cluster_waiting", f"waiting up to {LINK_WAIT_S:g} s for the link: {exc}", PRIORITY_WARNING)
                     self.reporter.status(f"waiting for the link: {exc}", DaemonState.WAITING_FOR_LINK)
                 if await self.loop.pause(LINK_POLL_S, handle):
                     return True
-        self.reporter.state = DaemonState.WAITING if cluster.role == "head" else DaemonState.JOINING
+        self.reporter.waits_for_cluster(DaemonState.WAITING if cluster.role == "head" else DaemonState.JOINING)
         self.reporter.say(
             "cluster_link",
             f"cluster {cluster.role}: using {self.link.interface.name} ({self.link.address}) because {self.link.reason}",
@@ -111,7 +111,7 @@ class Pair:
             ray_argv(cluster, config.vllm, self.address),
             watcher_argv(python, cluster),
             self.ray_env,
-            self.reporter.journal,
+            self.reporter,
             lambda view: post(ClusterSeen(view)),
             lambda exits: policy.backoff_delay(self.keeper.config, exits),
         )
@@ -137,12 +137,8 @@ class Pair:
     def seen(self, view: View) -> None:
         """Take in a new node table; while waiting, STATUS= and the state file follow it."""
         self.previous_view, self.view = self.view, view
-        self.reporter.cluster_nodes(len(view.serving_nodes()))
-        self.reporter.cluster = view_state(view, self.cluster, self.address, self.link.interface.name if self.link else "")
-        if self.reporter.state in (DaemonState.WAITING, DaemonState.JOINING):
-            self.reporter.status(waiting_text(view, self.cluster))
-        else:
-            self.reporter.write()
+        record = view_state(view, self.cluster, self.address, self.link.interface.name if self.link else "")
+        self.reporter.cluster_seen(record, len(view.serving_nodes()), waiting_text(view, self.cluster))
 
     # --- the head ----------------------------------------------------------------
 

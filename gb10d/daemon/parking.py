@@ -72,7 +72,7 @@ class Parking:
             if not result.ok:
                 self.reporter.say("park_failed", f"vLLM refused to sleep ({call}: {result.status or result.reason}); it keeps serving", PRIORITY_WARNING)
                 attempt.resume_liveness()
-                self.reporter.sleep_state(DaemonState.SERVING, self.reporter.serving_text())
+                self.reporter.sleep_state(DaemonState.SERVING, self.reporter.situation.serving_text(self.reporter.config.vllm))
                 return
         seconds = time.monotonic() - started
         try:
@@ -93,7 +93,7 @@ class Parking:
         config = attempt.config
         assert config.on_demand is not None
         mem = self.meminfo()
-        starts = [o for o in self.reporter.booking.others() if o.stage.pending] if self.reporter.booking is not None else []
+        starts = [o for o in self.reporter.ledger.booking.others() if o.stage.pending] if self.reporter.ledger.booking is not None else []
         margin = int(config.on_demand.wake_margin_gib * GIB)
         starting, starters = sum(o.bytes for o in starts), ", ".join(o.name for o in starts)
         refusal = wake_refusal(mem.available, self.freed, margin, starting, starters) if mem is not None else None
@@ -114,7 +114,7 @@ class Parking:
         self.reporter.woke("ok", seconds)
         self.reporter.say("woke", awake_line(seconds), PRIORITY_INFO, wake_seconds=round(seconds, 3))
         attempt.resume_liveness()
-        self.reporter.sleep_state(DaemonState.SERVING, self.reporter.serving_text())
+        self.reporter.sleep_state(DaemonState.SERVING, self.reporter.situation.serving_text(self.reporter.config.vllm))
         return None
 
     def _failed(self, result: str, why: str) -> WakeFailed:

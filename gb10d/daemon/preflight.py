@@ -28,7 +28,7 @@ from ..base.config import Config
 from ..machine.devices import check_gpu_access
 from ..core.host import HostFacts, warnings
 from ..machine.host import read_host_facts
-from ..base.errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, GiveUp
+from ..base.errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, GiveUp, SpawnError
 from .keeper import ConfigKeeper
 from ..machine.ledger import Booking
 from ..base.levels import PRIORITY_INFO, PRIORITY_WARNING
@@ -40,6 +40,7 @@ from ..machine.memory import evict_page_cache, read_meminfo, safetensors_files
 from ..machine.procs import processes
 from ..machine.service import unit_name
 from .reporter import Reporter
+from ..launch.runtime import Launcher
 
 # /proc/meminfo offers no change notification: while memory comes back, it is looked at this often.
 MEMORY_POLL_S = 0.5
@@ -74,14 +75,27 @@ class Preflight:
         """This machine's kernel, driver, CMA figures and CUDA toolkit ptxas: told once, kept for `gb10d status`,
         and checked against the combinations known to fail."""
         facts = read_host_facts(self.keeper.config.memory.meminfo_path, self.keeper.env())
-        self.reporter.host = facts.summary()
+        self.reporter.host_known(facts.summary())
         self.reporter.say("host", f"this machine: {facts.summary()}", PRIORITY_INFO)
         for warning in warnings(facts):
             self.reporter.say("host_warning", warning, PRIORITY_WARNING)
         return facts
 
-    def clear_shm(self) -> None:
-        """Remove what dead vLLM processes left in /dev/shm; only called while no process of this instance lives."""
+    async def clear_leftovers(self, launcher: Launcher, number: int) -> None:
+        """Remove what a dead gb10d left under this config, before start `number`'s memory is counted; only called
+        while no process of this instance lives.
+
+        A container whose gb10d was SIGKILLed still holds vLLM's port, its
+        name and all its memory: measured first, that memory would make the
+        free-memory check lower or refuse the start that replaces it. Its
+        shared-memory segments are stale only once it is gone.
+        """
+        try:
+            container = await launcher.clear_leftovers()
+        except SpawnError as exc:
+            raise GiveUp(str(exc), exc.exit_status) from None
+        if container is not None:
+            self.reporter.say("container_removed", container, PRIORITY_WARNING, attempt=number)
         removed = shm.remove(shm.leftovers(shm.scan(), os.geteuid(), shm.in_use()))
         if removed:
             self.reporter.say("shm_removed", shm.describe(removed), PRIORITY_INFO, bytes_freed=sum(s.size for s in removed))

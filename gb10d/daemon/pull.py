@@ -69,7 +69,7 @@ class Pull:
             prepared = self._task.result()
         except (PullFailed, EngineUnavailable) as exc:
             raise GiveUp(str(exc), exc.exit_status) from None
-        self.reporter.image = prepared
+        self.reporter.runs_image(prepared)
         if prepared is None:
             return None
         info = prepared.info

@@ -13,11 +13,10 @@ from ..core.cluster import View, has_joined, lost_text, view_text
 from ..base.errors import EXIT_OK
 from ..core.facts import ClusterSeen, Edited, Fact, KernelSaid, Reload, Stop
 from .keeper import ConfigKeeper
-from ..base.levels import PRIORITY_INFO, PRIORITY_WARNING
+from ..base.levels import PRIORITY_INFO
 from .loop import FactLoop
 from .pair import CLUSTER_EXTEND_S, Pair
 from .reporter import Reporter
-from ..core.statefile import DaemonState
 
 
 class WorkerDaemon:
@@ -33,7 +32,7 @@ class WorkerDaemon:
     def _handle(self, fact: Fact) -> bool:
         """A fact while waiting; True for a stop signal."""
         if isinstance(fact, Stop):
-            self.reporter.say("stopping", f"received {fact.signame} while {self.reporter.doing()}; stopping", PRIORITY_INFO)
+            self.reporter.say("stopping", f"received {fact.signame} while {self.reporter.situation.doing()}; stopping", PRIORITY_INFO)
             return True
         if isinstance(fact, (Reload, Edited)):
             self.keeper.take(requested=isinstance(fact, Reload))
@@ -76,11 +75,8 @@ class WorkerDaemon:
                     f"joined the Ray cluster at {cluster.head_address}:{cluster.port} as {me} with its GPU ({view_text(pair.view, cluster)})"
                 )
             else:
-                self.reporter.state, self.reporter.ready_at = DaemonState.JOINING, None
-                self.reporter.say(
-                    "cluster_left",
+                self.reporter.left_cluster(
                     f"this machine ({me}) is no longer in the Ray cluster: {lost_text(pair.previous_view, pair.view or View(), cluster)}; "
-                    "Ray here is restarted until it joins again",
-                    PRIORITY_WARNING,
+                    "Ray here is restarted until it joins again"
                 )
                 pair.seen(pair.view or View())

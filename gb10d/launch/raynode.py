@@ -11,18 +11,18 @@ whenever it changes. Both report through one callback taking a
 `cluster.View` (posted to the fact loop): a table, or an error saying why
 there is none (Ray exited here, the GCS does not answer). What a view means
 is decided by `Pair` with gb10d.core.cluster; this module only keeps the two
-processes running.
+processes running. What it says, and Ray's own output, goes through the
+daemon's door (`Teller`: the Reporter), as everything gb10d says does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from ..core.cluster import View, parse_view
 from ..base.errors import SpawnError
-from ..machine.journal import Journal
 from ..vllm.logparse import Classifier, Line, LineFramer
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from ..core.outcome import describe_exit
@@ -37,6 +37,15 @@ STOP_GRACE_S = 10.0
 WATCHER_RESTART_S = 5.0
 
 
+class Teller(Protocol):
+    """Where the Ray node's words go: the daemon's decision lines (journal, alerts, state file) and Ray's output."""
+
+    def say(self, kind: str, message: str, priority: int = ..., **fields: object) -> None: ...
+
+    def forward(self, lines: Sequence[tuple[str, int]]) -> None:
+        """Lines of Ray's own output, each at its priority, in the journal at once."""
+
+
 class RayNode:
     """Keeps `ray start --block` and the node-table watcher running until `close()`."""
 
@@ -45,14 +54,14 @@ class RayNode:
         ray_argv: Sequence[str],
         watcher_argv: Sequence[str],
         env: Callable[[], Mapping[str, str]],
-        journal: Journal,
+        teller: Teller,
         report: Callable[[View], None],
         backoff: Callable[[int], float],
     ) -> None:
         self._ray_argv = list(ray_argv)
         self._watcher_argv = list(watcher_argv)
         self._env = env  # asked at each start: a reload in between reaches the next one
-        self._journal = journal
+        self._teller = teller
         self._report = report
         self._backoff = backoff
         self._tasks: list[asyncio.Task[None]] = []
@@ -69,7 +78,7 @@ class RayNode:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.process is not None and not await self.process.stop(STOP_GRACE_S):
-            self._journal.event("crashed", f"processes of Ray's group {self.process.pgid} survived SIGKILL", PRIORITY_ERR)
+            self._teller.say("crashed", f"processes of Ray's group {self.process.pgid} survived SIGKILL", PRIORITY_ERR)
 
     async def _keep_ray(self) -> None:
         exits = 0
@@ -82,8 +91,8 @@ class RayNode:
                 status_text = str(exc)
             else:
                 self.process = process
-                self._journal.event("ray_started", f"started Ray as pid {process.pid}: {' '.join(self._ray_argv)}", PRIORITY_INFO, ray_pid=process.pid)
-                streams = [_RayOutput(self._journal) for _ in range(2)]
+                self._teller.say("ray_started", f"started Ray as pid {process.pid}: {' '.join(self._ray_argv)}", PRIORITY_INFO, ray_pid=process.pid)
+                streams = [_RayOutput(self._teller) for _ in range(2)]
                 readers = asyncio.gather(*process.readers(streams[0].feed, streams[1].feed))
                 try:
                     status = await process.wait()
@@ -101,7 +110,7 @@ class RayNode:
                 self.process = None
             exits = 0 if time.monotonic() - started >= STEADY_S else exits + 1
             delay = self._backoff(exits)
-            self._journal.event("ray_exited", f"{status_text}; starting it again in {delay:g} s", PRIORITY_WARNING)
+            self._teller.say("ray_exited", f"{status_text}; starting it again in {delay:g} s", PRIORITY_WARNING)
             self._report(View(error=status_text))
             await asyncio.sleep(delay)
 
@@ -113,7 +122,7 @@ class RayNode:
             except OSError as exc:
                 ended = f"cannot be started ({exc.strerror or exc}); cluster.ray must be the ray program of vLLM's venv, with its python3 beside it"
             text = f"the Ray cluster watcher ({python}) {ended}"
-            self._journal.event("ray_watch", f"{text}; starting it again in {WATCHER_RESTART_S:g} s", PRIORITY_WARNING)
+            self._teller.say("ray_watch", f"{text}; starting it again in {WATCHER_RESTART_S:g} s", PRIORITY_WARNING)
             self._report(View(error=text))
             await asyncio.sleep(WATCHER_RESTART_S)
 
@@ -133,7 +142,7 @@ class RayNode:
                 try:
                     self._report(parse_view(line.decode("utf-8", "replace")))
                 except ValueError as exc:
-                    self._journal.event("ray_watch", f"the Ray watcher printed something unexpected: {exc}", PRIORITY_WARNING)
+                    self._teller.say("ray_watch", f"the Ray watcher printed something unexpected: {exc}", PRIORITY_WARNING)
             return await watcher.wait()
         finally:
             if watcher.returncode is None:
@@ -144,8 +153,8 @@ class RayNode:
 class _RayOutput:
     """One of Ray's pipes, forwarded line by line to the journal with a `(ray)` tag."""
 
-    def __init__(self, journal: Journal) -> None:
-        self._journal = journal
+    def __init__(self, teller: Teller) -> None:
+        self._teller = teller
         self._framer = LineFramer()
         self._classifier = Classifier()
 
@@ -156,6 +165,4 @@ class _RayOutput:
         self._forward(self._framer.flush())
 
     def _forward(self, lines: list[Line]) -> None:
-        for line in lines:
-            self._journal.vllm_line(f"(ray) {line.text}", self._classifier.classify(line.text).priority)
-        self._journal.flush()
+        self._teller.forward([(f"(ray) {line.text}", self._classifier.classify(line.text).priority) for line in lines])
