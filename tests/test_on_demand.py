@@ -124,6 +124,50 @@ def test_two_on_demand_models_that_do_not_fit_together_swap_on_alternating_reque
         swapping.close()
 
 
+def test_a_model_with_steady_traffic_is_drained_after_its_turn_for_one_whose_requests_wait_and_none_is_cut(tmp_path: Path) -> None:
+    """alpha never idles (four clients of different lengths, each sending its next request as the last is answered):
+    once it has served a turn and beta's request has waited one, alpha's requests in flight finish, its new ones
+    wait, it parks, beta serves; then beta is idle and alpha comes back. Before turns, beta's request waited out the
+    hold timeout."""
+    swapping = Deployment(
+        tmp_path, on_demand={"idle_timeout_s": 600.0}, extra={**one_machine(tmp_path), "vllm.gpu_memory_utilization": 0.5},
+        front={"hold_timeout_s": 120.0},
+    )
+
+    async def traffic() -> tuple[list[int], int, list[str]]:
+        codes: list[int] = []
+        done = asyncio.Event()
+
+        async def steady(client: httpx.AsyncClient, tokens: int) -> None:
+            # Lengths apart, so that the four never end together: alpha is never idle at the front's poll.
+            while not done.is_set():
+                reply = await client.post("/v1/completions", json=completion("alpha", tokens))
+                codes.append(reply.status_code)
+
+        async with httpx.AsyncClient(base_url=swapping.url, timeout=180) as client:
+            first = await client.post("/v1/completions", json=completion("alpha", 4))
+            assert first.status_code == 200, first.text
+            clients = [asyncio.ensure_future(steady(client, tokens)) for tokens in (40, 57, 74, 91)]
+            beta = await client.post("/v1/completions", json=completion("beta", 4))
+            # beta served, so alpha was parked: its clients go on until it serves again, beta idle.
+            await asyncio.to_thread(swapping.wait_state, "alpha", "serving")
+            done.set()
+            await asyncio.gather(*clients)
+        return codes, beta.status_code, swapping.front.out.texts()
+
+    try:
+        swapping.start("alpha", serving=False), swapping.start("beta", serving=False)
+        swapping.wait_state("alpha", "parked")
+        swapping.wait_state("beta", "parked")
+        codes, beta_status, front_lines = asyncio.run(traffic())
+        assert beta_status == 200
+        assert codes and set(codes) == {200}, Counter(codes)
+        drained = [line for line in front_lines if "draining alpha to make room for beta" in line]
+        assert drained and re.search(r"its requests waited \d+ s and alpha has served for \d+ s \(a turn is 10 s\)", drained[0]), drained
+    finally:
+        swapping.close()
+
+
 def test_a_pinned_instance_is_never_parked_and_a_model_that_cannot_fit_beside_it_is_refused_at_once(tmp_path: Path) -> None:
     # alpha has no [on_demand]: pinned, 61.84 GiB. beta (on demand) needs 0.6 x 121.69 + 1 = 74.01 GiB: parking
     # alpha would make room, but alpha is pinned.
