@@ -21,10 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.xfail(strict=False, reason=(
-    "open defect: a reload that restarts vLLM gives up its share in the memory ledger before its new start is admitted, "
-    "and a model woken meanwhile can take it, leaving an instance unrecovered (UNRECOVERED > 0 in some runs)"
-))
 def test_two_minutes_of_faults_lose_no_request_leave_no_orphan_and_every_view_agrees(tmp_path: Path) -> None:
     written = tmp_path / "soak.json"
     run = subprocess.run(
