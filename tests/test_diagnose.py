@@ -13,8 +13,8 @@ import pytest
 from gb10d.base.command import Tunables
 from gb10d.base.config import Config
 from gb10d.core.diagnose import diagnose
-from gb10d.core.diagnosis import VERDICTS
-from gb10d.core.pasted import read_lines
+from gb10d.core.diagnose import VERDICTS
+from gb10d.core.diagnose.pasted import read_lines
 from gb10d.vllm.events import FreeMemoryShort
 from gb10d.core.outcome import Cause, Failed
 from gb10d.core.policy import History, Retry, next_attempt

@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from gb10d.base.command import Tunables
 from gb10d.base.config import Config
 from gb10d.core.diagnose import diagnose
-from gb10d.core.diagnosis import VERDICT_HELP
+from gb10d.core.diagnose import VERDICT_HELP
 from gb10d.core.policy import History, Retry, classify, event_kind, failure_line, next_attempt
 from gb10d.daemon.metrics import Metrics, restart_causes
 from gb10d.machine.journal import MESSAGE_IDS, Journal
@@ -59,7 +59,7 @@ def test_each_failure_kind_has_its_journal_event_catalog_entry_and_restart_label
 
 @pytest.mark.parametrize("kind", [kind for kind in failures.KINDS if kind.event is not None], ids=lambda kind: kind.value)
 def test_each_parsed_failure_kind_has_a_verdict_and_advice(kind: FailureKind) -> None:
-    from gb10d.core.verdicts import _BUILDERS  # the verdict builders: where the advice of a kind without its own is built
+    from gb10d.core.diagnose.verdicts import _BUILDERS  # the verdict builders: where the advice of a kind without its own is built
 
     assert kind.verdict is not None and VERDICT_HELP[kind.verdict.name] == kind.verdict.help
     assert kind.event is not None

@@ -627,7 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
         "numbers found, and the gb10d.toml key to change. Exit 0 whatever the verdict; 66 if FILE cannot be read.",
         config=False,
     )
-    from ..core.diagnosis import VERDICT_HELP
+    from ..core.diagnose import VERDICT_HELP
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = "verdicts:\n" + "\n".join(f"  {name:<23}{text}" for name, text in VERDICT_HELP.items())

@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..base.levels import PRIORITY_ERR
-from ..vllm.events import (
+from ...base.levels import PRIORITY_ERR
+from ...vllm.events import (
     ArgsSeen,
     BadArgument,
     CudaOutOfMemory,
@@ -42,9 +42,9 @@ from ..vllm.events import (
     UnsupportedBuild,
     VersionSeen,
 )
-from ..vllm import failures as failure_kinds
-from ..vllm.kernel import xid_meaning
-from ..vllm.logparse import Classifier, EventScanner, Kind
+from ...vllm import failures as failure_kinds
+from ...vllm.kernel import xid_meaning
+from ...vllm.logparse import Classifier, EventScanner, Kind
 from .pasted import Line, line_times, logging_prefix
 
 VLLM_DEFAULT_UTILIZATION = 0.92

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..vllm.failures import VERDICTS as VERDICTS_OF_FAILURES
+from ...vllm.failures import VERDICTS as VERDICTS_OF_FAILURES
 
 # Every verdict and what it means, for `gb10d diagnose --help`; the failures' come from the failure kinds' table.
 VERDICT_HELP: dict[str, str] = {

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 
-from ..vllm.logparse import MAX_LINE_BYTES, LineFramer
+from ...vllm.logparse import MAX_LINE_BYTES, LineFramer
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _MONTHS = {name: number for number, name in enumerate(calendar.month_abbr) if name}
