@@ -213,6 +213,16 @@ class Journal:
         path = self._socket_path
         if path is not None and os.path.exists(path) and self._send_native(path, kind, message, priority, fields):
             return
+        self._write_own(message, priority)
+
+    def say(self, message: str, priority: int = PRIORITY_INFO) -> None:
+        """One line of the program's own on stdout, `<N>identifier: message`, with no event kind and no native entry
+        (the front's lines), after whatever vLLM printed before it."""
+        self.flush()
+        self._write_own(message, _clamp_priority(priority))
+
+    def _write_own(self, message: str, priority: int) -> None:
+        # `<N>identifier: ` on each line: journald files every line at N, and no vLLM line has this form.
         lines = message.splitlines() or [""]
         self._out.write("".join(f"<{priority}>{self._identifier}: {line}\n" for line in lines))
         self._out.flush()
