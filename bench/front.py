@@ -44,6 +44,7 @@ from gb10d.front.door import raise_open_files
 from gb10d.front.lab import FrontChild
 from gb10d.daemon.lab import free_port
 from gb10d.machine.statefile import read_state
+from gb10d.machine.procs import cpu_seconds
 
 from .lab import standalone, Deployment, Gb10d, Workspace, wait_until
 
@@ -247,12 +248,6 @@ def _ports_answer(ports: list[int]) -> bool:
     return True
 
 
-def _cpu_s(pid: int) -> float:
-    """User and system CPU seconds the process has used (utime + stime of /proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _latency_and_throughput(paths: dict[str, int], rounds: int, front_pid: int, proxies: dict[str, int]) -> dict[str, Any]:
     """First bytes at 64 streams, events per second at 256, and the CPU each proxy (`proxies`: name to the pid that
     serves) spent per request in each: the measure a loaded machine moves least."""
@@ -272,15 +267,15 @@ def _latency_and_throughput(paths: dict[str, int], rounds: int, front_pid: int, 
     sampler.start()
     for _ in range(rounds):
         for name, port in paths.items():
-            before = _cpu_s(proxies[name]) if name in proxies else 0.0
+            before = cpu_seconds(proxies[name]) if name in proxies else 0.0
             times, _ = asyncio.run(_batch(port, 64, 8))
             first[name].extend(times)
-            between = _cpu_s(proxies[name]) if name in proxies else 0.0
+            between = cpu_seconds(proxies[name]) if name in proxies else 0.0
             _, rate = asyncio.run(_batch(port, 256, 64))
             rates[name].append(rate)
             if name in proxies:
                 cpu[name]["64x8"] += between - before
-                cpu[name]["256x64"] += _cpu_s(proxies[name]) - between
+                cpu[name]["256x64"] += cpu_seconds(proxies[name]) - between
     sampling = False
     sampler.join()
     base = first["direct"]

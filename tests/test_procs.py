@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from gb10d.launch.process import group_members
-from gb10d.machine.procs import processes, stat_fields
+from gb10d.machine.procs import cpu_seconds, processes, stat_fields
 
 
 def test_the_walk_lists_this_process_with_its_proc_directory() -> None:
@@ -19,6 +19,15 @@ def test_the_walk_lists_this_process_with_its_proc_directory() -> None:
 def test_stat_fields_start_after_a_command_name_with_spaces_and_parentheses(tmp_path: Path) -> None:
     (tmp_path / "stat").write_bytes(b"4242 (vllm (x) y) S 1 4242 4242 0 -1\n")
     assert stat_fields(tmp_path)[:3] == [b"S", b"1", b"4242"]
+
+
+def test_cpu_seconds_of_an_exited_child_are_all_it_used_until_it_is_reaped() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"])
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie, as the bench reads it
+    try:
+        assert 0.25 <= cpu_seconds(child.pid) < 5  # clock ticks: a little less may be counted
+    finally:
+        child.wait()
 
 
 def test_a_proc_root_that_cannot_be_listed_yields_no_process(tmp_path: Path) -> None:

@@ -35,6 +35,13 @@ def stat_fields(directory: Path) -> list[bytes]:
     return stat[stat.rfind(b")") + 2 :].split()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process has used so far, every thread's (utime + stime of /proc/PID/stat, a
+    zombie's too); OSError once it is reaped."""
+    fields = stat_fields(PROC / str(pid))
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists (owned by anyone)."""
     if pid <= 0:
