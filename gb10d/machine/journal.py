@@ -174,10 +174,13 @@ class Journal:
         out: TextIO = sys.stdout,
         socket_path: str | None = DEFAULT_SOCKET_PATH,
         identifier: str = "gb10d",
+        levels: bool = True,
     ) -> None:
+        """`levels=False`: the program's own lines without their `<N>` (the command line's, in a terminal)."""
         self._out = out
         self._socket_path = socket_path
         self._identifier = identifier
+        self._levels = levels
         self._pending: list[str] = []
         self._socket: socket.socket | None = None
 
@@ -224,7 +227,8 @@ class Journal:
     def _write_own(self, message: str, priority: int) -> None:
         # `<N>identifier: ` on each line: journald files every line at N, and no vLLM line has this form.
         lines = message.splitlines() or [""]
-        self._out.write("".join(f"<{priority}>{self._identifier}: {line}\n" for line in lines))
+        level = f"<{priority}>" if self._levels else ""
+        self._out.write("".join(f"{level}{self._identifier}: {line}\n" for line in lines))
         self._out.flush()
 
     def close(self) -> None:
