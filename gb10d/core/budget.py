@@ -37,10 +37,11 @@ from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Strict, StringConstraints, TypeAdapter, ValidationError, WrapValidator, ValidatorFunctionWrapHandler
+from pydantic import Strict, TypeAdapter, ValidationError
 
 from ..base.units import GIB, gib
 from .memory import MemInfo, Neighbours
+from .tolerant import Name, Names, Number, Whole, otherwise
 
 
 class Stage(str, Enum):
@@ -60,44 +61,26 @@ class Stage(str, Enum):
         return self in (Stage.STARTING, Stage.RESTARTING, Stage.WAKING)
 
 
-# How a ledger record reads (`Reservation.from_json`): what the budget needs is there with its own type (a bool is no
-# number, a name is not empty), or the record is none; what it can do without falls back to its default.
-_Name = Annotated[str, StringConstraints(strict=True, min_length=1)]
-_Whole = Annotated[int, Strict()]
-_Number = Annotated[float, Strict()]
-
-
-def _or_default(default: Any) -> WrapValidator:
-    def read(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            return default
-
-    return WrapValidator(read)
-
-
-def _strings(value: Any) -> tuple[str, ...]:
-    return tuple(w for w in value if isinstance(w, str)) if isinstance(value, list) else ()
-
-
 @dataclass(frozen=True)
 class Reservation:
-    """One instance's record in the ledger. Times are CLOCK_MONOTONIC seconds, the same in every process."""
+    """One instance's record in the ledger. Times are CLOCK_MONOTONIC seconds, the same in every process.
 
-    name: _Name  # the systemd unit (gb10d@chat), or the config path outside systemd
-    config: _Name
-    pid: _Whole
+    `from_json` reads it by its fields' types (`core.tolerant`): what the budget needs must be there as its own type,
+    or the record is none; what it can do without falls back to its default."""
+
+    name: Name  # the systemd unit (gb10d@chat), or the config path outside systemd
+    config: Name
+    pid: Whole
     stage: Stage
-    bytes: _Whole  # utilization x MemTotal + headroom
-    utilization: _Number
-    asked_at: _Number  # when it first asked: its place in the queue, kept across its restarts
-    since: _Number  # when it entered this stage
-    progress_at: _Number  # the last sign of progress of its start (or of what it waits for)
-    phase: Annotated[str, Strict(), _or_default("")] = ""
+    bytes: Whole  # utilization x MemTotal + headroom
+    utilization: Number
+    asked_at: Number  # when it first asked: its place in the queue, kept across its restarts
+    since: Number  # when it entered this stage
+    progress_at: Number  # the last sign of progress of its start (or of what it waits for)
+    phase: Annotated[str, Strict(), otherwise("")] = ""
     # the MemAvailable drop measured over its own start, when no other start overlapped
-    real_use: Annotated[int | None, Strict(), _or_default(None)] = None
-    waiting_for: Annotated[tuple[str, ...], BeforeValidator(_strings)] = ()
+    real_use: Annotated[Whole | None, otherwise(None)] = None
+    waiting_for: Names = ()
 
     @property
     def queue_key(self) -> tuple[float, str]:
