@@ -313,8 +313,8 @@ class Metrics(Collector):
 
 
 def _vllm_metrics(url: str) -> list[Metric]:
-    """The `vllm:` families vLLM at `url` answers now, read the way every other read of its /metrics is (the
-    Prober's); none when it is down, still loading or answers what cannot be parsed (gb10d_vllm_up says which)."""
+    """The `vllm:` families vLLM at `url` answers now, read by the Prober as liveness reads them; none when it is
+    down, still loading or answers what cannot be parsed (gb10d_vllm_up says which)."""
 
     async def read() -> str | None:
         prober = Prober(url)

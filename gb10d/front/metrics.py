@@ -28,6 +28,7 @@ class FrontMetrics:
             ["instance"], buckets=HOLD_BUCKETS, registry=self.registry,
         )
         self.rejected = Counter("gb10d_front_rejected_requests", "Requests answered with an error by the front itself.", ["instance", "status"], registry=self.registry)
+        self.listener: Listener | None = None
 
     def serve(self, host: str, port: int) -> None:
         """Listen as gb10d's own metrics do (`Listener`); an address in use is an OSError for the caller."""

@@ -160,7 +160,7 @@ def _clamp_priority(priority: int) -> int:
 
 
 class Journal:
-    """The single writer of gb10d's stdout and of its native journal entries.
+    """The single writer of journal lines: gb10d's stdout and native journal entries, the front's and the command line's lines.
 
     Writing to stdout blocks when journald's pipe is full (journald
     rate-limited, stopped or overloaded). A blocked write stalls the caller,
@@ -219,8 +219,8 @@ class Journal:
         self._write_own(message, priority)
 
     def say(self, message: str, priority: int = PRIORITY_INFO) -> None:
-        """One line of the program's own on stdout, `<N>identifier: message`, with no event kind and no native entry
-        (the front's lines), after whatever vLLM printed before it."""
+        """One line of the program's own on its stream, `<N>identifier: message`, with no event kind and no native
+        entry (the front's lines, the command line's), after whatever vLLM printed before it."""
         self.flush()
         self._write_own(message, _clamp_priority(priority))
 
