@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gb10d.machine.procs import PROC, kib, status_fields
+
 from .lab import Deployment, Gb10d, Workspace, free_port, http_status
 
 SCALE = 0.05
@@ -43,8 +45,8 @@ def cpu_seconds(pid: int) -> float:
 
 def memory_kib(pid: int) -> dict[str, int]:
     """VmRSS (now) and VmHWM (peak) of `pid`, in KiB."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return {name: int(fields[name].split()[0]) for name in ("VmRSS", "VmHWM")}
+    fields = status_fields(PROC / str(pid))
+    return {name: kib(fields, name) or 0 for name in ("VmRSS", "VmHWM")}
 
 
 class Load:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gb10d.machine.journal import Journal
+from gb10d.machine.procs import cpu_seconds
 from gb10d.vllm.logparse import BarCollapser, Classifier, EventScanner, LineFramer
 
 from .flood import END_MARKER
@@ -46,13 +47,6 @@ def _wrapper(directory: Path) -> Path:
     path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FLOOD}"\n')
     path.chmod(0o755)
     return path
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) the process has used so far, from /proc/PID/stat (a zombie's too)."""
-    stat = Path(f"/proc/{pid}/stat").read_bytes()
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _drain_until_marker(fd: int, on_first: Callable[[], None] | None = None) -> tuple[float | None, int]:
@@ -107,8 +101,8 @@ def through_gb10d(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
         # gb10d's own lines come first, before the flood's: its CPU from then on is the forwarding's, not its start's.
         started: list[float] = []
         try:
-            arrived, newlines = _drain_until_marker(read_fd, lambda: started.append(cpu_s(gb.pid)))
-            used = cpu_s(gb.pid) - started[0] if started else None
+            arrived, newlines = _drain_until_marker(read_fd, lambda: started.append(cpu_seconds(gb.pid)))
+            used = cpu_seconds(gb.pid) - started[0] if started else None
         finally:
             os.close(read_fd)
     return {**_delivered(report, arrived, newlines, "gb10d"), "cpu_s": used}
@@ -159,7 +153,7 @@ def through_python(ws: Workspace, lines: int, mode: str) -> dict[str, Any]:
     assert forwarder.stdout is not None
     try:
         arrived, newlines = _drain_until_marker(forwarder.stdout.fileno())
-        used = cpu_s(forwarder.pid)  # with its start, a few hundredths of a second
+        used = cpu_seconds(forwarder.pid)  # with its start, a few hundredths of a second
     finally:
         flood.wait(30)
         forwarder.stdout.close()

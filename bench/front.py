@@ -44,6 +44,7 @@ from gb10d.front.door import raise_open_files
 from gb10d.front.lab import FrontChild
 from gb10d.daemon.lab import free_port
 from gb10d.machine.statefile import read_state
+from gb10d.machine.procs import cpu_seconds, rss_kib
 
 from .lab import standalone, Deployment, Gb10d, Workspace, wait_until
 
@@ -119,13 +120,6 @@ async def _batch(port: int, streams: int, tokens: int) -> tuple[list[float], flo
     results = await asyncio.gather(*(_stream(port, request) for _ in range(streams)))
     wall = time.perf_counter() - started
     return [first for first, _ in results], sum(events for _, events in results) / wall
-
-
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def _p99(values: list[float]) -> float:
@@ -205,7 +199,7 @@ def _idle_connections(name: str, port: int, pids: list[int], direct: int, count:
     """Hold `count` idle connections to the proxy at `port` (pids[0] accepts them; RSS is the sum over `pids`),
     then time whole requests through it and straight to the stand-in while they are held."""
     socks: list[socket.socket] = []
-    out: dict[str, Any] = {"held": count, "rss_mib_before": sum(map(_rss_kib, pids)) / 1024}
+    out: dict[str, Any] = {"held": count, "rss_mib_before": sum(rss_kib(pid) or 0 for pid in pids) / 1024}
     started = time.monotonic()
 
     def hold(target: int) -> float:
@@ -214,7 +208,7 @@ def _idle_connections(name: str, port: int, pids: list[int], direct: int, count:
             socks.append(socket.create_connection(("127.0.0.1", port), timeout=30))
         if wait_until(lambda: _accepted(pids[0], port) >= target, 60, 0.2) is None:
             raise RuntimeError(f"{name} accepted {_accepted(pids[0], port)} of {target} connections")
-        return sum(map(_rss_kib, pids)) / 1024
+        return sum(rss_kib(pid) or 0 for pid in pids) / 1024
 
     before = asyncio.run(_answer_times({"direct": direct, name: port}, ANSWERS))
     out["answer_ms_none_held"] = {path: _ms_summary(values) for path, values in before.items()}
@@ -247,12 +241,6 @@ def _ports_answer(ports: list[int]) -> bool:
     return True
 
 
-def _cpu_s(pid: int) -> float:
-    """User and system CPU seconds the process has used (utime + stime of /proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _latency_and_throughput(paths: dict[str, int], rounds: int, front_pid: int, proxies: dict[str, int]) -> dict[str, Any]:
     """First bytes at 64 streams, events per second at 256, and the CPU each proxy (`proxies`: name to the pid that
     serves) spent per request in each: the measure a loaded machine moves least."""
@@ -265,22 +253,22 @@ def _latency_and_throughput(paths: dict[str, int], rounds: int, front_pid: int, 
     def sample() -> None:
         nonlocal rss_peak
         while sampling:
-            rss_peak = max(rss_peak, _rss_kib(front_pid))
+            rss_peak = max(rss_peak, rss_kib(front_pid) or 0)
             time.sleep(0.01)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     for _ in range(rounds):
         for name, port in paths.items():
-            before = _cpu_s(proxies[name]) if name in proxies else 0.0
+            before = cpu_seconds(proxies[name]) if name in proxies else 0.0
             times, _ = asyncio.run(_batch(port, 64, 8))
             first[name].extend(times)
-            between = _cpu_s(proxies[name]) if name in proxies else 0.0
+            between = cpu_seconds(proxies[name]) if name in proxies else 0.0
             _, rate = asyncio.run(_batch(port, 256, 64))
             rates[name].append(rate)
             if name in proxies:
                 cpu[name]["64x8"] += between - before
-                cpu[name]["256x64"] += _cpu_s(proxies[name]) - between
+                cpu[name]["256x64"] += cpu_seconds(proxies[name]) - between
     sampling = False
     sampler.join()
     base = first["direct"]

@@ -13,7 +13,6 @@ share of one core.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import time
@@ -24,6 +23,7 @@ import httpx
 
 from gb10d.daemon.lab import free_port
 from gb10d.front.lab import FrontChild
+from gb10d.machine.procs import cpu_seconds
 
 from .lab import Deployment, Gb10d, Workspace, standalone
 
@@ -31,21 +31,15 @@ RESULTS = Path(__file__).resolve().parent / "results" / "page.json"
 GOAL = 0.01  # the issue's: under 1% of a core with one page open
 
 
-def cpu_s(pid: int) -> float:
-    """The process's user + system CPU seconds so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def share(pid: int, span_s: float, busy: threading.Event | None = None) -> float:
     """The process's CPU over `span_s` as a share of one core (`busy` is set for the span, for a load beside it)."""
-    before, started = cpu_s(pid), time.monotonic()
+    before, started = cpu_seconds(pid), time.monotonic()
     if busy is not None:
         busy.set()
     time.sleep(span_s)
     if busy is not None:
         busy.clear()
-    return (cpu_s(pid) - before) / (time.monotonic() - started)
+    return (cpu_seconds(pid) - before) / (time.monotonic() - started)
 
 
 def follow(url: str, stop: threading.Event, events: list[float]) -> None:

@@ -58,7 +58,7 @@ from gb10d.base.units import GIB
 from gb10d.machine.memory import read_meminfo
 from gb10d.machine.statefile import read_state
 from gb10d.daemon.lab import GB10_TOTAL_GIB, Gb10d, LineReader, clean_env, free_port, kill_group, live_pids, started_groups, write_meminfo
-from gb10d.machine.procs import PROC, stat_fields
+from gb10d.machine.procs import PROC, rss_kib, stat_fields
 from gb10d.sim import make_venv
 from gb10d.sim.memory import adjust
 
@@ -100,16 +100,6 @@ SPECS = (
     Spec("alpha", "/srv/models/tiny-llama", 0.4, {"park": "stop", "idle_timeout_s": 8.0}),
     Spec("beta", "/srv/models/tiny-llama", 0.4, {"park": "sleep", "idle_timeout_s": 8.0}),
 )
-
-
-def _rss_kib(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 def _last_own_line(run: Incarnation) -> str:
@@ -450,7 +440,7 @@ class Soak:
     def _sample_rss(self) -> None:
         for run in [self.front, *(i.runs[-1] for i in self.instances.values())]:
             if run.rss_warm_kib is None and time.monotonic() - run.started_at > 15 and run.proc.poll() is None:
-                run.rss_warm_kib = _rss_kib(run.proc.pid)
+                run.rss_warm_kib = rss_kib(run.proc.pid)
 
     # --- faults ------------------------------------------------------------------------------------------
 
@@ -642,7 +632,7 @@ class Soak:
             supervisor.join()
         self.check("end")
         for run in [self.front, *(i.runs[-1] for i in self.instances.values())]:
-            run.rss_end_kib = _rss_kib(run.proc.pid)
+            run.rss_end_kib = rss_kib(run.proc.pid)
         wall = time.monotonic() - self.t0
         self.close()
         for orphan in self.orphans_now():

@@ -218,6 +218,18 @@ def test_a_record_survives_its_json_and_a_record_of_another_version_is_read_for_
     assert Reservation.from_json([1, 2]) is None
 
 
+def test_a_record_whose_every_field_is_corrupt_in_turn_is_none_or_read_with_the_defaults_never_an_error() -> None:
+    r = record("gb10d@a", Stage.STARTING, phase="loading_weights")
+    for key in r.to_json():
+        for odd in (None, True, "", [], ["x", 1], {}, 2.5):
+            read = Reservation.from_json({**r.to_json(), key: odd})
+            assert read is None or read == replace(r, **{key: read.__dict__[key]}), (key, odd)
+    # What it can do without falls back to its default; what the budget needs makes it none.
+    assert Reservation.from_json({**r.to_json(), "real_use": "lots", "phase": 3, "waiting_for": ["b", 1]}) == replace(r, phase="", waiting_for=("b",))
+    assert Reservation.from_json({**r.to_json(), "pid": True}) is None
+    assert Reservation.from_json({**r.to_json(), "name": ""}) is None
+
+
 @pytest.mark.parametrize(
     ("then", "now", "taken"),
     [

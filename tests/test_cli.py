@@ -193,6 +193,16 @@ def test_import_script_of_a_missing_file_is_a_clear_error(tmp_path: Path, capsys
     assert err == f"gb10d: {tmp_path / 'start.sh'}: cannot read: No such file or directory\n"
 
 
+def test_under_systemd_an_error_line_carries_its_priority_for_the_journal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with open(tmp_path / "stderr", "w+") as stream:
+        st = os.fstat(stream.fileno())
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+        monkeypatch.setattr(sys, "stderr", stream)
+        assert main(["import-script", str(tmp_path / "start.sh")]) == EXIT_CONFIG
+        stream.seek(0)
+        assert stream.read() == f"<3>gb10d: {tmp_path / 'start.sh'}: cannot read: No such file or directory\n"
+
+
 @pytest.mark.slow
 def test_import_then_print_command_through_the_real_cli(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "GB10D_CONFIG"}

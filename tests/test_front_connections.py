@@ -4,7 +4,6 @@ connection flood): accepting one more must cost what it costs with none open, or
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 
@@ -12,18 +11,13 @@ import pytest
 
 from gb10d.front.door import raise_open_files
 from gb10d.front.lab import FrontChild
+from gb10d.machine.procs import cpu_seconds
 from harness import Setup, free_port
 
 pytestmark = pytest.mark.slow
 
 BATCH = 2000
 HELD = 10000
-
-
-def cpu_s(pid: int) -> float:
-    """User and system CPU seconds the process has used (utime + stime of /proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def health(port: int) -> bytes:
@@ -53,10 +47,10 @@ def test_accepting_a_connection_costs_no_more_with_thousands_already_open(tmp_pa
 
         def open_more(count: int) -> float:
             """Open `count` idle connections; the front's CPU seconds until it has taken them all."""
-            before = cpu_s(front.proc.pid)
+            before = cpu_seconds(front.proc.pid)
             held.extend(socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(count))
             assert health(port) == b"HTTP/1.1 200 OK"
-            return cpu_s(front.proc.pid) - before
+            return cpu_seconds(front.proc.pid) - before
 
         try:
             first = open_more(BATCH)

@@ -22,16 +22,11 @@ import httpx
 import pytest
 
 from gb10d.machine.statefile import read_state
+from gb10d.machine.procs import cpu_seconds
 from gb10d.daemon.lab import wait_until
 from test_front import Deployment, completion
 
 pytestmark = pytest.mark.slow
-
-
-def cpu_seconds(pid: int) -> float:
-    """The process's user and system CPU time so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.fixture

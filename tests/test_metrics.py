@@ -276,7 +276,7 @@ def fake_vllm() -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
     thread.join()
@@ -299,7 +299,7 @@ def test_scrape_still_answers_when_vllm_is_down(metrics: Metrics) -> None:
     closed.bind(("127.0.0.1", 0))
     port = closed.getsockname()[1]
     closed.close()
-    metrics.set_vllm_target(f"http://127.0.0.1:{port}/metrics")
+    metrics.set_vllm_target(f"http://127.0.0.1:{port}")
     text = scrape(metrics)
     assert value(text, "gb10d_vllm_up") == 0
     assert "vllm:" not in text

@@ -195,3 +195,19 @@ def test_a_restart_from_the_page_stops_vllm_and_starts_it_again_without_counting
         assert reply.status_code == 200
     finally:
         deployment.close()
+
+
+def test_the_pages_reads_of_vllms_metrics_are_gb10ds_own_and_reach_the_instances_journal_at_debug(tmp_path: Path) -> None:
+    # gb10d's own liveness reads of /metrics wait 10 minutes: the reads seen here are the page's.
+    quiet = {"liveness.health_interval_s": 600, "liveness.idle_probe_interval_s": 600}
+    deployment = Deployment(tmp_path, extra=quiet)
+    try:
+        alpha = deployment.start("alpha")
+        since = len(alpha.lines)
+        with httpx.stream("GET", deployment.url + "/ui/events", timeout=30) as stream:
+            next(stream.iter_lines())  # an open page reads each serving instance's /metrics at once, then every 10 s
+            alpha.wait_line(r'^<\d>.*"GET /metrics[?\w=]* HTTP/1.1" 200', timeout=30, since=since)
+        read = [line for line in alpha.lines[since:] if '"GET /metrics' in line]
+        assert read and all(line.startswith("<7>") and "/metrics?gb10d=probe " in line for line in read), read
+    finally:
+        deployment.close()

@@ -24,7 +24,8 @@ from ..base.configload import LoadedConfig, LoadedFront, front_only, load_config
 from ..base.errors import EXIT_INTERRUPTED, EXIT_NO_INPUT, EXIT_OK, EXIT_USAGE, ConfigError, ConfigProblem, Gb10dError, UsageError
 from ..base.frontconfig import FrontSection, open_to_everyone
 from ..base.instance import INSTANCE_DIR
-from ..machine.journal import connected_to_journal
+from ..base.levels import PRIORITY_ERR, PRIORITY_WARNING
+from ..machine.journal import Journal, connected_to_journal
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -638,9 +639,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _say(line: str, level: str = "<4>") -> None:
-    """One `gb10d: ` line on stderr; under systemd the journal files it at `level`."""
-    print(f"{level if connected_to_journal(sys.stderr) else ''}gb10d: {line}", file=sys.stderr)
+def _say(line: str, priority: int = PRIORITY_WARNING) -> None:
+    """One `gb10d: ` line on stderr; under systemd the journal files it at `priority`."""
+    Journal(sys.stderr, socket_path=None, levels=connected_to_journal(sys.stderr)).say(line, priority)
 
 
 def _report(exc: Gb10dError, args: argparse.Namespace) -> None:
@@ -653,7 +654,7 @@ def _report(exc: Gb10dError, args: argparse.Namespace) -> None:
         advice = getattr(exc, "advice", [])
         lines += [*advice, f"then check again with: sudo {again}"] if advice else [f"fix the file, then check again with: {again}"]
     for line in lines:
-        _say(line, "<3>")
+        _say(line, PRIORITY_ERR)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

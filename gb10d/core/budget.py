@@ -35,10 +35,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Strict, TypeAdapter, ValidationError
 
 from ..base.units import GIB, gib
 from .memory import MemInfo, Neighbours
+from .tolerant import Name, Names, Number, Whole, otherwise
 
 
 class Stage(str, Enum):
@@ -60,20 +63,24 @@ class Stage(str, Enum):
 
 @dataclass(frozen=True)
 class Reservation:
-    """One instance's record in the ledger. Times are CLOCK_MONOTONIC seconds, the same in every process."""
+    """One instance's record in the ledger. Times are CLOCK_MONOTONIC seconds, the same in every process.
 
-    name: str  # the systemd unit (gb10d@chat), or the config path outside systemd
-    config: str
-    pid: int
+    `from_json` reads it by its fields' types (`core.tolerant`): what the budget needs must be there as its own type,
+    or the record is none; what it can do without falls back to its default."""
+
+    name: Name  # the systemd unit (gb10d@chat), or the config path outside systemd
+    config: Name
+    pid: Whole
     stage: Stage
-    bytes: int  # utilization x MemTotal + headroom
-    utilization: float
-    asked_at: float  # when it first asked: its place in the queue, kept across its restarts
-    since: float  # when it entered this stage
-    progress_at: float  # the last sign of progress of its start (or of what it waits for)
-    phase: str = ""
-    real_use: int | None = None  # the MemAvailable drop measured over its own start, when no other start overlapped
-    waiting_for: tuple[str, ...] = ()
+    bytes: Whole  # utilization x MemTotal + headroom
+    utilization: Number
+    asked_at: Number  # when it first asked: its place in the queue, kept across its restarts
+    since: Number  # when it entered this stage
+    progress_at: Number  # the last sign of progress of its start (or of what it waits for)
+    phase: Annotated[str, Strict(), otherwise("")] = ""
+    # the MemAvailable drop measured over its own start, when no other start overlapped
+    real_use: Annotated[Whole | None, otherwise(None)] = None
+    waiting_for: Names = ()
 
     @property
     def queue_key(self) -> tuple[float, str]:
@@ -93,35 +100,13 @@ class Reservation:
     @classmethod
     def from_json(cls, data: Any) -> Reservation | None:
         """A record as written by any gb10d version, or None when it lacks what the budget needs."""
-        if not isinstance(data, Mapping):
+        try:
+            return _RECORD.validate_python(data)
+        except ValidationError:
             return None
-        stage = data.get("stage")
-        numbers = {key: data.get(key) for key in ("utilization", "asked_at", "since", "progress_at")}
-        texts = {key: data.get(key) for key in ("name", "config")}
-        whole = {key: data.get(key) for key in ("pid", "bytes")}
-        if (
-            stage not in Stage._value2member_map_
-            or not all(isinstance(v, str) and v for v in texts.values())
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in whole.values())
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers.values())
-        ):
-            return None
-        real_use = data.get("real_use")
-        waiting_for = data.get("waiting_for")
-        return cls(
-            name=str(texts["name"]),
-            config=str(texts["config"]),
-            pid=int(whole["pid"]),  # type: ignore[arg-type]
-            stage=Stage(stage),
-            bytes=int(whole["bytes"]),  # type: ignore[arg-type]
-            utilization=float(numbers["utilization"]),  # type: ignore[arg-type]
-            asked_at=float(numbers["asked_at"]),  # type: ignore[arg-type]
-            since=float(numbers["since"]),  # type: ignore[arg-type]
-            progress_at=float(numbers["progress_at"]),  # type: ignore[arg-type]
-            phase=phase if isinstance(phase := data.get("phase"), str) else "",
-            real_use=real_use if isinstance(real_use, int) and not isinstance(real_use, bool) else None,
-            waiting_for=tuple(w for w in waiting_for if isinstance(w, str)) if isinstance(waiting_for, list) else (),
-        )
+
+
+_RECORD = TypeAdapter(Reservation)
 
 
 def share_bytes(utilization: float, total: int, headroom_gib: float) -> int:

@@ -33,6 +33,7 @@ from ..vllm import failures
 from .host import HostFacts
 from ..vllm.known import issue_for
 from ..base.units import GIB
+from ..base.backoff import doubled
 from .memory import ALONE, Neighbours, fitting_utilization, floor2
 from .outcome import Cause, Failed
 from ..vllm.failures import FailureKind
@@ -101,7 +102,7 @@ class History:
 def backoff_delay(config: Config, backoffs: int) -> float:
     """Exponential back-off: initial, doubled per consecutive uncorrectable failure, capped."""
     r = config.restart
-    return float(min(r.backoff_initial_s * (2 ** max(0, backoffs)), r.backoff_max_s))
+    return doubled(r.backoff_initial_s, backoffs, r.backoff_max_s)
 
 
 def _lower_utilization(current: float, target: float, config: Config, why: str, machine: str | None = None) -> Retry | GiveUp:

@@ -9,16 +9,21 @@ daemon it describes.
 `StateRecord` is its one schema, shared by the writer (the Reporter) and
 the reader (`gb10d status`). Reading is tolerant: a field
 that is missing or of another type (a file from another gb10d version) is
-left out, never a reason to fail. Times are Unix seconds. Writing and
+left out, never a reason to fail; pydantic reads each field by the type it
+is declared with (`core.tolerant`). Times are Unix seconds. Writing and
 reading the file is `gb10d.machine.statefile`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Strict, TypeAdapter
+
+from .tolerant import Name, Names, Number, Whole, otherwise, readable
 
 # Readable by operators who are not in the gb10d group: nothing in it is secret.
 STATE_FILE_MODE = 0o644
@@ -59,38 +64,51 @@ class DaemonState(str, Enum):
         return self in (DaemonState.STOPPED, DaemonState.FAILED)
 
 
+def _seconds(value: Any) -> dict[str, float]:
+    if not isinstance(value, Mapping):
+        return {}
+    return {k: float(v) for k, v in value.items() if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+# The fields of a state file from any gb10d version: one that is missing or of another type reads as None.
+_OR_NONE = otherwise(None)
+_Int = Annotated[Whole | None, _OR_NONE]
+_Num = Annotated[Number | None, _OR_NONE]
+_Text = Annotated[Name | None, _OR_NONE]
+
+
 @dataclass(frozen=True)
 class Progress:
-    shards_done: int
-    shards_total: int
+    shards_done: Whole
+    shards_total: Whole
 
 
 @dataclass(frozen=True)
 class Memory:
     """/proc/meminfo as it was when the attempt started, in bytes."""
 
-    total_bytes: int
-    available_bytes: int
-    free_bytes: int
-    cached_bytes: int
+    total_bytes: Whole
+    available_bytes: Whole
+    free_bytes: Whole
+    cached_bytes: Whole
 
 
 @dataclass(frozen=True)
 class LastFailure:
-    cause: str
-    message: str
-    action: str
-    at: float
+    cause: Name
+    message: Name
+    action: Name
+    at: Number
 
 
 @dataclass(frozen=True)
 class Decision:
     """One of the daemon's recent journal decisions (`Reporter.say`), for the front's page."""
 
-    at: float
-    priority: int
-    event: str  # the journal's GB10D_EVENT
-    message: str
+    at: Number
+    priority: Whole
+    event: Name  # the journal's GB10D_EVENT
+    message: Name
 
 
 # The state file keeps this many of the latest decisions.
@@ -101,63 +119,63 @@ DECISIONS_KEPT = 50
 class NodeRecord:
     """A machine of the pair's Ray cluster that is up with a GPU."""
 
-    ip: str
-    head: bool
-    gpus: float
+    ip: Name
+    head: Annotated[bool, Strict(), otherwise(False)] = False
+    gpus: Annotated[Number, otherwise(0.0)] = 0.0
 
 
 @dataclass(frozen=True)
 class ClusterRecord:
     """This machine's part in a pair, and what the head's node table lists."""
 
-    role: str
-    head_address: str
-    node_ip: str = ""
-    interface: str = ""
-    nodes_wanted: int | None = None
-    error: str | None = None
-    nodes: tuple[NodeRecord, ...] = ()
+    role: Name
+    head_address: Annotated[Name, otherwise("")] = ""
+    node_ip: Annotated[Name, otherwise("")] = ""
+    interface: Annotated[Name, otherwise("")] = ""
+    nodes_wanted: _Int = None
+    error: _Text = None
+    nodes: Annotated[tuple[NodeRecord, ...], readable(NodeRecord)] = ()
 
 
 @dataclass(frozen=True)
 class StateRecord:
     """Everything `gb10d status` shows; None where it does not apply or is not known."""
 
-    pid: int | None = None
-    started_at: float | None = None
-    updated_at: float | None = None
-    state: DaemonState | None = None
-    phase: str | None = None
-    progress: Progress | None = None
-    model: str | None = None
-    served_names: tuple[str, ...] = ()
-    url: str | None = None
-    attempt: int | None = None
-    max_attempts: int | None = None
-    gpu_memory_utilization: float | None = None
-    load_strategy: str | None = None
-    memory: Memory | None = None
-    memory_at: float | None = None  # when `memory` was measured (wall clock)
-    vllm_pid: int | None = None
-    ready_at: float | None = None
-    last_failure: LastFailure | None = None
-    status_text: str | None = None
-    metrics_url: str | None = None
-    cluster: ClusterRecord | None = None
-    host: str | None = None  # kernel, NVIDIA driver, CMA figures
-    instance: str | None = None  # the name in the machine's memory ledger
-    reservation_bytes: int | None = None  # this instance's share in it
-    waiting_for: tuple[str, ...] = ()  # while waiting for memory: the instances waited for, with their shares
+    pid: _Int = None
+    started_at: _Num = None
+    updated_at: _Num = None
+    state: Annotated[DaemonState | None, _OR_NONE] = None
+    phase: _Text = None
+    progress: Annotated[Progress | None, _OR_NONE] = None
+    model: _Text = None
+    served_names: Names = ()
+    url: _Text = None
+    attempt: _Int = None
+    max_attempts: _Int = None
+    gpu_memory_utilization: _Num = None
+    load_strategy: _Text = None
+    memory: Annotated[Memory | None, _OR_NONE] = None
+    memory_at: _Num = None  # when `memory` was measured (wall clock)
+    vllm_pid: _Int = None
+    ready_at: _Num = None
+    last_failure: Annotated[LastFailure | None, _OR_NONE] = None
+    status_text: _Text = None
+    metrics_url: _Text = None
+    cluster: Annotated[ClusterRecord | None, _OR_NONE] = None
+    host: _Text = None  # kernel, NVIDIA driver, CMA figures
+    instance: _Text = None  # the name in the machine's memory ledger
+    reservation_bytes: _Int = None  # this instance's share in it
+    waiting_for: Names = ()  # while waiting for memory: the instances waited for, with their shares
     # vLLM from a container image: the reference, the image it named when started (registry digest, else local id),
     # and the container's name and engine.
-    image: str | None = None
-    image_digest: str | None = None
-    container: str | None = None
-    engine: str | None = None
+    image: _Text = None
+    image_digest: _Text = None
+    container: _Text = None
+    engine: _Text = None
     # The latest decisions the daemon's journal told (at most DECISIONS_KEPT, oldest first).
-    decisions: tuple[Decision, ...] = ()
+    decisions: Annotated[tuple[Decision, ...], readable(Decision)] = ()
     # Seconds per phase of the last complete start of this config (the learned file), for the time-left estimate.
-    last_start: Mapping[str, float] = field(default_factory=dict)
+    last_start: Annotated[Mapping[str, float], BeforeValidator(_seconds)] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)  # fields of another gb10d version, passed through
 
     def to_json(self) -> dict[str, Any]:
@@ -176,42 +194,10 @@ class StateRecord:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> StateRecord:
         """Read an object as written by any gb10d version: odd or missing fields become None."""
-        state = _text(data, "state")
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        return cls(
-            pid=_int(data, "pid"),
-            started_at=_num(data, "started_at"),
-            updated_at=_num(data, "updated_at"),
-            state=DaemonState(state) if state in DaemonState._value2member_map_ else None,
-            phase=_text(data, "phase"),
-            progress=_record(Progress, data.get("progress"), shards_done=_int, shards_total=_int),
-            model=_text(data, "model"),
-            served_names=_texts(data, "served_names"),
-            url=_text(data, "url"),
-            attempt=_int(data, "attempt"),
-            max_attempts=_int(data, "max_attempts"),
-            gpu_memory_utilization=_num(data, "gpu_memory_utilization"),
-            load_strategy=_text(data, "load_strategy"),
-            memory=_record(Memory, data.get("memory"), total_bytes=_int, available_bytes=_int, free_bytes=_int, cached_bytes=_int),
-            memory_at=_num(data, "memory_at"),
-            vllm_pid=_int(data, "vllm_pid"),
-            ready_at=_num(data, "ready_at"),
-            last_failure=_record(LastFailure, data.get("last_failure"), cause=_text, message=_text, action=_text, at=_num),
-            status_text=_text(data, "status_text"),
-            metrics_url=_text(data, "metrics_url"),
-            cluster=_cluster(data.get("cluster")),
-            host=_text(data, "host"),
-            instance=_text(data, "instance"),
-            reservation_bytes=_int(data, "reservation_bytes"),
-            waiting_for=_texts(data, "waiting_for"),
-            image=_text(data, "image"),
-            image_digest=_text(data, "image_digest"),
-            container=_text(data, "container"),
-            engine=_text(data, "engine"),
-            decisions=_decisions(data.get("decisions")),
-            last_start=_seconds(data.get("last_start")),
-            extra={k: v for k, v in data.items() if k not in known},
-        )
+        extra = {k: v for k, v in data.items() if k not in known}
+        record: StateRecord = _RECORD.validate_python({k: v for k, v in data.items() if k in known})
+        return record if not extra else replace(record, extra=extra)
 
 
 def not_running_reason(state: StateRecord | None, alive: bool) -> str | None:
@@ -225,61 +211,4 @@ def not_running_reason(state: StateRecord | None, alive: bool) -> str | None:
     return None
 
 
-def _num(data: Mapping[str, Any], key: str) -> float | None:
-    value = data.get(key)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _int(data: Mapping[str, Any], key: str) -> int | None:
-    value = data.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _text(data: Mapping[str, Any], key: str) -> str | None:
-    value = data.get(key)
-    return value if isinstance(value, str) and value else None
-
-
-def _texts(data: Mapping[str, Any], key: str) -> tuple[str, ...]:
-    value = data.get(key)
-    return tuple(n for n in value if isinstance(n, str)) if isinstance(value, list) else ()
-
-
-def _record(kind: Any, value: Any, **readers: Any) -> Any:
-    """`kind(**fields)` when `value` is an object whose every field reads; else None."""
-    if not isinstance(value, Mapping):
-        return None
-    fields = {name: read(value, name) for name, read in readers.items()}
-    return None if any(v is None for v in fields.values()) else kind(**fields)
-
-
-def _decisions(value: Any) -> tuple[Decision, ...]:
-    listed = value if isinstance(value, list) else []
-    read = (_record(Decision, d, at=_num, priority=_int, event=_text, message=_text) for d in listed)
-    return tuple(d for d in read if d is not None)
-
-
-def _seconds(value: Any) -> dict[str, float]:
-    if not isinstance(value, Mapping):
-        return {}
-    return {k: float(v) for k, v in value.items() if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def _cluster(value: Any) -> ClusterRecord | None:
-    if not isinstance(value, Mapping) or _text(value, "role") is None:
-        return None
-    listed = value.get("nodes")
-    nodes = tuple(
-        NodeRecord(ip, n.get("head") is True, _num(n, "gpus") or 0.0)
-        for n in (listed if isinstance(listed, list) else [])
-        if isinstance(n, Mapping) and (ip := _text(n, "ip")) is not None
-    )
-    return ClusterRecord(
-        role=str(_text(value, "role")),
-        head_address=_text(value, "head_address") or "",
-        node_ip=_text(value, "node_ip") or "",
-        interface=_text(value, "interface") or "",
-        nodes_wanted=_int(value, "nodes_wanted"),
-        error=_text(value, "error"),
-        nodes=nodes,
-    )
+_RECORD = TypeAdapter(StateRecord)

@@ -11,6 +11,7 @@ then one journal line.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import queue
 import re
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from ..base.backoff import pauses
 from ..base.command import url_shown
 from ..base.config import AlertsSection, Webhook
 
@@ -96,7 +98,7 @@ def expand(text: str, environ: Mapping[str, str]) -> str:
 
 def retry_delays(retries: int, first_s: float) -> list[float]:
     """The pauses before each retry: doubling from `first_s`."""
-    return [first_s * 2**n for n in range(retries)]
+    return list(itertools.islice(pauses(first_s), retries))
 
 
 class AlertSender:

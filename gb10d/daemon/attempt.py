@@ -27,7 +27,7 @@ from ..core.lifecycle import Action, AttemptState
 from ..vllm.logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
 from ..core.memory import MemInfo
 from ..core.outcome import Failed
-from .probe import OWN_QUERY, Prober, base_url, own_access_line
+from .probe import Prober, base_url, own_access_line
 from .probing import check_ready, poll_until_healthy, watch_liveness
 from .reporter import Reporter
 from ..vllm.sleepmode import sleep_freed, sleeps
@@ -184,7 +184,7 @@ class Attempt:
         )
         reporter.attempt_started(number, tunables, runtime.pid, baseline, start.reason)
         if config.metrics.proxy_vllm:
-            reporter.vllm_metrics_at(base_url(config.vllm.host, config.vllm.port) + "/metrics?" + OWN_QUERY)
+            reporter.vllm_metrics_at(base_url(config.vllm.host, config.vllm.port))
         state, actions = lifecycle.begin(number, tunables, time.monotonic(), config)
         attempt = cls(start, state, runtime, config, reporter, post, on_ready)
         attempt._tasks.append(asyncio.create_task(attempt._follow_output()))

@@ -2,30 +2,34 @@
 
 Everything lives in one private `CollectorRegistry`, so importing gb10d
 never adds series to a host program's global registry, and tests can build
-as many independent `Metrics` as they like. The listener is a small HTTP
-server of our own rather than `start_http_server`, because it must also
-append vLLM's own exposition at scrape time and be closed and reopened on
-another address when the config is reloaded.
+as many independent `Metrics` as they like. `Listener` serves a collector
+with prometheus-client's own WSGI app and threaded server, for gb10d and for
+the front alike; vLLM's own families join gb10d's as a collector read at
+scrape time, and the listener is closed and reopened on another address when
+the config is reloaded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 from contextlib import contextmanager
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-import httpx
-from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_latest, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .. import __version__
 from ..vllm.events import Event, SpecDecodingLogged, StatsLogged
 from ..core.phases import Phase
 from ..vllm import failures
+from .probe import Prober
 
 
 def restart_causes() -> tuple[str, ...]:
@@ -69,7 +73,7 @@ def vllm_families(exposition: str) -> str:
 SLEEP_STATES = ("serving", "parking", "asleep", "waking", "parked")
 
 
-class Metrics:
+class Metrics(Collector):
     """The gauges and counters gb10d updates (through the Reporter, mostly), and the listener Prometheus scrapes."""
 
     def __init__(self) -> None:
@@ -169,8 +173,7 @@ class Metrics:
         # Held by a scrape while it renders gb10d's series, and by `batch()`: a scrape never shows half
         # of a change that spans several series (phase "ready" but gb10d_ready still 0).
         self._lock = threading.RLock()
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._listener: Listener | None = None
 
     # --- what gb10d reports ------------------------------------------------
 
@@ -270,27 +273,24 @@ class Metrics:
                 self._position.labels(position=str(position)).set(rate)
 
     def set_vllm_target(self, url: str | None) -> None:
-        """Append vLLM's own /metrics at `url` to every scrape, or stop doing so (None)."""
+        """Append the `vllm:` families of vLLM's own /metrics, vLLM being at base `url`, to every scrape, or stop
+        doing so (None)."""
         self._vllm_target = url
 
     # --- the listener --------------------------------------------------------
 
-    def exposition(self) -> bytes:
-        """What one scrape returns: gb10d's series, then vLLM's when a target is set and answers."""
+    def collect(self) -> Iterator[Metric]:
+        """What one scrape holds: gb10d's series, then vLLM's when a target is set and answers."""
         with self._lock:
-            body = generate_latest(self.registry)
+            own = list(self.registry.collect())
+        yield from own
         target = self._vllm_target
-        if target is None:
-            return body
-        try:
-            # trust_env=False: an HTTP_PROXY meant for downloads must not see a loopback scrape.
-            response = httpx.get(target, timeout=PROXY_TIMEOUT_S, trust_env=False)
-        except httpx.HTTPError:
-            # vLLM is down or still loading; gb10d_vllm_up already says so.
-            return body
-        if response.status_code != 200:
-            return body
-        return body + vllm_families(response.text).encode("utf-8")
+        if target is not None:
+            yield from _vllm_metrics(target)
+
+    def exposition(self) -> bytes:
+        """One scrape in Prometheus' text format."""
+        return generate_latest(self)
 
     def serve(self, host: str, port: int) -> None:
         """Listen for scrapes on host:port (port 0 picks a free one); raises OSError if it cannot bind.
@@ -298,30 +298,85 @@ class Metrics:
         Any listener already open is closed first, so a reload can move it.
         """
         self.close()
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        server_class = type("_Server", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})
-        server = server_class((host, port), _handler_for(self))
-        # The poll interval only bounds how long close() waits for the thread.
-        thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="gb10d-metrics", daemon=True
-        )
-        thread.start()
-        self._server, self._thread = server, thread
+        self._listener = Listener(self, host, port)
 
     @property
     def port(self) -> int | None:
         """The port actually bound, or None when not listening."""
-        return None if self._server is None else int(self._server.server_address[1])
+        return None if self._listener is None else self._listener.port
 
     def close(self) -> None:
         """Stop listening and release the port; harmless when not listening."""
-        server, thread = self._server, self._thread
-        self._server = self._thread = None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-        if thread is not None:
-            thread.join()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+
+
+def _vllm_metrics(url: str) -> list[Metric]:
+    """The `vllm:` families vLLM at `url` answers now, read by the Prober as liveness reads them; none when it is
+    down, still loading or answers what cannot be parsed (gb10d_vllm_up says which)."""
+
+    async def read() -> str | None:
+        prober = Prober(url)
+        try:
+            return await prober.metrics_text(PROXY_TIMEOUT_S)
+        finally:
+            await prober.close()
+
+    # The listener's threads run no event loop: each scrape runs its one read in a loop of its own.
+    text = asyncio.run(read())
+    if text is None:
+        return []
+    try:
+        return list(text_string_to_metric_families(vllm_families(text)))
+    except ValueError:
+        return []
+
+
+class Listener:
+    """/metrics of one collector on host:port, in threads of their own: prometheus-client's WSGI app and threaded
+    server; any other path is 404. Raises OSError when it cannot bind (port 0 picks a free port)."""
+
+    def __init__(self, collector: Collector, host: str, port: int) -> None:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        server_class = type("_Server", (ThreadingWSGIServer,), {"address_family": family})
+        self._server: ThreadingWSGIServer = make_server(host, port, _metrics_only(make_wsgi_app(collector)), server_class, _Quiet)
+        self.port = int(self._server.server_address[1])
+        # The poll interval only bounds how long close() waits for the thread.
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="gb10d-metrics", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop listening and release the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+_Wsgi = Callable[[dict[str, object], Callable[..., object]], Iterable[bytes]]
+
+
+def _metrics_only(app: _Wsgi) -> _Wsgi:
+    """`app` at GET /metrics; 404 elsewhere, where prometheus-client would answer every path."""
+
+    def only(environ: dict[str, object], start_response: Callable[..., object]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"gb10d serves /metrics only\n"]
+        # Prometheus' text format whatever the scraper asks, the whole collector whatever the query: vLLM's
+        # families pass on as vLLM wrote them, and the scrape is what it always was.
+        plain = {key: value for key, value in environ.items() if key not in ("HTTP_ACCEPT", "QUERY_STRING")}
+        return app(plain, start_response)
+
+    return only
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        # Scrapes every 15 s would bury the journal; errors reach the scraper.
+        pass
 
 
 class _PhaseSet(Collector):
@@ -343,25 +398,3 @@ class _PhaseSet(Collector):
         for name in names:
             family.add_metric((name,), 1.0 if name == current else 0.0)
         yield family
-
-
-def _handler_for(metrics: Metrics) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        """GET /metrics answers the exposition; anything else is 404."""
-
-        def do_GET(self) -> None:
-            if self.path.split("?", 1)[0] != "/metrics":
-                self.send_error(404, "gb10d serves /metrics only")
-                return
-            body = metrics.exposition()
-            self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            # Scrapes every 15 s would bury the journal; errors reach the scraper.
-            pass
-
-    return Handler

@@ -37,7 +37,7 @@ from ..core.lifecycle import start_time_asked
 from ..machine.memory import share_warning_for
 from ..core.memory import MemInfo, MemoryNotReturned, PreflightRefused, memory_return, parse_buddyinfo, preflight
 from ..machine.memory import evict_page_cache, read_meminfo, safetensors_files
-from ..machine.procs import processes
+from ..machine.procs import kib, processes, status_fields
 from ..machine.service import unit_name
 from .reporter import Reporter
 from ..launch.runtime import Launcher
@@ -256,13 +256,12 @@ def top_memory_users(count: int = 3) -> str:
     users: list[tuple[int, int, str]] = []
     for pid, directory in processes():
         try:
-            status = directory.joinpath("status").read_text()
+            fields = status_fields(directory)
         except OSError:
             continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        rss = fields.get("VmRSS", "0 kB").split()
-        if rss and rss[0].isdigit():
-            users.append((int(rss[0]) * 1024, pid, fields.get("Name", "?").strip()))
+        rss = kib(fields, "VmRSS")
+        if rss is not None:
+            users.append((rss * 1024, pid, fields.get("Name", "?")))
     users.sort(reverse=True)
     shown = ", ".join(f"{name} (pid {pid}) {gib(rss, 1)}" for rss, pid, name in users[:count])
     return f"largest processes: {shown}" if shown else "no process information available"

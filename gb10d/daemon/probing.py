@@ -23,6 +23,7 @@ from ..core.liveness import (
 )
 from .probe import Prober
 from ..base.tasks import Probe
+from ..base.backoff import pauses
 
 
 Post = Callable[..., None]
@@ -36,12 +37,11 @@ async def check_ready(prober: Prober, config: Config, post: Post, probe: Probe) 
     """
     v = config.vllm
     started = time.monotonic()
-    delay = 0.005
+    delays = pauses(0.005, 0.5)
     while not (await prober.health()).ok:
         if not waits_for_listen(time.monotonic() - started):
             return
-        await asyncio.sleep(delay)  # uvicorn listens moments after logging startup complete
-        delay = min(delay * 2, 0.5)
+        await asyncio.sleep(next(delays))  # uvicorn listens moments after logging startup complete
     models = await prober.models()
     problem = served_name_problem(v.served_names, models)
     if problem is not None:

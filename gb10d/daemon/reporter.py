@@ -132,7 +132,7 @@ class Reporter:
         self.metrics.set_phase(Phase.PREFLIGHT.value)
 
     def vllm_metrics_at(self, url: str) -> None:
-        """vLLM's own /metrics at `url` is appended to each scrape of gb10d's (metrics.proxy_vllm)."""
+        """The /metrics of vLLM at base `url` is appended to each scrape of gb10d's (metrics.proxy_vllm)."""
         self.metrics.set_vllm_target(url)
 
     def vllm_down(self) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..core.statefile import DaemonState, StateRecord
 from ..core.statefile import not_running_reason
+from ..base.backoff import doubled
 
 @dataclass(frozen=True)
 class Instance:
@@ -162,7 +163,7 @@ def reconnect_delay_s(refusals: int) -> float:
     """How long a request waits before it tries an instance whose address refused it `refusals` times in a row
     while its state file still said serving: 0.1 s doubling to 2 s, so a dead port costs a few connects a second,
     never a loop."""
-    return min(2.0, 0.1 * 2.0 ** max(refusals - 1, 0))
+    return doubled(0.1, refusals - 1, 2.0)
 
 
 # A held stream hears from the front this often: proxies before it (nginx: 60 s) and clients keep waiting.

@@ -7,9 +7,12 @@ limit never drops the line that matters.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+from ..machine.journal import Journal
 
 # Repeats of one cause are summed over this long.
 REPEAT_S = 10.0
@@ -51,10 +54,12 @@ class Repeats:
 
 
 class FrontJournal:
-    """`<N>gb10d-front: ...` lines on stdout, which journald takes with priority N."""
+    """`<N>gb10d-front: ...` lines on stdout, which journald takes with priority N, written by the one `Journal`."""
 
     def __init__(self) -> None:
         self.repeats = Repeats()
+        # stdout only, as the front always wrote: its lines are not events with a kind for the native socket.
+        self.journal = Journal(sys.stdout, socket_path=None, identifier="gb10d-front")
         # The latest lines said, (wall-clock time, priority, line), for the page's recent decisions.
         self.recent: deque[tuple[float, int, str]] = deque(maxlen=RECENT)
 
@@ -70,4 +75,4 @@ class FrontJournal:
 
     def _print(self, level: int, line: str) -> None:
         self.recent.append((time.time(), level, line))
-        print(f"<{level}>gb10d-front: {line}", flush=True)
+        self.journal.say(line, level)

@@ -3,7 +3,9 @@ and wakes, and how long a wake took."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..daemon.metrics import Listener
 
 # A hold is a model's start: seconds to many minutes.
 HOLD_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 1800)
@@ -26,7 +28,8 @@ class FrontMetrics:
             ["instance"], buckets=HOLD_BUCKETS, registry=self.registry,
         )
         self.rejected = Counter("gb10d_front_rejected_requests", "Requests answered with an error by the front itself.", ["instance", "status"], registry=self.registry)
+        self.listener: Listener | None = None
 
     def serve(self, host: str, port: int) -> None:
-        """Listen in a thread of prometheus-client's; an address in use is an OSError for the caller."""
-        start_http_server(port, addr=host, registry=self.registry)
+        """Listen as gb10d's own metrics do (`Listener`); an address in use is an OSError for the caller."""
+        self.listener = Listener(self.registry, host, port)

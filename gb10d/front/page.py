@@ -26,6 +26,7 @@ from ..core import budget
 from ..core.memory import MemInfo
 from ..core.statefile import StateRecord
 from ..daemon.control import ask
+from ..daemon.probe import OWN_PARAMS, base_url
 from ..machine.ledger import read_ledger
 from ..machine.memory import read_meminfo
 from ..machine.statefile import read_state
@@ -200,12 +201,14 @@ class Page:
             await asyncio.sleep(pagemodel.METRICS_EVERY_S)
 
     async def _sample(self, watched: Watched) -> pagemodel.Sample | None:
+        """One read of the instance's /metrics over its own pool (aiohttp: the front's one HTTP client), marked as
+        gb10d's own reads are (OWN_PARAMS), so the instance's gb10d files vLLM's access line for it at debug."""
         instance = watched.known.instance
-        host = f"[{instance.host}]" if ":" in instance.host else instance.host
         headers = {"authorization": f"Bearer {watched.known.api_key}"} if watched.known.api_key else {}
+        url = base_url(instance.host, instance.port) + "/metrics"
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
             async with asyncio.timeout(2.0):
-                async with watched.session.get(f"http://{host}:{instance.port}/metrics", headers=headers) as answer:
+                async with watched.session.get(url, params=OWN_PARAMS, headers=headers) as answer:
                     if answer.status == 200:
                         return pagemodel.parse_metrics(await answer.text(), time.monotonic())
         return None

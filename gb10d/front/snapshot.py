@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from ..machine.files import write_atomically
 from ..base.units import duration
 
@@ -53,12 +55,14 @@ def as_json(snapshot: FrontSnapshot) -> dict[str, Any]:
     return asdict(snapshot)
 
 
+_SNAPSHOT = TypeAdapter(FrontSnapshot)
+
+
 def from_json(data: Any) -> FrontSnapshot | None:
     """The snapshot a front wrote, or None for anything else (a file half-understood is not shown)."""
     try:
-        models = tuple(ModelQueue(**m) for m in data["models"])
-        return FrontSnapshot(pid=int(data["pid"]), listen=str(data["listen"]), models=models)
-    except (KeyError, TypeError, ValueError):
+        return _SNAPSHOT.validate_python(data)
+    except ValidationError:
         return None
 
 
@@ -70,7 +74,7 @@ def write(path: Path, snapshot: FrontSnapshot) -> None:
 def read(path: Path) -> FrontSnapshot | None:
     """The front's last snapshot, or None when there is none (the front never ran, or systemd removed it on stop)."""
     try:
-        return from_json(json.loads(path.read_bytes()))
-    except (OSError, ValueError):
+        return _SNAPSHOT.validate_json(path.read_bytes())
+    except (OSError, ValidationError):
         return None
 

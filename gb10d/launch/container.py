@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Awaitable, Mapping, Sequence
 
+from ..base.backoff import pauses
 from ..base.command import CONTAINER_LABEL, Engine, build_env, container_argv, container_name, inherited_env
 from ..base.config import Config, VllmSection
 from ..base.errors import SpawnError
@@ -231,7 +232,7 @@ class ContainerLauncher:
         """The host pid of the container's first process once it runs, and the container's id; None when the client exited first."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + START_TIMEOUT_S
-        pause = 0.05
+        delays = pauses(0.05, 0.5)
         exited = asyncio.ensure_future(client.wait())
         try:
             while loop.time() < deadline:
@@ -240,10 +241,9 @@ class ContainerLauncher:
                 if result.status == 0 and running == "true" and pid.isdigit() and int(pid) > 0:
                     return int(pid), cid
                 # Until the engine has created it, wait for the client to exit or a moment to pass.
-                done, _ = await asyncio.wait({exited}, timeout=pause)
+                done, _ = await asyncio.wait({exited}, timeout=next(delays))
                 if done:
                     return None
-                pause = min(pause * 2, 0.5)
         finally:
             exited.cancel()
         return None

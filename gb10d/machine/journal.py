@@ -160,7 +160,7 @@ def _clamp_priority(priority: int) -> int:
 
 
 class Journal:
-    """The single writer of gb10d's stdout and of its native journal entries.
+    """The single writer of journal lines: gb10d's stdout and native journal entries, the front's and the command line's lines.
 
     Writing to stdout blocks when journald's pipe is full (journald
     rate-limited, stopped or overloaded). A blocked write stalls the caller,
@@ -174,10 +174,13 @@ class Journal:
         out: TextIO = sys.stdout,
         socket_path: str | None = DEFAULT_SOCKET_PATH,
         identifier: str = "gb10d",
+        levels: bool = True,
     ) -> None:
+        """`levels=False`: the program's own lines without their `<N>` (the command line's, in a terminal)."""
         self._out = out
         self._socket_path = socket_path
         self._identifier = identifier
+        self._levels = levels
         self._pending: list[str] = []
         self._socket: socket.socket | None = None
 
@@ -213,8 +216,19 @@ class Journal:
         path = self._socket_path
         if path is not None and os.path.exists(path) and self._send_native(path, kind, message, priority, fields):
             return
+        self._write_own(message, priority)
+
+    def say(self, message: str, priority: int = PRIORITY_INFO) -> None:
+        """One line of the program's own on its stream, `<N>identifier: message`, with no event kind and no native
+        entry (the front's lines, the command line's), after whatever vLLM printed before it."""
+        self.flush()
+        self._write_own(message, _clamp_priority(priority))
+
+    def _write_own(self, message: str, priority: int) -> None:
+        # `<N>identifier: ` on each line: journald files every line at N, and no vLLM line has this form.
         lines = message.splitlines() or [""]
-        self._out.write("".join(f"<{priority}>{self._identifier}: {line}\n" for line in lines))
+        level = f"<{priority}>" if self._levels else ""
+        self._out.write("".join(f"{level}{self._identifier}: {line}\n" for line in lines))
         self._out.flush()
 
     def close(self) -> None:

@@ -35,6 +35,33 @@ def stat_fields(directory: Path) -> list[bytes]:
     return stat[stat.rfind(b")") + 2 :].split()
 
 
+def status_fields(directory: Path) -> dict[str, str]:
+    """/proc/PID/status as name and value (`VmRSS` -> `1234 kB`); OSError if the process is gone."""
+    lines = directory.joinpath("status").read_text().splitlines()
+    return {name: value.strip() for name, _, value in (line.partition(":") for line in lines) if value}
+
+
+def kib(fields: dict[str, str], name: str) -> int | None:
+    """A size of /proc/PID/status in KiB (`VmRSS`, `VmHWM`), or None where the process has none (a zombie)."""
+    value = fields.get(name, "").split()
+    return int(value[0]) if value and value[0].isdigit() else None
+
+
+def rss_kib(pid: int) -> int | None:
+    """The process's resident memory (VmRSS) in KiB; None once it is gone or holds none."""
+    try:
+        return kib(status_fields(PROC / str(pid)), "VmRSS")
+    except OSError:
+        return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process has used so far, every thread's (utime + stime of /proc/PID/stat, a
+    zombie's too); OSError once it is reaped."""
+    fields = stat_fields(PROC / str(pid))
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists (owned by anyone)."""
     if pid <= 0:
