@@ -16,7 +16,7 @@ but run a file that no one may run.
 Deciding from stat data rather than trying as that user (a child that
 drops privileges) keeps the decision pure and table-tested, works for a
 user that cannot log in, and tells which directory is in the way, which
-is the part of the message the operator acts on. tests/test_access.py
+is the part of the message the operator acts on. tests/machine/test_access.py
 checks it against the real kernel too.
 
 Only the directory in the way and its mode are used for the message and

@@ -25,7 +25,7 @@ from gb10d.base.errors import EXIT_MEMORY_NOT_RETURNED
 
 from harness import Daemon, NotifySocket, Setup, free_port, wait_until
 
-MONITORING = Path(__file__).resolve().parent.parent / "monitoring"
+MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "gb10d.json"
 RULES = MONITORING / "prometheus" / "gb10d-alerts.yml"
 RULE_TESTS = MONITORING / "prometheus" / "gb10d-alerts.test.yml"

@@ -3,7 +3,7 @@
 The config is validated with located errors, `gb10d print-command` shows
 each machine's `ray start` with the interface variables and the head's
 `vllm serve` with its parallel flags, and check-config wants the `ray`
-program. How `gb10d run` drives the pair: tests/test_pair.py.
+program. How `gb10d run` drives the pair: tests/daemon/test_pair.py.
 """
 
 from __future__ import annotations

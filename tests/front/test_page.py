@@ -1,7 +1,7 @@
 """The front's page over HTTP, as a browser and a script reach it: `gb10d front` before real `gb10d run` instances
 over gb10d.sim. Its routes and who may use them (the key rules of /v1/models; without keys, actions from this
 machine only), the live stream (a change within a second or two, never more than once a second), its recent
-decisions, and a stop that an open page does not hold up. The page in a browser: tests/test_page_browser.py.
+decisions, and a stop that an open page does not hold up. The page in a browser: tests/front/test_page_browser.py.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from gb10d.base.flags import normalize_flag
 from gb10d.base.errors import ConfigError
 from gb10d.vllm.importscript import ScriptOwner, import_script, read_script, render
 
-SCRIPTS = Path(__file__).parent / "fixtures" / "scripts"
+SCRIPTS = Path(__file__).parent.parent / "fixtures" / "scripts"
 
 # The command of the reference script in issue 2, word by word, as the shell passes it to vllm.
 REFERENCE_ARGV = [
@@ -237,7 +237,7 @@ def test_every_warning_is_written_as_a_comment(tmp_path: Path) -> None:
 
 
 def test_shipped_config_gives_every_flag_of_the_reference_script() -> None:
-    shipped = Path(__file__).parent.parent / "etc" / "gb10d.toml"
+    shipped = Path(__file__).parents[2] / "etc" / "gb10d.toml"
     argv = build_argv(load_config(shipped).vllm)
     assert argv[1:3] == REFERENCE_ARGV[1:3]
     assert flags(argv) == flags(REFERENCE_ARGV)

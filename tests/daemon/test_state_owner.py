@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gb10d.daemon.state import Situation
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OWNER = ROOT / "gb10d" / "daemon" / "reporter.py"
 # What the rest of the daemon may read of the situation; every other public name of it changes it.
 READS = {"state", "ready_at", "status_text", "tunables", "baseline", "waiting", "doing", "serving_text", "phase_seconds", "record"}

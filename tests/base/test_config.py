@@ -377,7 +377,7 @@ def test_unreadable_dropin_directory_entries_are_skipped_when_hidden(tmp_path: P
 
 @pytest.mark.slow
 def test_shipped_example_is_a_valid_config_apart_from_the_venv(tmp_path: Path, vllm_exe: Path) -> None:
-    shipped = Path(__file__).parent.parent / "etc" / "gb10d.toml"
+    shipped = Path(__file__).parents[2] / "etc" / "gb10d.toml"
     copy = tmp_path / "gb10d.toml"
     shutil.copy(shipped, copy)
     text = copy.read_text().replace('venv = "/opt/vllm-env"', f'venv = "{vllm_exe.parent.parent}"')

@@ -25,7 +25,7 @@ from test_front import Deployment
 
 pytestmark = pytest.mark.slow
 
-AXE = Path(__file__).parent / "browser" / "node_modules" / "axe-core" / "axe.min.js"
+AXE = Path(__file__).parent.parent / "browser" / "node_modules" / "axe-core" / "axe.min.js"
 CHROMIUM = shutil.which("chromium")
 DRIVER = shutil.which("chromedriver")
 

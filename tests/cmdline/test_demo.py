@@ -67,7 +67,7 @@ def test_demo_keep_never_writes_into_a_directory_with_files(tmp_path: Path) -> N
 
 # --- the README's quick start, as an operator meets it ---------------------------------------------------------
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
 
 
 def section(title: str) -> str:
@@ -81,7 +81,7 @@ def test_the_quick_start_installs_gb10d_alone_and_says_how_to_try_run_and_read_t
     assert first == "python3 -m venv .venv && .venv/bin/pip install . && .venv/bin/gb10d demo"
     assert ".venv/bin/gb10d demo --keep ~/gb10d-sim" in quick and "gb10d run --config ~/gb10d-sim/gb10d.toml" in quick
     assert "python -m gb10d.sim make-venv DIR" in quick
-    assert "man ./docs/gb10d.8" in quick and (Path(__file__).resolve().parents[1] / "docs" / "gb10d.8").is_file()
+    assert "man ./docs/gb10d.8" in quick and (Path(__file__).resolve().parents[2] / "docs" / "gb10d.8").is_file()
 
 
 def test_the_developers_material_comes_after_the_operators() -> None:

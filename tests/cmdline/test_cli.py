@@ -21,7 +21,7 @@ from gb10d.base.config import Config
 from gb10d.base.configload import load_config, load_config_explained
 from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 SHIPPED = ROOT / "etc" / "gb10d.toml"
 REFERENCE_SCRIPT = ROOT / "tests" / "fixtures" / "scripts" / "reference.sh"
 

@@ -19,9 +19,9 @@ from gb10d.vllm.events import FreeMemoryShort
 from gb10d.core.outcome import Cause, Failed
 from gb10d.core.policy import History, Retry, next_attempt
 
-CORPUS = Path(__file__).parent / "corpus"
+CORPUS = Path(__file__).parent.parent / "corpus"
 EXPECTED: dict[str, dict[str, object]] = json.loads((CORPUS / "expected.json").read_text())
-REAL = Path(__file__).parent / "fixtures" / "real-vllm-0.23.0"
+REAL = Path(__file__).parent.parent / "fixtures" / "real-vllm-0.23.0"
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -363,7 +363,7 @@ def test_an_error_only_paste_gets_the_verdict_of_its_last_failure() -> None:
 
 
 def test_the_hidden_engine_failure_is_only_the_verdict_when_nothing_above_explains_it() -> None:
-    recorded = Path(__file__).parent / "fixtures" / "real-vllm-0.23.0-gb10d" / "1-free-memory-failure"
+    recorded = Path(__file__).parent.parent / "fixtures" / "real-vllm-0.23.0-gb10d" / "1-free-memory-failure"
     text = recorded.with_suffix(".stdout").read_text(encoding="utf-8") + recorded.with_suffix(".stderr").read_text(encoding="utf-8")
     assert "Failed core proc(s): {}" in text
     assert diagnose(text).verdict == "free_memory"
@@ -392,7 +392,7 @@ def test_diagnose_help_documents_every_verdict(verdict: str) -> None:
 
 
 def test_the_man_page_documents_every_verdict() -> None:
-    page = (Path(__file__).parent.parent / "docs" / "gb10d.8").read_text(encoding="utf-8")
+    page = (Path(__file__).parents[2] / "docs" / "gb10d.8").read_text(encoding="utf-8")
     assert all(f".B {verdict}\n" in page for verdict in VERDICTS)
 
 

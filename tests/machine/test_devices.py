@@ -23,7 +23,7 @@ from gb10d.machine.devices import (
 )
 from gb10d.machine.service import unit_name
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # /proc/devices as each NVIDIA driver generation registers its character devices (REFERENCE §14).
 DRIVER_580 = """Character devices:

@@ -37,7 +37,7 @@ from gb10d.core.phases import (
     status_text,
 )
 
-REAL = Path(__file__).parent / "fixtures" / "real-vllm-0.23.0"
+REAL = Path(__file__).parent.parent / "fixtures" / "real-vllm-0.23.0"
 
 
 def run(events: list[Event], state: StartupState | None = None, t0: float = 100.0) -> StartupState:

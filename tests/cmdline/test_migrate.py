@@ -116,7 +116,7 @@ def test_the_playbooks_command_imports_to_a_config_check_config_passes_and_the_o
     populate_hub(home / ".cache" / "huggingface" / "hub", "Qwen/Qwen2.5-Math-1.5B-Instruct")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "XDG_", "SUDO_"))}
     env["HOME"] = str(home)
-    script = Path(__file__).parent / "fixtures" / "scripts" / "playbook.sh"
+    script = Path(__file__).parent.parent / "fixtures" / "scripts" / "playbook.sh"
     done = subprocess.run([sys.executable, "-m", "gb10d", "import-script", str(script)], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "# warning:" not in done.stdout

@@ -183,7 +183,7 @@ def test_the_curl_command_asks_the_model_through_the_front_and_carries_a_key_onl
 
 
 def test_the_pages_files_ship_in_the_package_and_weigh_under_60_kb() -> None:
-    ui = Path(__file__).parent.parent / "gb10d" / "front" / "ui"
+    ui = Path(__file__).parents[2] / "gb10d" / "front" / "ui"
     files = {p.name: p.stat().st_size for p in ui.iterdir()}
     assert set(files) == {"index.html", "page.css", "page.js"}
     assert sum(files.values()) < 60 * 1024

@@ -35,9 +35,9 @@ from gb10d.vllm.logparse import Classifier, EventScanner, Kind, LineFramer
 from gb10d.core.phases import Phase, advance, start
 from gb10d.core.policy import Cause, History, Retry, classify, describe, next_attempt
 
-FIXTURES = Path(__file__).parent / "fixtures" / "real-vllm-0.23.0-gb10d"
-RAY_FIXTURES = Path(__file__).parent / "fixtures" / "real-vllm-0.23.0-ray"
-UPGRADE_FIXTURES = Path(__file__).parent / "fixtures" / "real-vllm-0.26.0-upgrade"
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "real-vllm-0.23.0-gb10d"
+RAY_FIXTURES = Path(__file__).parent.parent / "fixtures" / "real-vllm-0.23.0-ray"
+UPGRADE_FIXTURES = Path(__file__).parent.parent / "fixtures" / "real-vllm-0.26.0-upgrade"
 HEALTHY_STARTS = ["2-ready-then-api-server-killed", "3-ready-then-engine-killed", "4-ready-then-sigterm"]
 
 
@@ -54,7 +54,7 @@ class RealRun:
 RUNS = {
     "0.23.0": RealRun(FIXTURES, FreeMemoryShort(free_gib=38.77, total_gib=139.8, requested_utilization=0.9, requested_gib=125.82, device="cuda:0"), 0.27),
     "0.26.0": RealRun(
-        Path(__file__).parent / "fixtures" / "real-vllm-0.26.0-gb10d",
+        Path(__file__).parent.parent / "fixtures" / "real-vllm-0.26.0-gb10d",
         FreeMemoryShort(free_gib=38.15, total_gib=79.18, requested_utilization=0.9, requested_gib=71.26, device="cuda:0"), 0.46,
     ),
 }
@@ -221,7 +221,7 @@ UPGRADES = {
     "0.26.0": UpgradeRun(UPGRADE_FIXTURES, "/opt/vllm-0.26.0", "0.26.0", ("READY", "RELOADING", "READY", "RELOADING", "READY", "STOPPING")),
     # The same from 0.23.0, then a reload to the 0.26.0 venv, which serves and is the good program from then on.
     "0.23.0-to-0.26.0": UpgradeRun(
-        Path(__file__).parent / "fixtures" / "real-vllm-0.23.0-to-0.26.0-upgrade", "/opt/vllm-0.23.0", "0.23.0",
+        Path(__file__).parent.parent / "fixtures" / "real-vllm-0.23.0-to-0.26.0-upgrade", "/opt/vllm-0.23.0", "0.23.0",
         ("READY", "RELOADING", "READY", "RELOADING", "READY", "RELOADING", "READY", "STOPPING"),
     ),
 }

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The contract that holds the core modules to it; its source modules are the core.
 CORE_CONTRACT = "core-no-io"
 

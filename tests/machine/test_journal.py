@@ -22,7 +22,7 @@ import pytest
 
 from gb10d.machine.journal import MAX_FIELD_BYTES, MESSAGE_IDS, Journal, field_name
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CATALOG = REPO / "packaging" / "gb10d.catalog"
 
 

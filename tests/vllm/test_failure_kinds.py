@@ -25,7 +25,7 @@ from gb10d.vllm.events import Failure
 from gb10d.vllm.failures import Cause, FailureKind, JournalEvent, Pattern, Verdict
 from gb10d.vllm.logparse import parse_line
 
-CATALOG = Path(__file__).resolve().parent.parent / "packaging" / "gb10d.catalog"
+CATALOG = Path(__file__).resolve().parents[2] / "packaging" / "gb10d.catalog"
 
 
 def catalog_blocks() -> dict[str, str]:

@@ -53,7 +53,7 @@ from gb10d.vllm.logparse import (
     parse_line,
 )
 
-REAL = Path(__file__).parent / "fixtures" / "real-vllm-0.23.0"
+REAL = Path(__file__).parent.parent / "fixtures" / "real-vllm-0.23.0"
 
 # Record prefixes of both eras: 0.23-0.30's stream tag and 0.31+'s format tag look
 # alike for records; an untagged form is what VLLM_CONFIGURE_LOGGING=0 or early lines give.

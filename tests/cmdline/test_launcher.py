@@ -10,7 +10,7 @@ import pytest
 
 from gb10d.base.errors import EXIT_CONFIG
 
-LAUNCHER = Path(__file__).resolve().parent.parent / "packaging" / "gb10d-launcher"
+LAUNCHER = Path(__file__).resolve().parents[2] / "packaging" / "gb10d-launcher"
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 
 
