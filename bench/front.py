@@ -40,13 +40,13 @@ from typing import Any
 
 import tomli_w
 
+from gb10d.daemon.lab import free_port
 from gb10d.front.door import raise_open_files
 from gb10d.front.lab import FrontChild
-from gb10d.daemon.lab import free_port
-from gb10d.machine.statefile import read_state
 from gb10d.machine.procs import cpu_seconds, rss_kib
+from gb10d.machine.statefile import read_state
 
-from .lab import standalone, Deployment, Gb10d, Workspace, wait_until
+from .lab import Deployment, Gb10d, Workspace, standalone, wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results" / "front.json"
 # Idle client connections held at once, and the count at which RSS is read on the way there.

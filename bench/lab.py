@@ -27,7 +27,15 @@ import tomli_w
 
 from gb10d.daemon import lab
 from gb10d.daemon.lab import (
-    DEADLINE_S, GB10_TOTAL_GIB, LineReader, carries, clean_env, free_port, kill_group, with_overrides, write_meminfo,
+    DEADLINE_S,
+    GB10_TOTAL_GIB,
+    LineReader,
+    carries,
+    clean_env,
+    free_port,
+    kill_group,
+    with_overrides,
+    write_meminfo,
 )
 
 __all__ = [

@@ -55,10 +55,10 @@ import httpx
 import tomli_w
 
 from gb10d.base.units import GIB
-from gb10d.machine.memory import read_meminfo
-from gb10d.machine.statefile import read_state
 from gb10d.daemon.lab import GB10_TOTAL_GIB, Gb10d, LineReader, clean_env, free_port, kill_group, live_pids, started_groups, write_meminfo
+from gb10d.machine.memory import read_meminfo
 from gb10d.machine.procs import PROC, rss_kib, stat_fields
+from gb10d.machine.statefile import read_state
 from gb10d.sim import make_venv
 from gb10d.sim.memory import adjust
 

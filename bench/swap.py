@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gb10d.daemon.control import ask
 from gb10d.base.units import GIB
+from gb10d.daemon.control import ask
 from gb10d.machine.memory import read_meminfo
-from gb10d.vllm.sleepmode import control_path
 from gb10d.machine.statefile import read_state
+from gb10d.vllm.sleepmode import control_path
 
-from .lab import standalone, Deployment, Gb10d, Workspace, wait_until
+from .lab import Deployment, Gb10d, Workspace, standalone, wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results" / "swap.json"
 SPEED = "0.05"

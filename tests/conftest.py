@@ -12,7 +12,6 @@ import pytest
 
 from harness import Daemon, NotifySocket, wait_until
 
-
 # Fixtures that bring real processes, engines or network namespaces: a test that asks for one is slow.
 SLOW_FIXTURES = frozenset({"daemons", "notify", "link", "engine", "any_engine", "podman_service", "registry"})
 

@@ -19,7 +19,16 @@ import tomli_w
 
 from gb10d.daemon import lab
 from gb10d.daemon.lab import (
-    DEADLINE_S, GIB_KB, Gb10d, NotifyReceiver, carries, free_port, live_pids, meminfo_text, ray_processes, with_overrides,
+    DEADLINE_S,
+    GIB_KB,
+    Gb10d,
+    NotifyReceiver,
+    carries,
+    free_port,
+    live_pids,
+    meminfo_text,
+    ray_processes,
+    with_overrides,
     write_meminfo,
 )
 

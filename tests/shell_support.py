@@ -29,28 +29,27 @@ from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence, TypeV
 
 import pytest
 
-from gb10d.core.cluster import Node, View
 from gb10d.base.config import Config
 from gb10d.base.configload import load_config
 from gb10d.base.errors import GiveUp
-from gb10d.core.facts import Reload, Stop
 from gb10d.base.instance import holds
-from gb10d.machine.journal import Journal
-from gb10d.daemon.keeper import ConfigKeeper
-from gb10d.machine.ledger import Booking, instance_name, open_booking
 from gb10d.base.levels import PRIORITY_WARNING
+from gb10d.core.cluster import Node, View
+from gb10d.core.facts import Reload, Stop
+from gb10d.core.reload import ConfigSnapshot
+from gb10d.daemon.keeper import ConfigKeeper
 from gb10d.daemon.loop import FactLoop
 from gb10d.daemon.metrics import Metrics
-from gb10d.machine.notify import Notifier
 from gb10d.daemon.pair import Pair
-from gb10d.launch.raynode import RayNode
 from gb10d.daemon.preflight import Preflight
-from gb10d.launch.process import ChunkHandler
-from gb10d.core.reload import ConfigSnapshot
 from gb10d.daemon.reporter import Reporter
-from gb10d.launch.runtime import Escalation, Launcher, LocalLauncher, Runtime
 from gb10d.daemon.supervisor import Supervisor
-
+from gb10d.launch.process import ChunkHandler
+from gb10d.launch.raynode import RayNode
+from gb10d.launch.runtime import Escalation, Launcher, LocalLauncher, Runtime
+from gb10d.machine.journal import Journal
+from gb10d.machine.ledger import Booking, instance_name, open_booking
+from gb10d.machine.notify import Notifier
 from harness import Setup
 
 CORPUS = Path(__file__).parent / "corpus"

@@ -14,14 +14,14 @@ import re
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from urllib.parse import urlsplit
 from typing import Any, Literal, Mapping, Sequence
+from urllib.parse import urlsplit
 
 from .config import Config, ContainerSection, VllmSection
 from .configfile import DEFAULT_CONFIG_PATH
+from .errors import ConfigError, ConfigProblem
 from .flags import normalize_flag
 from .hfcache import hub_cache
-from .errors import ConfigError, ConfigProblem
 
 # Variables that belong to gb10d's own contract with systemd; vLLM must never see them.
 _SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")

@@ -14,7 +14,6 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from .configtable import Table, absolute
 
-
 API_KEY_FORM = (
     "each key must be at least 16 characters without spaces (e.g. from `openssl rand -hex 24`), optionally followed by "
     'the models it may use: "KEY qwen llama"'

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .. import __version__
-from ..core.cluster import cluster_env, ray_argv, vllm_flags
 from ..base.command import REDACTED, build_argv, container_argv, env_additions, is_secret_name, redact_setting, shell_line
 from ..base.config import ClusterSection, MemorySection, VllmSection
 from ..base.configfile import CONFIG_ENV, DEFAULT_CONFIG_PATH, default_config_path, dropin_dir_for
@@ -25,6 +24,7 @@ from ..base.errors import EXIT_INTERRUPTED, EXIT_NO_INPUT, EXIT_OK, EXIT_USAGE, 
 from ..base.frontconfig import FrontSection, open_to_everyone
 from ..base.instance import INSTANCE_DIR
 from ..base.levels import PRIORITY_ERR, PRIORITY_WARNING
+from ..core.cluster import cluster_env, ray_argv, vllm_flags
 from ..machine.journal import Journal, connected_to_journal
 
 Handler = Callable[[argparse.Namespace], int]
@@ -183,9 +183,9 @@ def cmd_service_user(args: argparse.Namespace) -> int:
     """Run the unit as a login user (or, given gb10d, as the system user again): the drop-in, lingering, daemon-reload."""
     import pwd
 
+    from ..base.instance import SYSTEM_USER
     from ..machine.access import group_name
     from ..machine.service import dropin_dir, install_user_dropin, systemd_running, unit_for_config, user_dropin
-    from ..base.instance import SYSTEM_USER
 
     unit = args.unit or unit_for_config(_config_path(args))
     try:
@@ -299,8 +299,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
     from ..launch.container import ContainerLauncher
     from ..launch.engine import choose_engine
-    from ..machine.statefile import read_state
     from ..machine.procs import pid_alive
+    from ..machine.statefile import read_state
 
     path = _config_path(args).absolute()
     if front_only(path):
@@ -356,8 +356,8 @@ def _status_of_front(args: argparse.Namespace, named: bool) -> int:
     """`gb10d status [--all]` of the front's own config: every instance (the ledger, else the instances' own state
     files), then the front's queues or that it does not run."""
     from ..base.configload import load_front
-    from .status import StateFiles, show_all
     from ..front.instances import discover
+    from .status import StateFiles, show_all
 
     path = _config_path(args)
     try:

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..machine.access import Principal, Want, WayOut, advice, principal, reach, walk, ways_out
 from ..base.command import CONTAINER_CACHE, CONTAINER_CACHE_ENV
 from ..base.hfcache import cached_snapshot, hub_cache, is_repo_id, weight_files
-from ..vllm.importscript import Imported, ScriptOwner
 from ..base.instance import MAIN_UNIT, SYSTEM_USER
+from ..machine.access import Principal, Want, WayOut, advice, principal, reach, walk, ways_out
+from ..vllm.importscript import Imported, ScriptOwner
 
 _HUB_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
 # What gb10d.service sets (units/gb10d.service): where the system user keeps models and compile caches.

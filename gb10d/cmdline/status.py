@@ -20,22 +20,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..core import budget, eta, programs
-from ..core.budget import Reservation, Stage
 from ..base.config import Config, MemorySection
 from ..base.configload import load_config, load_front, tables_of
-from ..base.frontconfig import FrontSection
 from ..base.errors import EXIT_NOT_RUNNING, EXIT_OK, EXIT_STATUS_UNKNOWN, Gb10dError
-from ..machine.ledger import read_ledger
-from ..core.memory import MemInfo
-from ..machine.memory import read_meminfo
-from ..core.programs import Programs
-from ..machine import programsfile
+from ..base.frontconfig import FrontSection
 from ..base.units import duration, gib
+from ..core import budget, eta, programs
+from ..core.budget import Reservation, Stage
+from ..core.memory import MemInfo
+from ..core.programs import Programs
 from ..core.statefile import StateRecord, not_running_reason
+from ..machine import programsfile
+from ..machine.ledger import read_ledger
+from ..machine.memory import read_meminfo
 from ..machine.procs import pid_alive
 from ..machine.statefile import read_state
-
 
 DEFAULT_STATE_FILE = Path("/run/gb10d/state.json")
 

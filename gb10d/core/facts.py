@@ -14,9 +14,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Union
 
-from .cluster import View
-from ..vllm.events import DriverOutOfMemory, Event, GpuXid
 from ..base.image import PullProgress
+from ..vllm.events import DriverOutOfMemory, Event, GpuXid
+from .cluster import View
 
 REFUSED = "connection refused"
 # vLLM's 503 for a request its admission limits refuse (--max-num-queued-reqs, --max-num-queued-tokens): busy, not dead.

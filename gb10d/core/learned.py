@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Mapping
 
-
 from ..base.command import REDACTED, Tunables, redact_setting
 from ..base.config import Config
 from ..base.flags import normalize_flag

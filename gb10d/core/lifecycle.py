@@ -38,19 +38,28 @@ from typing import Sequence, Union
 
 from ..base.command import Tunables
 from ..base.config import Config
-from .driveroom import DriverRoom, Found, calm, judge, not_answering, note, stall_deadline, stalled
+from ..base.levels import PRIORITY_ERR, PRIORITY_WARNING
 from ..vllm.events import (
-    DriverOutOfMemory, EngineDied, Event, Failure, GpuXid, RayWorkerLost, SpecDecodingLogged, StartupCompleted, StatsLogged, TasksSupported,
+    DriverOutOfMemory,
+    EngineDied,
+    Event,
+    Failure,
+    GpuXid,
+    RayWorkerLost,
+    SpecDecodingLogged,
+    StartupCompleted,
+    StatsLogged,
+    TasksSupported,
     VersionSeen,
 )
-from .facts import AttemptFact, DriverLine, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Pulled, Tick
 from ..vllm.kernel import describe as describe_kernel
 from ..vllm.kernel import xid_meaning
-from ..base.levels import PRIORITY_ERR, PRIORITY_WARNING
+from ..vllm.sleepmode import sleeps
+from .driveroom import DriverRoom, Found, calm, judge, not_answering, note, stall_deadline, stalled
+from .facts import AttemptFact, DriverLine, Exited, ExitSeen, Parsed, Probed, ProbeKind, ProbeResult, Pulled, Tick
 from .outcome import Cause, Failed, describe_exit
 from .phases import Phase, StartupState, advance, describe, enter, note_io, note_pull, start, status_text
 from .policy import classify
-from ..vllm.sleepmode import sleeps
 
 # How much longer than the stall timeout systemd waits after each sign of progress:
 # gb10d's own stall detection must always fire first.

@@ -18,8 +18,6 @@ from ..base.errors import MemInfoError
 from ..base.units import GIB, gib
 
 
-
-
 @dataclass(frozen=True)
 class MemInfo:
     """The /proc/meminfo figures gb10d decides with, in bytes."""

@@ -20,7 +20,6 @@ from typing import Any, Mapping
 
 from ..base.units import gib
 
-
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 

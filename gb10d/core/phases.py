@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from ..base.image import PullProgress
 from ..vllm.events import (
     ArgsSeen,
     CompileProgressed,
@@ -31,7 +32,6 @@ from ..vllm.events import (
     VersionSeen,
     WeightsLoaded,
 )
-from ..base.image import PullProgress
 
 
 class Phase(str, Enum):

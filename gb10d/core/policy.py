@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from . import advice
+from ..base.backoff import doubled
 from ..base.command import Tunables
 from ..base.config import Config
 from ..base.errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED
+from ..base.units import GIB
+from ..vllm import failures
 from ..vllm.events import (
     BadArgument,
     CudaOutOfMemory,
@@ -29,15 +31,12 @@ from ..vllm.events import (
     NoKvCacheMemory,
     ProgramNotRun,
 )
-from ..vllm import failures
-from .host import HostFacts
+from ..vllm.failures import FailureKind
 from ..vllm.known import issue_for
-from ..base.units import GIB
-from ..base.backoff import doubled
+from . import advice
+from .host import HostFacts
 from .memory import ALONE, Neighbours, fitting_utilization, floor2
 from .outcome import Cause, Failed
-from ..vllm.failures import FailureKind
-
 
 # The variable that points Triton at another ptxas, and the allocator setting reported to keep the driver's memory in check.
 TRITON_PTXAS_PATH = "TRITON_PTXAS_PATH"

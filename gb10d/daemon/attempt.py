@@ -14,26 +14,26 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
-from ..core import lifecycle
-from ..core.cluster import View
 from ..base.command import Tunables, shell_line
 from ..base.config import Config
 from ..base.errors import GiveUp, SpawnError
-from ..vllm.events import Event, Failure, GraphsProgressed, ShardsProgressed
-from ..core.facts import AttemptFact, Exited, ExitSeen, Fact, Parsed, ProbeKind, Probed, SleptUnasked, Tick
-from ..machine.journal import Journal
 from ..base.levels import PRIORITY_DEBUG, PRIORITY_ERR, PRIORITY_INFO
+from ..base.tasks import Probe
+from ..base.tasks import choose as choose_probe
+from ..core import lifecycle
+from ..core.cluster import View
+from ..core.facts import AttemptFact, Exited, ExitSeen, Fact, Parsed, Probed, ProbeKind, SleptUnasked, Tick
 from ..core.lifecycle import Action, AttemptState
-from ..vllm.logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
 from ..core.memory import MemInfo
 from ..core.outcome import Failed
+from ..launch.runtime import Launcher, Runtime
+from ..machine.journal import Journal
+from ..vllm.events import Event, Failure, GraphsProgressed, ShardsProgressed
+from ..vllm.logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
+from ..vllm.sleepmode import sleep_freed, sleeps
 from .probe import Prober, base_url, own_access_line
 from .probing import check_ready, poll_until_healthy, watch_liveness
 from .reporter import Reporter
-from ..vllm.sleepmode import sleep_freed, sleeps
-from ..launch.runtime import Launcher, Runtime
-from ..base.tasks import Probe
-from ..base.tasks import choose as choose_probe
 
 # How long the pipes may stay open after the API server exited before gb10d acts on the exit anyway.
 PIPE_DRAIN_S = 2.0

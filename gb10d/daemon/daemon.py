@@ -20,28 +20,28 @@ import sys
 from pathlib import Path
 
 from ..base.command import Engine
-from ..vllm import sleepmode
 from ..base.config import Config
-from .control import ControlSocket
+from ..base.errors import GiveUp
+from ..base.instance import holds
+from ..base.levels import PRIORITY_ERR, PRIORITY_WARNING
+from ..core.facts import Edited
+from ..core.reload import ConfigSnapshot
 from ..launch.container import ContainerLauncher
 from ..launch.engine import choose_engine
-from ..base.errors import GiveUp
-from ..core.facts import Edited
+from ..launch.process import become_subreaper
+from ..launch.runtime import Launcher, LocalLauncher
 from ..machine.journal import DEFAULT_SOCKET_PATH, Journal, connected_to_journal
-from .keeper import ConfigKeeper
 from ..machine.kernellog import KernelLog
-from ..base.instance import holds
 from ..machine.ledger import Booking, instance_name, open_booking
-from ..base.levels import PRIORITY_ERR, PRIORITY_WARNING
+from ..machine.notify import Notifier
+from ..vllm import sleepmode
+from .control import ControlSocket
+from .keeper import ConfigKeeper
 from .loop import FactLoop
 from .metrics import Metrics
-from ..machine.notify import Notifier
 from .pair import Pair
 from .preflight import Preflight
-from ..launch.process import become_subreaper
-from ..core.reload import ConfigSnapshot
 from .reporter import STATUS_MAX, Reporter
-from ..launch.runtime import Launcher, LocalLauncher
 from .supervisor import Supervisor
 from .worker import WorkerDaemon
 

@@ -15,14 +15,26 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ..base.levels import PRIORITY_INFO
 from ..core.facts import (
-    ClusterSeen, DriverLine, Edited, Exited, KernelSaid, ParkAsked, Parsed, PullEnded, Reload, RestartAsked, SleptUnasked, Stop, WakeAsked,
+    ClusterSeen,
+    DriverLine,
+    Edited,
+    Exited,
+    KernelSaid,
+    ParkAsked,
+    Parsed,
+    PullEnded,
+    Reload,
+    RestartAsked,
+    SleptUnasked,
+    Stop,
+    WakeAsked,
 )
 from ..core.memory import MemInfo
 from ..core.outcome import Ended, Failed, Parked, Reloaded, Stopped
 from ..core.reload import tells_systemd
 from ..core.statefile import DaemonState
-from ..base.levels import PRIORITY_INFO
 from ..vllm import sleepmode
 from ..vllm.events import DriverOutOfMemory, GpuXid
 from .attempt import Attempt

@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from datetime import datetime, UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Callable
 
-from ..core import learned, programs
-from ..machine import programsfile
 from ..base.command import Tunables
 from ..base.config import Config
 from ..base.configload import load_config
 from ..base.errors import ConfigError
-from .learnedfile import LearnedFileError, load, load_start_times, save, save_start_times, start_times_file
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
+from ..core import learned, programs
 from ..core.reload import ConfigDiff, ConfigSnapshot, OnlyReported, ReloadRefused, judge_reload
+from ..machine import programsfile
+from .learnedfile import LearnedFileError, load, load_start_times, save, save_start_times, start_times_file
 from .reporter import Reporter
 from .watcher import ConfigWatcher, WatchUnavailable
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from contextlib import contextmanager
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_latest, make_wsgi_app
@@ -26,9 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from .. import __version__
-from ..vllm.events import Event, SpecDecodingLogged, StatsLogged
 from ..core.phases import Phase
 from ..vllm import failures
+from ..vllm.events import Event, SpecDecodingLogged, StatsLogged
 from .probe import Prober
 
 

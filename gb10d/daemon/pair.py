@@ -13,6 +13,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ..base.config import ClusterSection
+from ..base.errors import EXIT_GAVE_UP, GiveUp
+from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from ..core import policy
 from ..core.cluster import (
     LINK_WAIT_S,
@@ -31,18 +34,15 @@ from ..core.cluster import (
     waits_for_link,
     watcher_argv,
 )
-from ..base.config import ClusterSection
-from ..base.errors import EXIT_GAVE_UP, GiveUp
 from ..core.facts import ClusterSeen, Fact
+from ..core.outcome import Failed, NodeLost, describe_exit
+from ..core.statefile import DaemonState
 from ..launch.interfaces import Choice, InterfaceError
 from ..launch.netifs import find
-from .keeper import ConfigKeeper
-from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
-from .loop import Handler, FactLoop
-from ..core.outcome import Failed, NodeLost, describe_exit
 from ..launch.raynode import RayNode
+from .keeper import ConfigKeeper
+from .loop import FactLoop, Handler
 from .reporter import Reporter
-from ..core.statefile import DaemonState
 
 # While a machine of a pair waits for the other, it asks systemd for this much more start time, a third of it at a time.
 CLUSTER_EXTEND_S = 90.0

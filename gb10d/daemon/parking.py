@@ -12,15 +12,15 @@ import asyncio
 import time
 from typing import Callable
 
-from .attempt import Attempt
-from ..core.facts import ParkAsked, SleptUnasked, WakeAsked
 from ..base.levels import PRIORITY_INFO, PRIORITY_WARNING
+from ..base.units import GIB, gib
+from ..core.facts import ParkAsked, SleptUnasked, WakeAsked
 from ..core.memory import MemInfo
 from ..core.outcome import WakeFailed
-from .reporter import Reporter
-from ..vllm.sleepmode import CHECK_PROMPT, CHECK_TOKENS, PARK, WAKE, awake_line, check_failure, parked_status, wake_refusal
-from ..base.units import GIB, gib
 from ..core.statefile import DaemonState
+from ..vllm.sleepmode import CHECK_PROMPT, CHECK_TOKENS, PARK, WAKE, awake_line, check_failure, parked_status, wake_refusal
+from .attempt import Attempt
+from .reporter import Reporter
 
 # How long one sleep or wake call may take: seconds measured, a minute allowed (a large model's reload from disk).
 CALL_TIMEOUT_S = 120.0

@@ -20,27 +20,26 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
-from ..core import budget
-from ..machine import shm
-from ..core.budget import Admit, Refuse, Reservation, Stage
 from ..base.command import Tunables, model_on_host
 from ..base.config import Config
-from ..machine.devices import check_gpu_access
-from ..core.host import HostFacts, warnings
-from ..machine.host import read_host_facts
 from ..base.errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, GiveUp, SpawnError
-from .keeper import ConfigKeeper
-from ..machine.ledger import Booking
 from ..base.levels import PRIORITY_INFO, PRIORITY_WARNING
 from ..base.units import gib
+from ..core import budget
+from ..core.budget import Admit, Refuse, Reservation, Stage
+from ..core.host import HostFacts, warnings
 from ..core.lifecycle import start_time_asked
-from ..machine.memory import share_warning_for
 from ..core.memory import MemInfo, MemoryNotReturned, PreflightRefused, memory_return, parse_buddyinfo, preflight
-from ..machine.memory import evict_page_cache, read_meminfo, safetensors_files
+from ..launch.runtime import Launcher
+from ..machine import shm
+from ..machine.devices import check_gpu_access
+from ..machine.host import read_host_facts
+from ..machine.ledger import Booking
+from ..machine.memory import evict_page_cache, read_meminfo, safetensors_files, share_warning_for
 from ..machine.procs import kib, processes, status_fields
 from ..machine.service import unit_name
+from .keeper import ConfigKeeper
 from .reporter import Reporter
-from ..launch.runtime import Launcher
 
 # /proc/meminfo offers no change notification: while memory comes back, it is looked at this often.
 MEMORY_POLL_S = 0.5

@@ -13,10 +13,9 @@ from collections.abc import Sequence
 
 import httpx
 
+from ..base.tasks import Probe
 from ..core.facts import ADMISSION_REFUSED, REFUSED, ProbeResult
 from ..vllm.sleepmode import IS_SLEEPING, Call
-from ..base.tasks import Probe
-
 
 # Every request of gb10d's to vLLM carries this query, which vLLM's routes ignore and uvicorn's access
 # log prints: its lines for gb10d's own traffic are told apart by it, whatever address vLLM sees them from

@@ -13,18 +13,35 @@ import asyncio
 import time
 from typing import Any, Callable, Iterable
 
+from ..base.backoff import pauses
 from ..base.config import Config, LivenessSection
+from ..base.tasks import Probe
 from ..core.facts import ProbeKind, ProbeResult
 from ..core.lifecycle import served_name_problem, waits_for_listen
 from ..core.liveness import (
-    AskIfAsleep, Asleep, Dead, Hung, LivenessState, MetricsSample, death, next_deadline, next_probe_due, observe_health, observe_metrics,
-    observe_probe, observe_sleep_check, parse_metrics, probe_may_go, probe_sent, sleep_check_sent, sleep_check_timeout, sleep_check_wanted,
-    start, verdict,
+    AskIfAsleep,
+    Asleep,
+    Dead,
+    Hung,
+    LivenessState,
+    MetricsSample,
+    death,
+    next_deadline,
+    next_probe_due,
+    observe_health,
+    observe_metrics,
+    observe_probe,
+    observe_sleep_check,
+    parse_metrics,
+    probe_may_go,
+    probe_sent,
+    sleep_check_sent,
+    sleep_check_timeout,
+    sleep_check_wanted,
+    start,
+    verdict,
 )
 from .probe import Prober
-from ..base.tasks import Probe
-from ..base.backoff import pauses
-
 
 Post = Callable[..., None]
 

@@ -17,17 +17,17 @@ import asyncio
 import time
 from typing import Callable
 
-from ..core import lifecycle
 from ..base.command import Tunables
 from ..base.config import Config
-from ..launch.engine import EngineUnavailable
 from ..base.errors import GiveUp
-from ..core.facts import Fact, PullEnded, Pulled, Tick
 from ..base.image import PreparedImage, PullFailed
 from ..base.levels import PRIORITY_INFO, PRIORITY_WARNING
+from ..core import lifecycle
+from ..core.facts import Fact, Pulled, PullEnded, Tick
 from ..core.outcome import Failed
-from .reporter import Reporter
+from ..launch.engine import EngineUnavailable
 from ..launch.runtime import Launcher
+from .reporter import Reporter
 
 
 class Pull:

@@ -19,21 +19,21 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from ..core import advice
-from ..core.budget import Wait
 from ..base.command import Tunables
 from ..base.config import Config
-from ..vllm.events import DriverOutOfMemory, Event, GpuXid
 from ..base.image import PreparedImage
-from ..machine.journal import Journal
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
+from ..core import advice
+from ..core.budget import Wait
 from ..core.lifecycle import Action, DriverOomSeen, Extend, LivenessFailed, Observe, Say, ShowPhase, XidSeen, kernel_said
 from ..core.memory import MemInfo
-from .metrics import Metrics
-from ..machine.notify import Notifier
 from ..core.phases import Phase, StartupState
 from ..core.statefile import ClusterRecord, DaemonState, Decision
+from ..machine.journal import Journal
+from ..machine.notify import Notifier
+from ..vllm.events import DriverOutOfMemory, Event, GpuXid
 from .ledgerrecord import LedgerRecord
+from .metrics import Metrics
 from .state import SERVES, Situation
 from .statewriter import StateWriter
 from .voice import Voice

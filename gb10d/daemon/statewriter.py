@@ -18,7 +18,7 @@ from typing import Callable, Protocol
 
 from ..base.levels import PRIORITY_INFO, PRIORITY_WARNING
 from ..core.phases import Phase
-from ..core.statefile import StateRecord, WRITE_EVERY_S, write_delay
+from ..core.statefile import WRITE_EVERY_S, StateRecord, write_delay
 from ..machine.statefile import write_state
 
 # How often a state file that could not be written is tried again.

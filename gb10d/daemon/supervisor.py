@@ -20,34 +20,45 @@ from __future__ import annotations
 
 from typing import Awaitable, Callable
 
-from ..core import budget, policy
-from ..vllm import sleepmode
-from .attempt import Attempt, Start
-from .following import Following
-from ..core.cluster import vllm_flags
 from ..base.command import Tunables, build_argv
 from ..base.config import Config
 from ..base.errors import GiveUp
-from ..core.facts import (
-    ClusterSeen, Edited, Fact, KernelSaid, ParkAsked, PullEnded, Pulled, Reload, RestartAsked, Stop, Tick, WakeAsked,
-)
-from ..core.host import HostFacts
 from ..base.image import PreparedImage
-from .keeper import ConfigKeeper
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
 from ..base.units import gib
+from ..core import budget, policy
+from ..core.cluster import vllm_flags
+from ..core.facts import (
+    ClusterSeen,
+    Edited,
+    Fact,
+    KernelSaid,
+    ParkAsked,
+    Pulled,
+    PullEnded,
+    Reload,
+    RestartAsked,
+    Stop,
+    Tick,
+    WakeAsked,
+)
+from ..core.host import HostFacts
 from ..core.lifecycle import start_time_asked
-from .loop import FactLoop
 from ..core.memory import ALONE, MemInfo
 from ..core.outcome import Cause, Ended, Failed, NodeLost, Parked, Reloaded, Stopped, WakeFailed
-from .pair import Pair
 from ..core.policy import History
+from ..core.statefile import DaemonState
+from ..launch.runtime import Launcher
+from ..vllm import sleepmode
+from .attempt import Attempt, Start
+from .following import Following
+from .keeper import ConfigKeeper
+from .loop import FactLoop
+from .pair import Pair
 from .preflight import Preflight
 from .pull import Pull
 from .reporter import Reporter
 from .stopladder import StopLadder
-from ..core.statefile import DaemonState
-from ..launch.runtime import Launcher
 
 # Why the next start begins a new sequence of attempts (gb10d_start_attempts_total's reason).
 NEW_SEQUENCE_REASON: dict[type[Ended], str] = {Parked: "wake", Reloaded: "reload", WakeFailed: "wake_failed"}

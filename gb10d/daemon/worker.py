@@ -9,11 +9,11 @@ back-off when it exits; the head's gb10d runs vLLM across both machines.
 
 from __future__ import annotations
 
-from ..core.cluster import View, has_joined, lost_text, view_text
 from ..base.errors import EXIT_OK
+from ..base.levels import PRIORITY_INFO
+from ..core.cluster import View, has_joined, lost_text, view_text
 from ..core.facts import ClusterSeen, Edited, Fact, KernelSaid, Reload, Stop
 from .keeper import ConfigKeeper
-from ..base.levels import PRIORITY_INFO
 from .loop import FactLoop
 from .pair import CLUSTER_EXTEND_S, Pair
 from .reporter import Reporter

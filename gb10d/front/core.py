@@ -12,9 +12,9 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..core.statefile import DaemonState, StateRecord
-from ..core.statefile import not_running_reason
 from ..base.backoff import doubled
+from ..core.statefile import DaemonState, StateRecord, not_running_reason
+
 
 @dataclass(frozen=True)
 class Instance:

@@ -36,12 +36,12 @@ from ..base.frontconfig import FrontSection
 from ..machine.listenfds import ListenFdsError, listen_sockets, listening_address
 from ..machine.ports import holder_of
 from . import snapshot
+from .core import error
 from .instances import Known, api_keys, discover
 from .journal import FrontJournal
 from .metrics import FrontMetrics
 from .page import Page
 from .proxy import Proxy
-from .core import error
 from .routes import ApiKey
 from .states import States
 from .swaps import Swaps

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ..base.config import Config, MemorySection
 from ..base.configload import LoadedConfig, load_config_explained, tables_of
-from ..base.frontconfig import API_KEY_FORM, FrontSection, api_key_problem
 from ..base.errors import ConfigError, ConfigProblem
+from ..base.frontconfig import API_KEY_FORM, FrontSection, api_key_problem
 from ..vllm.sleepmode import control_path
 from .core import Instance
 from .routes import ApiKey

@@ -21,13 +21,23 @@ from aiohttp import web
 
 from ..base.frontconfig import FrontSection
 from .core import HOLD_COMMENT_S, Answer, Instance, Wait, admit, error, sse_comment, sse_error_event
+from .exchange import Client, Exchange
 from .journal import FrontJournal
 from .metrics import FrontMetrics
 from .routes import (
-    ApiKey, Forward, Own, authorized, bare, cors_headers, is_multipart, kind_of,
-    multipart_model, own_answer, request_fields, route,
+    ApiKey,
+    Forward,
+    Own,
+    authorized,
+    bare,
+    cors_headers,
+    is_multipart,
+    kind_of,
+    multipart_model,
+    own_answer,
+    request_fields,
+    route,
 )
-from .exchange import Client, Exchange
 from .states import States, Watched
 from .swaps import Swaps
 from .upstream import Refused, Requeue, Upstream

@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from ..machine.files import write_atomically
 from ..base.units import duration
+from ..machine.files import write_atomically
 
 
 @dataclass(frozen=True)

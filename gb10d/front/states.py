@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from ..machine.statefile import read_state
 from ..machine.procs import pid_alive
+from ..machine.statefile import read_state
 from .core import Readiness, readiness_of, reconnect_delay_s
 from .instances import Known
 from .journal import FrontJournal

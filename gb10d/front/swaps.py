@@ -10,9 +10,9 @@ import asyncio
 import time
 
 from ..core import budget
-from ..machine.memory import read_meminfo
 from ..daemon.control import ask
 from ..machine.ledger import read_ledger
+from ..machine.memory import read_meminfo
 from .core import Evict, Room, Slot, StartIt, make_room, should_park, should_wake
 from .journal import FrontJournal
 from .metrics import FrontMetrics

@@ -21,13 +21,12 @@ import asyncio
 import time
 from typing import Callable, Mapping, Protocol, Sequence
 
-from ..core.cluster import View, parse_view
 from ..base.errors import SpawnError
-from ..vllm.logparse import Classifier, Line, LineFramer
 from ..base.levels import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_WARNING
+from ..core.cluster import View, parse_view
 from ..core.outcome import describe_exit
+from ..vllm.logparse import Classifier, Line, LineFramer
 from .process import ProcessGroup
-
 
 # Ray that ran this long was working: its next exit starts the back-off afresh.
 STEADY_S = 60.0

@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from ..vllm.events import DriverOutOfMemory, GpuXid
 from ..core.facts import KernelSaid
+from ..vllm.events import DriverOutOfMemory, GpuXid
 from ..vllm.kernel import parse_kernel_line
 
 # A source that stopped (journald restarted, a file replaced) is started again after this long.

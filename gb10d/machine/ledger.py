@@ -27,10 +27,10 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import quote
 
-from ..core import budget
-from ..core.budget import Admit, Refuse, Reservation, Stage, Wait
 from ..base.errors import EXIT_CONFIG, GiveUp, LedgerUnavailable
 from ..base.instance import Clash, clashes, instance_of
+from ..core import budget
+from ..core.budget import Admit, Refuse, Reservation, Stage, Wait
 from ..core.memory import MemInfo
 from .service import LEDGER_GROUP as GROUP
 from .service import unit_name

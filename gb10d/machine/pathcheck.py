@@ -25,15 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from .access import Denial, Principal, Walked, Want, WayOut, advice, reach, walk, ways_out
-from ..core.cluster import ray_program
 from ..base.command import env_additions, read_env_file
 from ..base.configload import LoadedConfig
 from ..base.errors import ConfigError, ConfigProblem
-from .memory import read_meminfo
-from .memory import share_warning_for
-from .mountcheck import unseen_in_container
 from ..base.hfcache import cached_snapshot, hub_cache, hub_cache_source, is_repo_id, offline, repo_folder, weight_files
+from ..core.cluster import ray_program
+from .access import Denial, Principal, Walked, Want, WayOut, advice, reach, walk, ways_out
+from .memory import read_meminfo, share_warning_for
+from .mountcheck import unseen_in_container
 from .service import ServiceContext, ipc_warning, lingering, logind_texts, remove_ipc
 
 

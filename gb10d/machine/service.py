@@ -29,9 +29,9 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .access import Principal, current_principal, group_name, principal
 from ..base.errors import UsageError
 from ..base.instance import MAIN_UNIT, SYSTEM_USER
+from .access import Principal, current_principal, group_name, principal
 
 # The group of the memory ledger the instances of a machine share (/run/gb10d-ledger, made by the package's tmpfiles.d).
 LEDGER_GROUP = "gb10d"

@@ -105,7 +105,6 @@ import shlex
 import sys
 from pathlib import Path
 
-
 # pip's launcher for a console script: /bin/sh runs the first two lines
 # (exec of the interpreter with this file), Python reads them as a string.
 _RAY_SCRIPT = """#!/bin/sh

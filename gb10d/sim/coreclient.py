@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from .metrics import Metrics
 
+
 @dataclass
 class Pending:
     """One request waiting for the engine's tokens."""

@@ -251,8 +251,8 @@ class ApiServer:
         """The serving phase: routes, uvicorn's lines, listen(), then act on queued events."""
         from .api import ROUTES, Handler, ServeConfig, SimHTTPServer
         from .coreclient import EngineClient
-        from .pooling import routes
         from .devapi import DEV_ROUTES
+        from .pooling import routes
 
         args, settings = self.args, self.settings
         assert self.conn is not None

@@ -21,9 +21,9 @@ from typing import NoReturn
 
 from . import hub, texts
 from .args import extensible_kv_cache, resolved_utilization
+from .memory import Hold
 from .model import ModelFacts
 from .output import Bar, Console
-from .memory import Hold
 from .settings import GIB, Memory, SimSettings
 
 # Simulated durations in seconds at GB10D_SIM_SPEED=1 (see engine.py).

@@ -20,7 +20,6 @@ from pathlib import Path
 from ..base.config import Config
 from ..base.units import GIB, gib
 
-
 # The environment and flag that turn sleep mode and its endpoints on.
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 SLEEP_FLAG = "--enable-sleep-mode"

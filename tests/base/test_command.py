@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from functools import partial
 import json
 import shlex
+from functools import partial
 from pathlib import Path
 from typing import Any
 

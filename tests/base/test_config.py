@@ -20,8 +20,8 @@ import pytest
 from gb10d.base.config import Config
 from gb10d.base.configfile import dropin_dir_for
 from gb10d.base.configload import load_config, load_config_explained
-from gb10d.base.flags import normalize_flag
 from gb10d.base.errors import EXIT_CONFIG, ConfigError
+from gb10d.base.flags import normalize_flag
 
 
 @pytest.fixture

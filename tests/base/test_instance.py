@@ -13,7 +13,6 @@ import pytest
 from gb10d.base.config import Config
 from gb10d.base.errors import EXIT_CONFIG
 from gb10d.base.instance import clashes, derived_defaults, fill_defaults, holds, instance_of, metrics_port
-
 from harness import Daemon, NotifySocket, Setup, free_port
 
 

@@ -15,11 +15,11 @@ import pytest
 
 from config_support import write_config
 from containers import dead_socket, engine_or_skip, ensure_sim_image, sim_image_tag
-from gb10d.cmdline.cli import main
 from gb10d.base.command import Engine, build_argv, container_argv, env_additions
 from gb10d.base.config import Config
 from gb10d.base.configload import load_config, load_config_explained
 from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP
+from gb10d.cmdline.cli import main
 
 ROOT = Path(__file__).parents[2]
 SHIPPED = ROOT / "etc" / "gb10d.toml"

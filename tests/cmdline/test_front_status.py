@@ -9,8 +9,8 @@ import textwrap
 from pathlib import Path
 
 from gb10d.base.config import MemorySection
-from gb10d.front.snapshot import FrontSnapshot, ModelQueue, from_json, read, render, write
 from gb10d.cmdline.status import show_all
+from gb10d.front.snapshot import FrontSnapshot, ModelQueue, from_json, read, render, write
 
 NOW = 1_800_000_000.0
 SNAPSHOT = FrontSnapshot(4242, "0.0.0.0:8000", (

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
+from gb10d.cmdline.migrate import Surroundings, for_the_service, merge
 from gb10d.machine.access import WayOut
 from gb10d.vllm.importscript import Imported
-from gb10d.cmdline.migrate import Surroundings, for_the_service, merge
 from hub_support import populate_hub
 
 MODEL = "Qwen/Qwen3.6-27B-FP8"

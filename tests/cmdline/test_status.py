@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 
+from gb10d.base.errors import ConfigError
+from gb10d.base.units import duration
+from gb10d.cmdline.status import DEFAULT_STATE_FILE, render, state_file_path, status_config
 from gb10d.core.statefile import StateRecord
 from gb10d.machine.statefile import read_state, write_state
-from gb10d.base.errors import ConfigError
-from gb10d.cmdline.status import DEFAULT_STATE_FILE, render, state_file_path, status_config
-from gb10d.base.units import duration
-
 from harness import Daemon, NotifySocket, Setup, wait_until
 
 NOW = 1_764_690_000.0

@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import tomli_w
 
+from gb10d.base.units import GIB
+from gb10d.cmdline.status import render, render_all
 from gb10d.core.budget import Reservation, Stage
 from gb10d.core.memory import MemInfo
-from gb10d.base.units import GIB
 from gb10d.core.statefile import DaemonState, StateRecord
 from gb10d.machine.statefile import write_state
-from gb10d.cmdline.status import render, render_all
-
 from harness import meminfo_text
 
 NOW = 5000.0

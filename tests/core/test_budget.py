@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from gb10d.base.units import GIB
 from gb10d.core.budget import (
     Admit,
     Refuse,
@@ -23,7 +24,6 @@ from gb10d.core.budget import (
     taken_since,
 )
 from gb10d.core.memory import MemInfo
-from gb10d.base.units import GIB
 
 TOTAL = int(121.69 * GIB)
 MEM = MemInfo(total=TOTAL, free=int(100 * GIB), available=int(110 * GIB), cached=int(10 * GIB))

@@ -8,18 +8,20 @@ program. How `gb10d run` drives the pair: tests/daemon/test_pair.py.
 
 from __future__ import annotations
 
-from functools import partial
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from config_support import make_config, write_config
-from gb10d.core.cluster import LINK_WAIT_S, waits_for_link
-from gb10d.core.statefile import StateRecord
+from gb10d.base.command import build_argv
+from gb10d.base.configload import parse_config
+from gb10d.base.errors import ConfigError
 from gb10d.core.cluster import (
     INTERFACE_VARIABLES,
+    LINK_WAIT_S,
     Node,
     View,
     cluster_env,
@@ -37,12 +39,10 @@ from gb10d.core.cluster import (
     view_text,
     vllm_flags,
     waiting_text,
+    waits_for_link,
     watcher_argv,
 )
-from gb10d.base.command import build_argv
-from gb10d.base.configload import parse_config
-from gb10d.base.errors import ConfigError
-
+from gb10d.core.statefile import StateRecord
 
 config = partial(make_config, {
     "vllm": {"venv": "/opt/vllm", "model": "Qwen/Qwen3-235B-A22B-FP8"},

@@ -8,27 +8,27 @@ what `gb10d status` shows, and which engine error needs the operator.
 
 from __future__ import annotations
 
-from datetime import datetime, UTC
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
 import pytest
 
 from config_support import make_config
-from gb10d.core.advice import status_of_give_up
 from gb10d.base.command import Tunables, container_mounts, host_path, model_on_host
 from gb10d.base.config import Config
-from gb10d.launch.engine import unreachable_status
 from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP
-from gb10d.vllm.events import PtxasArchUnsupported, ProgramNotRun
+from gb10d.cmdline.status import render
+from gb10d.core.advice import status_of_give_up
 from gb10d.core.learned import LearnedState, applicable, remember
-from gb10d.vllm.logparse import parse_line
 from gb10d.core.outcome import Cause, Failed
-from gb10d.daemon.reporter import STATUS_MAX
 from gb10d.core.policy import GiveUp, History, Retry, after_failure, classify, event_kind, failure_line, next_attempt
 from gb10d.core.reload import ConfigSnapshot, diff_configs
 from gb10d.core.statefile import StateRecord
-from gb10d.cmdline.status import render
+from gb10d.daemon.reporter import STATUS_MAX
+from gb10d.launch.engine import unreachable_status
+from gb10d.vllm.events import ProgramNotRun, PtxasArchUnsupported
+from gb10d.vllm.logparse import parse_line
 
 IMAGE = "nvcr.io/nvidia/vllm:26.05-py3"
 OLD = "sha256:" + "a" * 64

@@ -12,12 +12,11 @@ import pytest
 
 from gb10d.base.command import Tunables
 from gb10d.base.config import Config
-from gb10d.core.diagnose import diagnose
-from gb10d.core.diagnose import VERDICTS
+from gb10d.core.diagnose import VERDICTS, diagnose
 from gb10d.core.diagnose.pasted import read_lines
-from gb10d.vllm.events import FreeMemoryShort
 from gb10d.core.outcome import Cause, Failed
 from gb10d.core.policy import History, Retry, next_attempt
+from gb10d.vllm.events import FreeMemoryShort
 
 CORPUS = Path(__file__).parent.parent / "corpus"
 EXPECTED: dict[str, dict[str, object]] = json.loads((CORPUS / "expected.json").read_text())

@@ -6,16 +6,16 @@ from dataclasses import replace
 
 import pytest
 
-from gb10d.base.command import Tunables
 from config_support import make_config
+from gb10d.base.command import Tunables
 from gb10d.base.config import MemorySection
-from gb10d.core.driveroom import DriverRoom, Evidence, judge, not_answering, note, stall_deadline, stalled
-from gb10d.vllm.events import DriverOutOfMemory, ShardsProgressed
-from gb10d.core.facts import DriverLine, Parsed, ProbeKind, Probed, Tick
 from gb10d.base.levels import PRIORITY_ERR, PRIORITY_WARNING
-from gb10d.core.lifecycle import AttemptState, DriverOomSeen, Finish, LivenessFailed, Say, begin, deadline, kernel_said, step
 from gb10d.base.units import GIB
+from gb10d.core.driveroom import DriverRoom, Evidence, judge, not_answering, note, stall_deadline, stalled
+from gb10d.core.facts import DriverLine, Parsed, Probed, ProbeKind, Tick
+from gb10d.core.lifecycle import AttemptState, DriverOomSeen, Finish, LivenessFailed, Say, begin, deadline, kernel_said, step
 from gb10d.core.outcome import Cause
+from gb10d.vllm.events import DriverOutOfMemory, ShardsProgressed
 
 LINE = DriverOutOfMemory(detail="nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051)")
 PLENTY = 40 * GIB

@@ -17,9 +17,9 @@ import pytest
 
 from gb10d.core.eta import NO_ESTIMATE, PhaseClock, estimate, of_state
 from gb10d.core.statefile import DaemonState, Progress, StateRecord
-from gb10d.machine.statefile import read_state
 from gb10d.daemon.lab import wait_until
 from gb10d.daemon.learnedfile import load_start_times, save_start_times, start_times_file
+from gb10d.machine.statefile import read_state
 from harness import Daemon, NotifySocket, Setup
 
 # A 31-minute start, mostly loading weights, as a large model's on a GB10.

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 from functools import partial
+
 import pytest
 
 from config_support import make_config
 from gb10d.base.command import Tunables, build_argv, build_env
 from gb10d.base.errors import EXIT_CONFIG, EXIT_MEMORY_NOT_RETURNED
-from gb10d.vllm.events import DriverOutOfMemory, GpuXid, HiddenInitFailure, IpcRemoved, PtxasArchUnsupported, RdmaRegistrationFailed, UnsupportedBuild
-from gb10d.core.facts import Parsed
 from gb10d.core import host
+from gb10d.core.facts import Parsed
 from gb10d.core.host import HostFacts, cma, driver_version, ptxas_candidates, ptxas_release, warnings
-from gb10d.machine.kernellog import source_argv
 from gb10d.core.lifecycle import Finish, XidSeen, begin, step
 from gb10d.core.outcome import Cause, Failed
 from gb10d.core.policy import GiveUp, History, Retry, classify, failure_line, next_attempt
+from gb10d.machine.kernellog import source_argv
 from gb10d.machine.shm import Segment, describe, leftovers
+from gb10d.vllm.events import DriverOutOfMemory, GpuXid, HiddenInitFailure, IpcRemoved, PtxasArchUnsupported, RdmaRegistrationFailed, UnsupportedBuild
 
 PTXAS = "/usr/local/cuda/bin/ptxas"
 HOST = HostFacts("6.17.0-1008-nvidia", "580.95.05", 1048576, 1040000, PTXAS)

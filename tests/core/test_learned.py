@@ -6,14 +6,14 @@ in tmp_path; `gb10d forget` runs as a real subprocess.
 
 from __future__ import annotations
 
-from functools import partial
 import os
 import shutil
 import stat
 import subprocess
 import sys
 import tomllib
-from datetime import datetime, UTC
+from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 

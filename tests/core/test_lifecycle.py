@@ -15,24 +15,15 @@ from functools import partial
 import pytest
 
 from config_support import make_config
-from gb10d.core.lifecycle import LISTEN_GRACE_S, waits_for_listen
 from gb10d.base.command import Tunables
 from gb10d.base.config import Config, OnDemandSection
-from gb10d.vllm.events import (
-    CompileProgressed,
-    EngineDied,
-    FreeMemoryShort,
-    RayWorkerLost,
-    ShardsProgressed,
-    StartupCompleted,
-    StatsLogged,
-)
-from gb10d.core.facts import AttemptFact, Exited, ExitSeen, Parsed, ProbeKind, Probed, ProbeResult, Pulled, Tick
 from gb10d.base.image import PullProgress
 from gb10d.base.levels import PRIORITY_ERR, PRIORITY_WARNING
+from gb10d.core.facts import AttemptFact, Exited, ExitSeen, Parsed, Probed, ProbeKind, ProbeResult, Pulled, Tick
 from gb10d.core.lifecycle import (
     EXIT_GRACE_S,
     IO_PROGRESS_MIN_BYTES,
+    LISTEN_GRACE_S,
     Action,
     AttemptState,
     BecomeReady,
@@ -51,8 +42,18 @@ from gb10d.core.lifecycle import (
     served_name_problem,
     start_time_asked,
     step,
+    waits_for_listen,
 )
 from gb10d.core.outcome import Cause, Failed
+from gb10d.vllm.events import (
+    CompileProgressed,
+    EngineDied,
+    FreeMemoryShort,
+    RayWorkerLost,
+    ShardsProgressed,
+    StartupCompleted,
+    StatsLogged,
+)
 
 T0 = 1000.0
 STALL_S = 300.0

@@ -13,6 +13,7 @@ from typing import Callable, Union
 import pytest
 
 from gb10d.base.config import LivenessSection
+from gb10d.core.facts import ADMISSION_REFUSED
 from gb10d.core.liveness import (
     Alive,
     AskIfAsleep,
@@ -35,7 +36,6 @@ from gb10d.core.liveness import (
     start,
     verdict,
 )
-from gb10d.core.facts import ADMISSION_REFUSED
 from gb10d.daemon.probe import ProbeResult
 
 LIMITS = LivenessSection()  # progress_timeout_s 120, idle_probe_interval_s 60, probe_timeout_s 60

@@ -7,11 +7,24 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.core.memory import MemInfo, Neighbours, Preflight, PreflightRefused, parse_buddyinfo, fits, fitting_utilization, floor2, MemoryNotReturned, memory_return, memory_returned, parse_meminfo, preflight
 from gb10d.base.errors import MemInfoError
 from gb10d.base.units import GIB
+from gb10d.core.memory import (
+    MemInfo,
+    MemoryNotReturned,
+    Neighbours,
+    Preflight,
+    PreflightRefused,
+    fits,
+    fitting_utilization,
+    floor2,
+    memory_return,
+    memory_returned,
+    parse_buddyinfo,
+    parse_meminfo,
+    preflight,
+)
 from gb10d.machine.memory import evict_page_cache, safetensors_files
-
 from harness import meminfo_text
 
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from harness import Daemon, NotifySocket, Setup
-from gb10d.daemon.lab import write_meminfo
-from gb10d.core.modelfit import ModelOnDisk, kv_bytes_per_token, max_model_len, share_warning
 from gb10d.base.units import GIB
+from gb10d.core.modelfit import ModelOnDisk, kv_bytes_per_token, max_model_len, share_warning
+from gb10d.daemon.lab import write_meminfo
 from gb10d.machine.memory import model_on_disk
+from harness import Daemon, NotifySocket, Setup
 
 # Qwen3-Embedding-8B's figures: 36 layers, 8 KV heads of 128, bfloat16, 40960 positions.
 QWEN3_8B: dict[str, Any] = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,

@@ -6,6 +6,16 @@ from pathlib import Path
 
 import pytest
 
+from gb10d.core.phases import (
+    Phase,
+    StartupState,
+    advance,
+    describe,
+    enter,
+    note_io,
+    start,
+    status_text,
+)
 from gb10d.vllm.events import (
     ArgsSeen,
     CompileProgressed,
@@ -26,16 +36,6 @@ from gb10d.vllm.events import (
     WeightsLoaded,
 )
 from gb10d.vllm.logparse import LineFramer, parse_line
-from gb10d.core.phases import (
-    Phase,
-    StartupState,
-    advance,
-    describe,
-    enter,
-    note_io,
-    start,
-    status_text,
-)
 
 REAL = Path(__file__).parent.parent / "fixtures" / "real-vllm-0.23.0"
 

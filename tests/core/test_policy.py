@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 from functools import partial
+
 import pytest
 
 from config_support import make_config
 from gb10d.base.command import Tunables
 from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP
-from gb10d.vllm.events import (
-    BadArgument,
-    CudaOutOfMemory,
-    EngineDied,
-    EngineStartFailed,
-    ExceptionRaised,
-    FreeMemoryShort,
-    KvCacheInsufficient,
-    ModelNotFound,
-    NoKvCacheMemory,
-    PortInUse,
-    RayWorkerLost,
-)
-from gb10d.core.memory import Neighbours
 from gb10d.base.units import GIB
+from gb10d.core.memory import Neighbours
 from gb10d.core.outcome import Cause, Failed
 from gb10d.core.policy import (
     GiveUp,
@@ -38,7 +26,19 @@ from gb10d.core.policy import (
     starts_new_count,
     uncounted,
 )
-
+from gb10d.vllm.events import (
+    BadArgument,
+    CudaOutOfMemory,
+    EngineDied,
+    EngineStartFailed,
+    ExceptionRaised,
+    FreeMemoryShort,
+    KvCacheInsufficient,
+    ModelNotFound,
+    NoKvCacheMemory,
+    PortInUse,
+    RayWorkerLost,
+)
 
 config = partial(make_config, {"vllm": {"gpu_memory_utilization": 0.92}})
 

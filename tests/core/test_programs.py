@@ -7,9 +7,8 @@ from pathlib import Path
 
 from config_support import make_config
 from gb10d.core import programs
-from gb10d.machine import programsfile
 from gb10d.core.programs import Program, Programs, Rejected
-
+from gb10d.machine import programsfile
 
 config = partial(make_config, {"vllm": {"model": "m", "venv": "/opt/vllm-new"}})
 

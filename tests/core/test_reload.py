@@ -8,10 +8,10 @@ deadline; the only bounded wait for absence is the quiet period after it.
 from __future__ import annotations
 
 import asyncio
-from functools import partial
 import os
 import shutil
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.daemon.alerting import AlertSender, alert_for, expand, render
 from gb10d.base.command import url_shown
 from gb10d.base.config import AlertsSection, Webhook
-
+from gb10d.daemon.alerting import AlertSender, alert_for, expand, render
 from harness import Daemon, NotifySocket, Setup, wait_until
 
 GAVE_UP = "giving up after 3 failed starts (last: CUDA out of memory); fix the cause, then: systemctl restart gb10d"

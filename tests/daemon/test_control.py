@@ -8,8 +8,8 @@ import asyncio
 import stat
 from pathlib import Path
 
-from gb10d.daemon.control import ControlSocket, ask
 from gb10d.core.facts import Fact, ParkAsked, RestartAsked, WakeAsked
+from gb10d.daemon.control import ControlSocket, ask
 
 
 def test_park_wake_and_restart_are_posted_and_anything_else_is_answered_with_what_is_understood(tmp_path: Path) -> None:

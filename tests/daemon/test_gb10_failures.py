@@ -22,11 +22,10 @@ import pytest
 
 from gb10d.base.errors import EXIT_CONFIG, EXIT_MEMORY_NOT_RETURNED
 from gb10d.base.units import GIB
-from gb10d.machine.memory import read_meminfo
 from gb10d.launch.process import group_alive
-from gb10d.sim.memory import adjust
+from gb10d.machine.memory import read_meminfo
 from gb10d.machine.statefile import read_state
-
+from gb10d.sim.memory import adjust
 from harness import Daemon, NotifySocket, Setup, free_port, vllm_groups, wait_until
 
 pytestmark = pytest.mark.slow

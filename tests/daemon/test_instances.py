@@ -25,7 +25,6 @@ import pytest
 from gb10d.base.units import GIB
 from gb10d.core.budget import Stage
 from gb10d.machine.ledger import read_ledger
-
 from harness import Daemon, NotifySocket, Setup, free_port, meminfo_text, vllm_groups, wait_until
 from test_metrics import scrape_port, value
 

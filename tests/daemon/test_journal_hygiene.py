@@ -8,7 +8,6 @@ import httpx
 import pytest
 
 from gb10d.daemon.probe import own_access_line
-
 from harness import Daemon, NotifySocket, Setup, free_port
 
 OWN = '(APIServer pid=812) INFO:     127.0.0.1:51236 - "GET /health?gb10d=probe HTTP/1.1" 200 OK'

@@ -23,12 +23,11 @@ import httpx
 import pytest
 
 from gb10d.base.config import LivenessSection
+from gb10d.base.tasks import COMPLETIONS, Probe
 from gb10d.core.facts import ADMISSION_REFUSED, ProbeKind, ProbeResult
 from gb10d.core.liveness import Dead, Hung, death
-from gb10d.daemon.probing import watch_liveness
 from gb10d.daemon.probe import Prober
-from gb10d.base.tasks import COMPLETIONS, Probe
-
+from gb10d.daemon.probing import watch_liveness
 from harness import Daemon, NotifySocket, Setup, free_port, wait_until
 
 pytestmark = pytest.mark.slow

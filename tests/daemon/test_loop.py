@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-
 import asyncio
 import os
 import signal
 import time
 
+import pytest
+
 from gb10d.core.facts import Edited, Reload, Stop
 from gb10d.daemon.loop import FactLoop
 from gb10d.machine.notify import Notifier
-
 from harness import NotifySocket
 
 

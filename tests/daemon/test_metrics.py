@@ -13,9 +13,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gb10d.vllm.events import ShardsProgressed, SpecDecodingLogged, StatsLogged
 from gb10d.daemon.metrics import PHASES, Metrics, vllm_families
-
+from gb10d.vllm.events import ShardsProgressed, SpecDecodingLogged, StatsLogged
 from harness import GIB_KB, Daemon, NotifySocket, Setup, free_port, wait_until
 
 # As vLLM 0.23.0's /metrics answered, plus the process series it also exports.

@@ -20,9 +20,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from gb10d.daemon import lab
 from gb10d.base.errors import EXIT_MEMORY_NOT_RETURNED
-
+from gb10d.daemon import lab
 from harness import Daemon, NotifySocket, Setup, free_port, wait_until
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"

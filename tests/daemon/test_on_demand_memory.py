@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.machine.statefile import read_state
 from gb10d.daemon.control import ask
 from gb10d.daemon.lab import write_meminfo
+from gb10d.machine.statefile import read_state
 from gb10d.vllm.sleepmode import control_path
 from harness import Daemon, Setup, wait_until
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 
 from gb10d.daemon.attempt import OutputStream, skip_between_steps
-from gb10d.vllm.events import Event, GraphsProgressed, ShardsProgressed, StatsLogged
 from gb10d.machine.journal import Journal
+from gb10d.vllm.events import Event, GraphsProgressed, ShardsProgressed, StatsLogged
 from gb10d.vllm.logparse import BarCollapser
 
 CORE = "(EngineCore pid=2835) "

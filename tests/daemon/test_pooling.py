@@ -15,11 +15,10 @@ import pytest
 
 from gb10d.base.configload import load_config
 from gb10d.base.errors import ConfigError
+from gb10d.base.tasks import COMPLETIONS, Probe, choose
+from gb10d.daemon.probe import OWN_QUERY
 from gb10d.vllm.events import TasksSupported
 from gb10d.vllm.logparse import parse_line
-from gb10d.daemon.probe import OWN_QUERY
-from gb10d.base.tasks import COMPLETIONS, Probe, choose
-
 from harness import Daemon, NotifySocket, Setup, wait_until
 
 EMBEDDING_MODEL = "Qwen/Qwen3-Embedding-8B"

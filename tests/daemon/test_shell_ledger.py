@@ -18,7 +18,6 @@ from gb10d.base.errors import EXIT_GAVE_UP, EXIT_OK
 from gb10d.core.budget import Stage
 from gb10d.core.facts import RestartAsked, WakeAsked
 from gb10d.daemon.lab import meminfo_text
-
 from harness import Setup
 from shell_support import LINE_GAP_S, Script, Shell, VirtualClock, finish, healthy_start, run_virtual, start_shell
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from gb10d.core.cluster import View
-
 from harness import Setup
 from shell_support import Script, Shell, VirtualClock, finish, healthy_start, node, run_virtual, start_shell
 

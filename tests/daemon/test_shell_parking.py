@@ -15,9 +15,8 @@ from gb10d.base.errors import EXIT_OK
 from gb10d.core.budget import Stage
 from gb10d.core.facts import ParkAsked, WakeAsked
 from gb10d.core.statefile import DaemonState
-from gb10d.machine.statefile import read_state
 from gb10d.machine.ledger import read_ledger
-
+from gb10d.machine.statefile import read_state
 from harness import Setup
 from shell_support import Script, VirtualClock, finish, healthy_start, run_virtual, start_shell
 

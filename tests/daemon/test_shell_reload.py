@@ -14,7 +14,6 @@ import pytest
 
 from gb10d.base.errors import EXIT_MEMORY_NOT_RETURNED
 from gb10d.machine.statefile import read_state
-
 from harness import Setup
 from shell_support import Script, Shell, VirtualClock, finish, healthy_start, run_virtual, start_shell
 

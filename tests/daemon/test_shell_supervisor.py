@@ -16,7 +16,6 @@ import pytest
 from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_MEMORY_NOT_RETURNED, EXIT_OK
 from gb10d.core.statefile import Progress
 from gb10d.machine.statefile import read_state
-
 from harness import Setup
 from shell_support import Script, VirtualClock, corpus, engine_death, finish, healthy_start, run_virtual, start_shell
 

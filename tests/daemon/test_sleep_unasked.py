@@ -18,10 +18,9 @@ import httpx
 import pytest
 
 from gb10d.core.statefile import DaemonState
-from gb10d.machine.statefile import read_state
 from gb10d.daemon.control import ask
+from gb10d.machine.statefile import read_state
 from gb10d.vllm.sleepmode import control_path
-
 from harness import Daemon, Setup, wait_until
 
 pytestmark = pytest.mark.slow

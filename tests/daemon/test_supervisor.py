@@ -21,7 +21,6 @@ import pytest
 
 from gb10d.base.errors import EXIT_CONFIG
 from gb10d.launch.process import group_alive, group_members
-
 from harness import Daemon, NotifySocket, Setup, vllm_groups, wait_until
 
 pytestmark = pytest.mark.slow

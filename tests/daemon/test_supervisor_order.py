@@ -20,7 +20,6 @@ import pytest
 
 from gb10d.core.statefile import DaemonState
 from gb10d.machine.statefile import read_state
-
 from harness import Daemon, NotifySocket, Setup, free_port, vllm_groups
 
 pytestmark = pytest.mark.slow

@@ -19,21 +19,21 @@ stderr and stdout through Ray, behind a chain of three tags.
 
 from __future__ import annotations
 
-from functools import partial
 import json
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from config_support import make_config
-from gb10d.machine import programsfile
 from gb10d.base.command import Tunables
-from gb10d.vllm.events import EngineDied, Event, Failure, FreeMemoryShort, RayWorkerLost, StartupCompleted
-from gb10d.vllm.logparse import Classifier, EventScanner, Kind, LineFramer
 from gb10d.core.phases import Phase, advance, start
 from gb10d.core.policy import Cause, History, Retry, classify, describe, next_attempt
+from gb10d.machine import programsfile
+from gb10d.vllm.events import EngineDied, Event, Failure, FreeMemoryShort, RayWorkerLost, StartupCompleted
+from gb10d.vllm.logparse import Classifier, EventScanner, Kind, LineFramer
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "real-vllm-0.23.0-gb10d"
 RAY_FIXTURES = Path(__file__).parent.parent / "fixtures" / "real-vllm-0.23.0-ray"

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from gb10d.base.units import GIB
 from gb10d.vllm.events import Failure
 from gb10d.vllm.logparse import Classifier, EventScanner
 from gb10d.vllm.sleepmode import sleep_freed
-from gb10d.base.units import GIB
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "real-vllm-0.26.0-sleep"
 INSTANCES = ("small", "large")

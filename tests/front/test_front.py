@@ -24,12 +24,12 @@ import h11
 import httpx
 import pytest
 
-from gb10d.front.lab import FrontChild
-from gb10d.daemon.lab import wait_until
-from gb10d.sim.tokens import token_text
 from gb10d.base.config import MemorySection
-from gb10d.machine.statefile import read_state
 from gb10d.cmdline.status import show_all
+from gb10d.daemon.lab import wait_until
+from gb10d.front.lab import FrontChild
+from gb10d.machine.statefile import read_state
+from gb10d.sim.tokens import token_text
 from harness import Daemon, NotifySocket, Setup, free_port
 
 pytestmark = pytest.mark.slow

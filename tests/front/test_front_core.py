@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from gb10d.core.statefile import DaemonState, Progress, StateRecord
 from gb10d.front.core import Answer, Go, Instance, Readiness, Wait, admit, readiness_of, sse_error_event
 from gb10d.front.routes import ApiKey, Forward, authorized, forwarded_headers, model_of, route
-from gb10d.core.statefile import DaemonState, Progress, StateRecord
 
 QWEN = Instance("qwen", ("qwen", "qwen-fast"), "127.0.0.1", 8101)
 LLAMA = Instance("llama", ("llama",), "127.0.0.1", 8102)

@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gb10d.machine.statefile import read_state
-from gb10d.machine.procs import cpu_seconds
 from gb10d.daemon.lab import wait_until
+from gb10d.machine.procs import cpu_seconds
+from gb10d.machine.statefile import read_state
 from test_front import Deployment, completion
 
 pytestmark = pytest.mark.slow

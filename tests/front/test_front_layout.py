@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from gb10d.cmdline.cli import main
-from gb10d.core.statefile import DaemonState, StateRecord
-from gb10d.machine.statefile import write_state
 from gb10d.cmdline.status import front_state_file
+from gb10d.core.statefile import DaemonState, StateRecord
 from gb10d.front.snapshot import FrontSnapshot, ModelQueue, write
+from gb10d.machine.statefile import write_state
 
 
 @pytest.fixture(autouse=True)

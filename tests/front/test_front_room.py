@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from gb10d.core.statefile import DaemonState, StateRecord
 from gb10d.front.core import (
     SWAP_TURN_S,
     Answer,
@@ -22,7 +23,6 @@ from gb10d.front.core import (
     make_room,
     readiness_of,
 )
-from gb10d.core.statefile import DaemonState, StateRecord
 
 GIB = 2**30
 TOTAL = 120 * GIB

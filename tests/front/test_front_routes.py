@@ -10,7 +10,18 @@ import pytest
 from gb10d.front.core import Answer, Instance, Readiness, reconnect_delay_s, sse_comment
 from gb10d.front.journal import Repeats
 from gb10d.front.routes import (
-    ADMIN_ROUTES, Forward, NeedMore, Own, Pass, adapters_of, cors_headers, kind_of, multipart_model, own_answer, request_fields, route,
+    ADMIN_ROUTES,
+    Forward,
+    NeedMore,
+    Own,
+    Pass,
+    adapters_of,
+    cors_headers,
+    kind_of,
+    multipart_model,
+    own_answer,
+    request_fields,
+    route,
     upstream_headers,
 )
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gb10d.machine.memory import read_meminfo
 from gb10d.daemon.lab import wait_until, write_meminfo
+from gb10d.machine.memory import read_meminfo
 from harness import NotifySocket
 from test_front import Deployment, completion
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from gb10d.core.statefile import DaemonState
-from gb10d.machine.statefile import read_state
 from gb10d.daemon.lab import wait_until
+from gb10d.machine.statefile import read_state
 from harness import free_port
 from test_front import Deployment
 

@@ -15,7 +15,18 @@ from gb10d.core.memory import MemInfo
 from gb10d.core.statefile import DaemonState, LastFailure, Memory, Progress, StateRecord
 from gb10d.front.core import Readiness
 from gb10d.front.pagemodel import (
-    COMMENT_EVERY_S, Holder, Pace, Rates, Sample, card, is_loopback, may_act, memory_bar, parse_metrics, rates, shortfalls,
+    COMMENT_EVERY_S,
+    Holder,
+    Pace,
+    Rates,
+    Sample,
+    card,
+    is_loopback,
+    may_act,
+    memory_bar,
+    parse_metrics,
+    rates,
+    shortfalls,
     visible,
 )
 from gb10d.front.routes import ApiKey

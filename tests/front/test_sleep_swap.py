@@ -22,8 +22,8 @@ import pytest
 
 from gb10d.base.units import GIB
 from gb10d.machine.memory import read_meminfo
-from gb10d.sim.memory import adjust
 from gb10d.machine.statefile import read_state
+from gb10d.sim.memory import adjust
 from harness import vllm_groups
 from test_front import Deployment, completion
 

@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 
 from fuzz_support import JUNK, budget, mutated_bytes
 from gb10d.base.config import MemorySection
-from gb10d.core.diagnose import diagnose
-from gb10d.core.diagnose import VERDICTS
+from gb10d.core.diagnose import VERDICTS, diagnose
 from gb10d.vllm.events import Event
 from gb10d.vllm.logparse import BarCollapser, Classifier, EventScanner, Line, LineFramer
 

@@ -27,13 +27,12 @@ import tomli_w
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from harness import NotifySocket, wait_until  # noqa: E402
-
-from gb10d.vllm.events import Failure  # noqa: E402
-from gb10d.daemon.lab import Gb10d, LineReader  # noqa: E402
-from gb10d.vllm.logparse import Classifier, EventScanner, Kind, LineFramer  # noqa: E402
 from gb10d.core.phases import advance, start  # noqa: E402
+from gb10d.daemon.lab import Gb10d, LineReader  # noqa: E402
 from gb10d.launch.process import group_alive, group_members  # noqa: E402
+from gb10d.vllm.events import Failure  # noqa: E402
+from gb10d.vllm.logparse import Classifier, EventScanner, Kind, LineFramer  # noqa: E402
+from harness import NotifySocket, wait_until  # noqa: E402
 
 
 class Journal:

@@ -28,10 +28,9 @@ from typing import Any
 
 import httpx
 
-from real_vllm import PORT, Journal, Run, driver_arguments, gpu_processes
-
 from gb10d.daemon.lab import LineReader
 from gb10d.launch.process import group_alive
+from real_vllm import PORT, Journal, Run, driver_arguments, gpu_processes
 
 RAY_MARKERS = ("RayWorkerProc", "RayWorkerWrapper", "ActorDiedError", "RayActorError", "ActorUnavailableError", "RayTaskError", "ray.exceptions")
 

@@ -29,12 +29,11 @@ import tomli_w
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from harness import NotifySocket  # noqa: E402
-from real_vllm import Journal, Run, driver_arguments, gpu_processes  # noqa: E402
-
-from gb10d.machine.statefile import read_state  # noqa: E402
 from gb10d.daemon.lab import Gb10d, wait_until  # noqa: E402
 from gb10d.front.lab import FrontChild  # noqa: E402
+from gb10d.machine.statefile import read_state  # noqa: E402
+from harness import NotifySocket  # noqa: E402
+from real_vllm import Journal, Run, driver_arguments, gpu_processes  # noqa: E402
 
 FRONT_PORT = 8000
 IDLE_S = 5.0

@@ -31,10 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from real_vllm import Run, driver_arguments
-
 # real_vllm puts tests/ on the path.
 from harness import wait_until
+from real_vllm import Run, driver_arguments
 
 # What pip writes as a venv's `vllm` console script; the interpreter is the venv's own.
 CONSOLE_SCRIPT = """#!{python}

@@ -40,12 +40,12 @@ from containers import (
 )
 from gb10d.base.command import Engine, EngineKind, build_argv
 from gb10d.base.config import Config
-from gb10d.launch.cgroup import ContainerCgroup, blkio_bytes, cgroup_files, cgroup_mounts, io_stat_bytes, paged_in_bytes
-from gb10d.core.containerstart import refused_before_vllm, run_failure, signal_status
-from gb10d.launch.container import ContainerLauncher
-from gb10d.launch.engine import EngineUnavailable, unreachable_advice
 from gb10d.base.errors import EXIT_CONFIG, EXIT_GAVE_UP, SpawnError
 from gb10d.base.image import PullFailed, PullProgress
+from gb10d.core.containerstart import refused_before_vllm, run_failure, signal_status
+from gb10d.launch.cgroup import ContainerCgroup, blkio_bytes, cgroup_files, cgroup_mounts, io_stat_bytes, paged_in_bytes
+from gb10d.launch.container import ContainerLauncher
+from gb10d.launch.engine import EngineUnavailable, unreachable_advice
 from gb10d.launch.runtime import Launcher, Runtime
 from harness import DEADLINE_S, free_port, live_pids, wait_until
 

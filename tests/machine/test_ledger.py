@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from gb10d.core.budget import Admit, Stage, Wait
 from gb10d.base.errors import EXIT_CONFIG, GiveUp
-from gb10d.machine.ledger import Booking, instance_name, open_booking, read_ledger, record_path
-from gb10d.core.memory import MemInfo
 from gb10d.base.units import GIB
+from gb10d.core.budget import Admit, Stage, Wait
+from gb10d.core.memory import MemInfo
+from gb10d.machine.ledger import Booking, instance_name, open_booking, read_ledger, record_path
 
 MEM = MemInfo(total=int(121.69 * GIB), free=int(100 * GIB), available=int(110 * GIB), cached=0)
 SHARE = int(49.68 * GIB)

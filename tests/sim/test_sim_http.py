@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from sim_support import DEADLINE_S, FIXTURES, SPEC, STATS, Sim, StartSim, http, start_sim, messages, physical_lines, port_refuses
+from sim_support import DEADLINE_S, FIXTURES, SPEC, STATS, Sim, StartSim, http, messages, physical_lines, port_refuses, start_sim
 
 
 def _probe(section: str) -> str:

@@ -13,10 +13,10 @@ import re
 import signal
 from pathlib import Path
 
-from harness import meminfo_text, wait_until
 from gb10d.base.units import GIB
 from gb10d.machine.memory import read_meminfo
 from gb10d.sim.memory import adjust
+from harness import meminfo_text, wait_until
 from sim_support import Sim, StartSim, physical_lines
 
 KB = 1024

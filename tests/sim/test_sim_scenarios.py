@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 from gb10d.daemon.lab import write_meminfo
-
 from harness import wait_until
-from sim_support import BLANK_TAGGED, RECORD, SHARD_BAR, Sim, StartSim, TRACEBACK, messages, physical_lines
+from sim_support import BLANK_TAGGED, RECORD, SHARD_BAR, TRACEBACK, Sim, StartSim, messages, physical_lines
 
 FREE_MEMORY = re.compile(
     r"Free memory on device (\S+) \(([\d.]+)/([\d.]+) GiB\) on startup is less than desired GPU memory utilization \(([\d.]+), ([\d.]+) GiB\)"

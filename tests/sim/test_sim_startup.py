@@ -16,8 +16,20 @@ import pytest
 
 from gb10d.sim import make_venv
 from sim_support import (
-    ACCESS, DEADLINE_S, GRAPH_BAR, http, RECORD, SHARD_BAR, STARTUP_ORDER, StartSim, UVICORN, UVICORN_STARTUP, kind_of, messages,
-    physical_lines, port_refuses,
+    ACCESS,
+    DEADLINE_S,
+    GRAPH_BAR,
+    RECORD,
+    SHARD_BAR,
+    STARTUP_ORDER,
+    UVICORN,
+    UVICORN_STARTUP,
+    StartSim,
+    http,
+    kind_of,
+    messages,
+    physical_lines,
+    port_refuses,
 )
 
 RECORDED_FLAGS = ["/srv/models/tiny-llama", "--served-model-name", "tiny", "--max-model-len", "2048", "--gpu-memory-utilization", "0.30"]

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import pytest
 
+from gb10d.daemon.lab import meminfo_text
 from gb10d.machine.journal import MESSAGE_IDS
 from gb10d.machine.kernellog import source_argv
-from gb10d.daemon.lab import meminfo_text
-
 from systemd_harness import DEBIAN_12_AMD64, DEBIAN_13_ARM64, MACHINES, Container, Debian, gb10d_version
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow, pytest.mark.timeout(900)]

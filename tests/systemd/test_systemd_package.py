@@ -12,6 +12,7 @@ import pytest
 
 from systemd_harness import gb10d_version
 
+
 class Target(TypedDict):
     """What the package as shipped for one architecture must carry."""
 

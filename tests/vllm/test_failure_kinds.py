@@ -15,8 +15,7 @@ from prometheus_client import generate_latest
 
 from gb10d.base.command import Tunables
 from gb10d.base.config import Config
-from gb10d.core.diagnose import diagnose
-from gb10d.core.diagnose import VERDICT_HELP
+from gb10d.core.diagnose import VERDICT_HELP, diagnose
 from gb10d.core.policy import History, Retry, classify, event_kind, failure_line, next_attempt
 from gb10d.daemon.metrics import Metrics, restart_causes
 from gb10d.machine.journal import MESSAGE_IDS, Journal

@@ -21,8 +21,8 @@ import pytest
 
 from gb10d.base.command import build_argv
 from gb10d.base.configload import load_config
-from gb10d.base.flags import normalize_flag
 from gb10d.base.errors import ConfigError
+from gb10d.base.flags import normalize_flag
 from gb10d.vllm.importscript import ScriptOwner, import_script, read_script, render
 
 SCRIPTS = Path(__file__).parent.parent / "fixtures" / "scripts"

@@ -10,11 +10,11 @@ import pytest
 from config_support import write_config
 from gb10d.base.configload import load_config
 from gb10d.base.errors import ConfigError
+from gb10d.base.units import GIB
 from gb10d.core.reload import ConfigSnapshot, diff_configs
+from gb10d.core.statefile import DaemonState, StateRecord
 from gb10d.front.core import Readiness, readiness_of, should_park, should_wake
 from gb10d.vllm.sleepmode import PARK, WAKE, check_failure, control_path, sleep_freed, vllm_env, vllm_flags, wake_refusal
-from gb10d.base.units import GIB
-from gb10d.core.statefile import DaemonState, StateRecord
 
 
 def test_park_is_level_2_in_the_query_and_the_wake_reloads_the_weights_between_its_two_tags() -> None:

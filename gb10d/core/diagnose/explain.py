@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...vllm import failures
 from ...vllm.events import (
     Event,
     ServerStarting,
@@ -22,10 +23,9 @@ from ...vllm.events import (
     VersionSeen,
     WeightsLoaded,
 )
-from ...vllm import failures
+from ..phases import Phase, StartupState, advance
 from .diagnosis import Diagnosis
 from .pasted import read_lines
-from ..phases import Phase, StartupState, advance
 from .starts import Attempt, deciding_failure, split_attempts, stop_index
 from .verdicts import failure_verdict, killed_verdict
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ...base.levels import PRIORITY_ERR
+from ...vllm import failures as failure_kinds
 from ...vllm.events import (
     ArgsSeen,
     BadArgument,
@@ -42,7 +43,6 @@ from ...vllm.events import (
     UnsupportedBuild,
     VersionSeen,
 )
-from ...vllm import failures as failure_kinds
 from ...vllm.kernel import xid_meaning
 from ...vllm.logparse import Classifier, EventScanner, Kind
 from .pasted import Line, line_times, logging_prefix

@@ -14,10 +14,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .. import advice
 from ...base.command import Tunables
 from ...base.config import Config
 from ...base.errors import EXIT_CONFIG
+from ...vllm import failures
 from ...vllm.events import (
     BadArgument,
     CudaOutOfMemory,
@@ -36,14 +36,14 @@ from ...vllm.events import (
     PortInUse,
     PtxasArchUnsupported,
 )
+from ...vllm.failures import FailureKind
 from ...vllm.kernel import describe as kernel_describe
 from ...vllm.kernel import xid_meaning
 from ...vllm.known import by_name, issue_for
-from .diagnosis import Diagnosis, as_logged, sentence
+from .. import advice
 from ..outcome import Cause, Failed
-from ...vllm import failures
-from ...vllm.failures import FailureKind
 from ..policy import GiveUp, History, Retry, next_attempt
+from .diagnosis import Diagnosis, as_logged, sentence
 from .starts import STOP_EXCEPTIONS, Attempt
 
 DEFAULT_PORT = 8000  # vLLM's, when the log does not say

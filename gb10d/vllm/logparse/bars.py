@@ -7,8 +7,8 @@ operator reads.
 from __future__ import annotations
 
 import re
-from .classify import _SHARD_BAR, _TAG_STR, _TQDM_BAR, _TQDM_OPEN_BAR
 
+from .classify import _SHARD_BAR, _TAG_STR, _TQDM_BAR, _TQDM_OPEN_BAR
 
 # --- progress-bar collapsing ---------------------------------------------------
 

@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from .. import known
 from .. import failures as failure_kinds
+from .. import known
 from ..events import (
     BadArgument,
     CudaOutOfMemory,
@@ -31,7 +31,30 @@ from ..events import (
     RayWorkerLost,
 )
 from .classify import _EXC_LINE
-from .patterns import _ARGPARSE, _ARGPARSE_FLAG, _ARGUMENT_WORDS, _BAD_PARSER, _GATED_URL, _HF_VALIDATION, _HUB_UNREACHABLE, _INIT_EXEC, _INTERNAL_PORT, _INTERNAL_SOCKET, _MISSING_CONFIG, _MODEL_WORDS, _NOT_LOCAL, _NO_CONFIG, _NO_CONFIG_FILE, _PARSER_NOT_FOUND, _PORT, _REPO_NOT_FOUND, _SOCKET_ADDRESS, _UNIT_GIB, _V0_KV_INSUFFICIENT, _f
+from .patterns import (
+    _ARGPARSE,
+    _ARGPARSE_FLAG,
+    _ARGUMENT_WORDS,
+    _BAD_PARSER,
+    _GATED_URL,
+    _HF_VALIDATION,
+    _HUB_UNREACHABLE,
+    _INIT_EXEC,
+    _INTERNAL_PORT,
+    _INTERNAL_SOCKET,
+    _MISSING_CONFIG,
+    _MODEL_WORDS,
+    _NO_CONFIG,
+    _NO_CONFIG_FILE,
+    _NOT_LOCAL,
+    _PARSER_NOT_FOUND,
+    _PORT,
+    _REPO_NOT_FOUND,
+    _SOCKET_ADDRESS,
+    _UNIT_GIB,
+    _V0_KV_INSUFFICIENT,
+    _f,
+)
 
 # --- failure messages that can arrive in pieces ---------------------------------------
 #

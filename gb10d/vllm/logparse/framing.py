@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-
 # --- framing ----------------------------------------------------------------
 
 MAX_LINE_BYTES = 64 * 1024

@@ -10,8 +10,8 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from .. import known
 from .. import failures as failure_kinds
+from .. import known
 from ..events import (
     ArgsSeen,
     CompileProgressed,
@@ -37,8 +37,27 @@ from ..events import (
 from .bars import _scaled
 from .classify import _SHARD_BAR, _TQDM_BAR, _TQDM_OPEN_BAR, message_of
 from .failures import _COMPLETE, _LEADS, _MISMATCH, _PARTIAL, _failures, _fit
-from .patterns import _BANNER, _ENGINE_VERSION, _GRAPH_BAR, _GRAPH_DONE, _INIT_ENGINE, _KV_AVAILABLE, _KV_SIZE, _LOGO_VERSION, _MAX_CONCURRENCY, _MODEL_LOADING_TOOK, _SECONDS, _SERVER_ON, _SPEC, _STATS_HEAD, _TASK_NAMES, _V0_BLOCKS, _V0_WEIGHTS_TOOK, _WEIGHTS_TOOK, _f
-
+from .patterns import (
+    _BANNER,
+    _ENGINE_VERSION,
+    _GRAPH_BAR,
+    _GRAPH_DONE,
+    _INIT_ENGINE,
+    _KV_AVAILABLE,
+    _KV_SIZE,
+    _LOGO_VERSION,
+    _MAX_CONCURRENCY,
+    _MODEL_LOADING_TOOK,
+    _SECONDS,
+    _SERVER_ON,
+    _SPEC,
+    _STATS_HEAD,
+    _TASK_NAMES,
+    _V0_BLOCKS,
+    _V0_WEIGHTS_TOOK,
+    _WEIGHTS_TOOK,
+    _f,
+)
 
 
 def _literal_gate(words: tuple[str, ...]) -> re.Pattern[str]:
