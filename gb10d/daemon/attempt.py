@@ -305,7 +305,9 @@ class Attempt:
         await readers
 
     async def kill(self) -> None:
-        """SIGKILL whatever is left of vLLM at once (a failed or stalled start has nothing to drain)."""
+        """SIGKILL whatever is left of vLLM at once (a failed or stalled start has nothing to drain). Its share in
+        the memory ledger is reserved first: the memory the kill gives back is still this instance's."""
+        self.reporter.keeps_share()
         if self.runtime.alive() and not await self.runtime.kill():
             self.reporter.say(
                 "crashed", f"processes of vLLM ({self.runtime.label}) survived SIGKILL: {self.runtime.members()}", PRIORITY_ERR

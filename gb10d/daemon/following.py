@@ -78,7 +78,7 @@ class Following:
             elif isinstance(fact, (ParkAsked, WakeAsked)) or (isinstance(fact, SleptUnasked) and fact.attempt == attempt.serial):
                 ended = await self.parking.handle(fact, attempt)
                 if ended is not None:
-                    await self.ladder.stop(attempt.runtime)
+                    await self.ladder.stop(attempt.runtime, restarts=True)
             elif isinstance(fact, KernelSaid):
                 ended = await attempt.handle(self._kernel_fact(attempt.serial, fact.event))
             elif isinstance(fact, ClusterSeen):
@@ -110,7 +110,7 @@ class Following:
             PRIORITY_INFO,
         )
         self.reporter.status("parking: stopping vLLM and waiting for its memory to come back", DaemonState.PARKING)
-        await self.ladder.stop(attempt.runtime)
+        await self.ladder.stop(attempt.runtime, restarts=False)
         return Parked(serving_s)
 
     def _kernel_fact(self, serial: int, event: DriverOutOfMemory | GpuXid) -> Parsed | DriverLine:
@@ -147,7 +147,7 @@ class Following:
         # Said in the state file too, before vLLM is stopped: the front holds new requests from now on instead of
         # sending them to a vLLM that is stopping, and gb10d status no longer says serving.
         self.reporter.status("reloading: restarting vLLM with the new settings", DaemonState.RESTARTING)
-        await self.ladder.stop(attempt.runtime)
+        await self.ladder.stop(attempt.runtime, restarts=True)
         return Reloaded(changes=diff.describe())
 
     async def _restart_asked(self, attempt: Attempt) -> Reloaded:
@@ -156,5 +156,5 @@ class Following:
         self.reporter.say("restart_asked", f"restarting vLLM ({attempt.runtime.label}): asked over the control socket; a new start, no failure counted", PRIORITY_INFO)
         # The state file says so before vLLM stops: the front holds new requests instead of sending them to it.
         self.reporter.status("restarting: asked over the control socket", DaemonState.RESTARTING)
-        await self.ladder.stop(attempt.runtime)
+        await self.ladder.stop(attempt.runtime, restarts=True)
         return Reloaded(changes="a restart asked over the control socket")

@@ -245,6 +245,11 @@ class Reporter:
         """Remember the latest failure for `gb10d status` (shown until the next one)."""
         self.situation.failed(cause, message, action)
 
+    def keeps_share(self) -> None:
+        """vLLM is about to be stopped or killed and started again: the memory ledger reserves its share from now on,
+        before /proc/meminfo shows its memory free (else another instance's start could be admitted into it)."""
+        self.ledger.restarting()
+
     def attempt_over(self) -> None:
         """The attempt is gone: nothing of it is ready or up any more, and the state file shows none of its phases."""
         self._file.cancel_deferred()

@@ -31,8 +31,12 @@ class StopLadder:
         self.reporter = reporter
         self.loop = loop
 
-    async def stop(self, runtime: Runtime) -> None:
-        """vLLM through the ladder, with the grace of the config in force; gb10d goes on."""
+    async def stop(self, runtime: Runtime, restarts: bool) -> None:
+        """vLLM through the ladder, with the grace of the config in force; gb10d goes on. When vLLM `restarts` (not
+        a park), its share in the memory ledger is reserved before its memory comes back, not after: another start
+        admitted in between would take it."""
+        if restarts:
+            self.reporter.keeps_share()
         await runtime.stop(self.keeper.config.daemon.stop_timeout_s, self.escalated)
 
     async def stop_all(self, attempt: Attempt | None, pair: Pair | None) -> int:

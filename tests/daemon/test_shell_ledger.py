@@ -16,10 +16,12 @@ import pytest
 
 from gb10d.base.errors import EXIT_GAVE_UP, EXIT_OK
 from gb10d.core.budget import Stage
-from gb10d.core.facts import RestartAsked, WakeAsked
+from gb10d.core.facts import ParkAsked, RestartAsked, WakeAsked
 from gb10d.daemon.lab import meminfo_text
+from gb10d.launch.runtime import Escalation
+from gb10d.machine.ledger import Booking
 from harness import Setup
-from shell_support import LINE_GAP_S, Script, Shell, VirtualClock, finish, healthy_start, run_virtual, start_shell
+from shell_support import LINE_GAP_S, Script, ScriptedVllm, Shell, VirtualClock, finish, healthy_start, run_virtual, start_shell
 
 HEALTHY = healthy_start()
 # 0.5 of 121.69 GiB and 1 GiB of headroom: two such shares (2 x 61.84 GiB) do not fit in 117 GiB available.
@@ -173,3 +175,43 @@ def test_a_reload_or_asked_restart_keeps_its_share_while_vllm_restarts_so_a_mode
             await finish(a)
 
     run_virtual(monkeypatch, main)
+
+
+@pytest.mark.parametrize(("asked", "stage_at_stop"), [("reload", Stage.RESTARTING), ("restart", Stage.RESTARTING), ("park", Stage.SERVING)])
+def test_a_vllm_stopped_to_start_again_is_reserved_before_its_memory_comes_back_and_a_park_is_not(
+    machine: Path, monkeypatch: pytest.MonkeyPatch, asked: str, stage_at_stop: Stage
+) -> None:
+    # Reserved only once vLLM was gone, its memory showed free for a moment beside a record that said serving: the
+    # front woke another model into it and the pinned instance's restart found its share taken (soak, seed 7). A park
+    # gives the memory back on purpose: the model the front parks it for starts into it.
+    seen: list[Stage | None] = []
+    stop = ScriptedVllm.stop
+
+    async def stopped_with_the_record_seen(self: ScriptedVllm, grace_s: float, on_escalate: Escalation | None = None) -> bool:
+        seen.append(booking.record.stage if booking.record is not None else None)
+        return await stop(self, grace_s, on_escalate)
+
+    monkeypatch.setattr(ScriptedVllm, "stop", stopped_with_the_record_seen)
+
+    async def main(clock: VirtualClock) -> None:
+        nonlocal booking
+        on_demand = {"on_demand": {"idle_timeout_s": 600.0}} if asked == "park" else {}
+        a = await start_shell(configure(machine, "a", **on_demand), [Script(HEALTHY), Script(HEALTHY)], clock)
+        try:
+            if asked == "park":
+                await a.until(lambda: bool(a.said(r"parked: starts on the first request")), "a parked")
+                a.loop.post(WakeAsked())
+            await a.ready(2 if asked == "park" else 1)  # parked, gb10d said READY=1 once already
+            assert a.reporter.ledger.booking is not None
+            booking = a.reporter.ledger.booking
+            if asked == "reload":
+                a.reload(**{"vllm.gpu_memory_utilization": 0.45})
+            else:
+                a.loop.post(RestartAsked() if asked == "restart" else ParkAsked())
+            await a.until(lambda: bool(seen), "a's vLLM stopped")
+        finally:
+            await finish(a)
+
+    booking: Booking = None  # type: ignore[assignment]  # set once the instance has its record
+    run_virtual(monkeypatch, main)
+    assert seen[0] is stage_at_stop
