@@ -222,10 +222,6 @@ def test_a_thousand_requests_at_once_for_a_parked_model_start_it_once_and_the_re
         deployment.close()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open: now and then alpha's wake finds its memory short while beta's comes back and it starts cold (seen once "
-    "in CI, cause not found yet)"
-))
 def test_a_model_parked_by_sleep_is_evicted_for_one_parked_by_stop_and_woken_back(tmp_path: Path) -> None:
     """alpha parks by sleep, beta by stop, and they do not fit together: a request for beta evicts alpha (its
     sleep gives the memory back), beta starts; the next request for alpha evicts beta and wakes alpha from sleep."""
