@@ -125,7 +125,7 @@ def test_two_on_demand_models_that_do_not_fit_together_swap_on_alternating_reque
 
 
 def test_a_model_with_steady_traffic_is_drained_after_its_turn_for_one_whose_requests_wait_and_none_is_cut(tmp_path: Path) -> None:
-    """alpha never idles (four clients of different lengths, each sending its next request as the last is answered):
+    """alpha never idles (five clients of different lengths, each sending its next request as the last is answered):
     once it has served a turn and beta's request has waited one, alpha's requests in flight finish, its new ones
     wait, it parks, beta serves; then beta is idle and alpha comes back. Before turns, beta's request waited out the
     hold timeout."""
@@ -138,8 +138,10 @@ def test_a_model_with_steady_traffic_is_drained_after_its_turn_for_one_whose_req
         codes: list[int] = []
         done = asyncio.Event()
 
-        async def steady(client: httpx.AsyncClient, tokens: int) -> None:
-            # Lengths apart, so that the four never end together: alpha is never idle at the front's poll.
+        async def steady(client: httpx.AsyncClient, tokens: int, after_s: float) -> None:
+            # Requests of 1.4-2.4 s (1.25 ms a token at this speed), started apart and of lengths apart: they never
+            # all end together, so alpha is never idle at the front's poll, however slowly this process runs.
+            await asyncio.sleep(after_s)
             while not done.is_set():
                 reply = await client.post("/v1/completions", json=completion("alpha", tokens))
                 codes.append(reply.status_code)
@@ -147,7 +149,7 @@ def test_a_model_with_steady_traffic_is_drained_after_its_turn_for_one_whose_req
         async with httpx.AsyncClient(base_url=swapping.url, timeout=180) as client:
             first = await client.post("/v1/completions", json=completion("alpha", 4))
             assert first.status_code == 200, first.text
-            clients = [asyncio.ensure_future(steady(client, tokens)) for tokens in (40, 57, 74, 91)]
+            clients = [asyncio.ensure_future(steady(client, tokens, i * 0.3)) for i, tokens in enumerate((1100, 1300, 1500, 1700, 1900))]
             beta = await client.post("/v1/completions", json=completion("beta", 4))
             # beta served, so alpha was parked: its clients go on until it serves again, beta idle.
             await asyncio.to_thread(swapping.wait_state, "alpha", "serving")
