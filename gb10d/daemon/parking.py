@@ -14,6 +14,8 @@ from typing import Callable
 
 from ..base.levels import PRIORITY_INFO, PRIORITY_WARNING
 from ..base.units import GIB, gib
+from ..core import budget
+from ..core.budget import Reservation
 from ..core.facts import ParkAsked, SleptUnasked, WakeAsked
 from ..core.memory import MemInfo
 from ..core.outcome import WakeFailed
@@ -93,10 +95,14 @@ class Parking:
         config = attempt.config
         assert config.on_demand is not None
         mem = self.meminfo()
-        starts = [o for o in self.reporter.ledger.booking.others() if o.stage.pending] if self.reporter.ledger.booking is not None else []
         margin = int(config.on_demand.wake_margin_gib * GIB)
-        starting, starters = sum(o.bytes for o in starts), ", ".join(o.name for o in starts)
-        refusal = wake_refusal(mem.available, self.freed, margin, starting, starters) if mem is not None else None
+
+        def refusal_of(others: list[Reservation]) -> str | None:
+            starts = budget.pending(others)
+            return wake_refusal(mem.available, self.freed, margin, sum(o.bytes for o in starts), ", ".join(o.name for o in starts)) if mem else None
+
+        booking = self.reporter.ledger.booking
+        refusal = booking.wake(refusal_of) if booking is not None else refusal_of([])
         if refusal is not None:
             return self._failed("no_memory", f"not waking vLLM: {refusal}")
         self.reporter.sleep_state(DaemonState.WAKING, "waking: weights, reload_weights, kv_cache, then a check generation")

@@ -257,6 +257,23 @@ class Booking:
             self._report(exc)
             return Admit(True, (), "memory: the ledger cannot be used; starting without counting other instances' starts")
 
+    def wake(self, refusal_of: Callable[[list[Reservation]], str | None]) -> str | None:
+        """A wake from sleep, decided and told as a start's admission is, under `.lock`: `refusal_of` judges it
+        beside the others' records, and a wake it allows reserves the share at once (stage waking). Decided apart
+        from the record, a wake and another's start could each count the memory the other was about to take.
+        Returns the refusal, or None (also when the ledger cannot be used: the caller's own check stands)."""
+        self.keep()
+        now = time.monotonic()
+        try:
+            with locked(self.directory, exclusive=True):
+                refusal = refusal_of(scan(self.directory, skip=self.path, remove_dead=True))
+                if refusal is None and self.record is not None:
+                    self._write(budget.moved(self.record, now, stage=Stage.WAKING, progress_at=now))
+                return refusal
+        except OSError as exc:
+            self._report(exc)
+            return None
+
     def keep(self) -> None:
         """Write this instance's record again when it was removed (the ledger directory with it: an rm -r, a cleanup
         of /run), so that the other instances count its share again; the directory is made again if need be.

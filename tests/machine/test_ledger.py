@@ -10,15 +10,17 @@ import stat
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from gb10d.base.errors import EXIT_CONFIG, GiveUp
 from gb10d.base.units import GIB
-from gb10d.core.budget import Admit, Stage, Wait
+from gb10d.core.budget import Admit, Reservation, Stage, Wait
 from gb10d.core.memory import MemInfo
 from gb10d.machine.ledger import Booking, instance_name, open_booking, read_ledger, record_path
+from gb10d.vllm.sleepmode import wake_refusal
 
 MEM = MemInfo(total=int(121.69 * GIB), free=int(100 * GIB), available=int(110 * GIB), cached=0)
 SHARE = int(49.68 * GIB)
@@ -239,3 +241,32 @@ def test_the_instance_is_the_unit_only_for_the_units_own_main_process(tmp_path: 
     # A gb10d started by hand from a shell inside some other service inherits that service's pid.
     assert instance_name(config, {"SYSTEMD_EXEC_PID": "1"}, cgroup) == "/etc/gb10d/chat.toml"
     assert instance_name(config, {}, cgroup) == "/etc/gb10d/chat.toml"
+
+
+def wake_refused_beside(available: int) -> Callable[[list[Reservation]], str | None]:
+    """The wake's own check (what the sleep gave back plus the margin), beside the starts the ledger shows."""
+    def refusal_of(others: list[Reservation]) -> str | None:
+        starts = [o for o in others if o.stage.pending]
+        return wake_refusal(available, int(47.02 * GIB), 2 * GIB, sum(o.bytes for o in starts), ", ".join(o.name for o in starts))
+    return refusal_of
+
+
+@pytest.mark.parametrize("first", ["wake", "start"])
+def test_a_wake_and_a_start_decided_one_after_the_other_never_both_count_the_same_memory(tmp_path: Path, first: str) -> None:
+    # 60 GiB available: one of a's wake (47.02 + 2 GiB margin) and b's start (49.68 GiB) fits, not both. Decided
+    # apart from its record, a wake let the start in between its check and its record, and both came up (soak).
+    a, b = book(tmp_path, "gb10d@a"), book(tmp_path, "gb10d@b")
+    assert isinstance(a.decide(0.4, SHARE, Stage.STARTING, MEM, "wait"), Admit)
+    a.update(stage=Stage.ASLEEP)
+    mem = MemInfo(total=MEM.total, free=int(58 * GIB), available=int(60 * GIB), cached=0)
+    if first == "wake":
+        assert a.wake(wake_refused_beside(mem.available)) is None
+        assert [r.stage for r in b.others()] == [Stage.WAKING], "the wake reserves its share as it is allowed"
+        assert isinstance(b.decide(0.4, SHARE, Stage.STARTING, mem, "wait"), Wait)
+    else:
+        assert isinstance(b.decide(0.4, SHARE, Stage.STARTING, mem, "wait"), Admit)
+        refusal = a.wake(wake_refused_beside(mem.available))
+        assert refusal is not None and "the starts of gb10d@b reserve 49.68 GiB" in refusal, refusal
+        assert [r.stage for r in b.others()] == [Stage.ASLEEP], "a refused wake reserves nothing"
+    a.close()
+    b.close()
