@@ -150,6 +150,9 @@ def test_a_model_with_steady_traffic_is_drained_after_its_turn_for_one_whose_req
             first = await client.post("/v1/completions", json=completion("alpha", 4))
             assert first.status_code == 200, first.text
             clients = [asyncio.ensure_future(steady(client, tokens, i * 0.3)) for i, tokens in enumerate((1100, 1300, 1500, 1700, 1900))]
+            # beta's request comes once the five are passed on to alpha (the first request and theirs): alpha is busy.
+            passed = 'gb10d_front_requests_total{instance="alpha"}'
+            assert await asyncio.to_thread(wait_until, lambda: swapping.metric(passed) >= 6, 60) is not None
             beta = await client.post("/v1/completions", json=completion("beta", 4))
             # beta served, so alpha was parked: its clients go on until it serves again, beta idle.
             await asyncio.to_thread(swapping.wait_state, "alpha", "serving")
