@@ -29,11 +29,11 @@ core says it is due, and reports the first verdict that is not `Alive`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Union
 
 from ..base.config import LivenessSection
+from ..vllm.metricstext import family_sums, sample, sample_lines
 from .facts import ADMISSION_REFUSED, ProbeResult
 
 RUNNING = "vllm:num_requests_running"
@@ -73,45 +73,12 @@ class MetricsSample:
 
 
 def parse_metrics(text: str) -> MetricsSample:
-    """Sum each of the families over its label sets (engines, models).
-
-    Only the Prometheus text format's sample lines matter here: comments,
-    other families, timestamps and unparsable values are skipped, and a
-    family with no usable sample stays None so a missing figure is never
-    mistaken for zero.
-    """
-    sums: dict[str, float] = {}
-    awake: list[float] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name, value = _sample(line)
-        if name in _FAMILIES and value is not None:
-            sums[name] = sums.get(name, 0.0) + value
-        elif name == SLEEP_STATE and value is not None and _AWAKE in line:
-            awake.append(value)  # awake = 0: that engine sleeps
-    asleep = any(v == 0 for v in awake) if awake else None
+    """Sum each of the families over its label sets (engines, models); a family with no usable sample stays None,
+    so a missing figure is never mistaken for zero."""
+    sums = family_sums(text, _FAMILIES)
+    awake = [v for line in sample_lines(text) for name, v in [sample(line)] if name == SLEEP_STATE and v is not None and _AWAKE in line]
+    asleep = any(v == 0 for v in awake) if awake else None  # awake = 0: that engine sleeps
     return MetricsSample(sums.get(RUNNING), sums.get(WAITING), sums.get(GENERATION_TOKENS), sums.get(PROMPT_TOKENS), asleep)
-
-
-def _sample(line: str) -> tuple[str, float | None]:
-    """(metric name, value) of one sample line; the value is None if it is not a finite number."""
-    brace = line.find("{")
-    if brace >= 0:
-        name = line[:brace]
-        # Label values may contain spaces and braces inside quotes; the value follows the last '}'.
-        rest = line[line.rfind("}") + 1 :]
-    else:
-        name, _, rest = line.partition(" ")
-    words = rest.split()
-    if not words:
-        return name.strip(), None
-    try:
-        value = float(words[0])
-    except ValueError:
-        return name.strip(), None
-    return name.strip(), value if math.isfinite(value) else None
 
 
 # --- the core ------------------------------------------------------------------

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from ..base.units import GIB
 from ..core.budget import Reservation, Stage
 from ..core.eta import of_state
+from ..core.liveness import GENERATION_TOKENS
 from ..core.memory import MemInfo
 from ..core.statefile import DaemonState, StateRecord
+from ..vllm.metricstext import family_sums
 from .core import Answer, Readiness, error
 from .routes import ApiKey
 
@@ -152,28 +154,15 @@ class Sample:
     ttft_count: float
 
 
+TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
+TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+
+
 def parse_metrics(text: str, at: float) -> Sample:
     """The generated tokens and the time-to-first-token histogram's sum and count from Prometheus text, summed over
     every label set (one per model name and engine)."""
-    tokens = ttft_sum = ttft_count = 0.0
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, rest = line.partition(" ")
-        name = name.split("{", 1)[0]
-        if "}" in line:
-            rest = line.rsplit("}", 1)[1]
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        if name == "vllm:generation_tokens_total":
-            tokens += value
-        elif name == "vllm:time_to_first_token_seconds_sum":
-            ttft_sum += value
-        elif name == "vllm:time_to_first_token_seconds_count":
-            ttft_count += value
-    return Sample(at, tokens, ttft_sum, ttft_count)
+    sums = family_sums(text, (GENERATION_TOKENS, TTFT_SUM, TTFT_COUNT))
+    return Sample(at, sums.get(GENERATION_TOKENS, 0.0), sums.get(TTFT_SUM, 0.0), sums.get(TTFT_COUNT, 0.0))
 
 
 @dataclass(frozen=True)
