@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from gb10d.daemon.lab import wait_until
@@ -126,6 +127,12 @@ def test_the_page_shows_both_models_wakes_a_parked_one_live_and_passes_axe(tmp_p
         assert wait_until(serving, 60), seen
         assert "starting" in seen, seen
         assert driver.execute_script("return window.notReloaded === true;")
+
+        # A control keeps its focus while its card is drawn anew on a change: a keyboard user keeps their place.
+        driver.execute_script("document.getElementById('copy-alpha').focus();")
+        assert httpx.post(deployment.url + "/ui/actions/alpha/park", headers={"x-gb10d-page": "1"}, timeout=30).status_code == 202
+        assert wait_until(lambda: state_of(driver, "alpha") == "parked", 60), driver.page_source
+        assert driver.execute_script("return document.activeElement === document.getElementById('copy-alpha');")
 
         found = driver.execute_async_script(
             AXE.read_text() + "\n;const done = arguments[arguments.length - 1];"

@@ -115,14 +115,24 @@ function renderMemory(m) {
   }
 }
 
+let shownCards = "";
+
+// The cards are drawn anew only when what they show changed: drawn anew on every update (the memory bar's numbers,
+// a decision), a button could be replaced between a press and its release, and the click was lost.
 function renderCards(cards) {
+  const drawn = JSON.stringify(cards);
+  if (drawn === shownCards) {
+    for (const dd of document.querySelectorAll("#cards dd[data-since]")) dd.textContent = span(Date.now() / 1000 - Number(dd.dataset.since));
+    return;
+  }
+  shownCards = drawn;
   const box = $("cards");
   box.replaceChildren();
   for (const c of cards) {
     const id = c.instance.replace(/[^A-Za-z0-9_-]/g, "_");
     const stats = el("dl", {});
-    const add = (k, v) => { stats.append(el("dt", { text: k }), el("dd", { text: v })); };
-    add("uptime", c.serving_since ? span(Date.now() / 1000 - c.serving_since) : "–");
+    const add = (k, v, extra) => { stats.append(el("dt", { text: k }), el("dd", { text: v, ...extra })); };
+    add("uptime", c.serving_since ? span(Date.now() / 1000 - c.serving_since) : "–", c.serving_since ? { "data-since": c.serving_since } : {});
     add("restarts", c.restarts === null ? "–" : String(c.restarts));
     add("last start took", span(c.last_start_s));
     add("requests in flight", String(c.in_flight));
