@@ -95,6 +95,11 @@ class Swaps:
         except OSError:
             records = []  # no ledger: every instance runs alone as far as the budget knows
         booked = {r.pid for r in records if r.stage.pending}
+        # Every instance read now, not up to a poll ago: a gb10d killed with its vLLM gives its memory back at once,
+        # and counted as serving from the last poll, that memory would look free for the start decided now.
+        for other in self.states.watched.values():
+            if other is not watched:
+                self.states.refresh(other)
         slots = {n: self._slot(w, mem.total, booked) for n, w in self.states.watched.items()}
         wanted = slots.pop(watched.name)
         return make_room(wanted, list(slots.values()), budget.left(records, mem), mem.total)
