@@ -466,7 +466,8 @@ class Soak:
             return target.spec.name
         target = list(self.instances.values())[int(pick * len(self.instances))]
         if kind in ("reload_restart", "reload_live"):
-            if target.pid is None:
+            pid = target.pid  # read once: the supervising thread replaces a gb10d that exits, meanwhile
+            if pid is None:
                 return None
             if kind == "reload_restart":
                 target.utilization += 0.01 if target.utilization <= target.spec.utilization else -0.01
@@ -474,7 +475,10 @@ class Soak:
                 target.progress_timeout_s = 21.0 - target.progress_timeout_s
             group = target.vllm_group()
             target.write_config()
-            os.kill(target.pid, signal.SIGHUP)
+            try:
+                os.kill(pid, signal.SIGHUP)
+            except ProcessLookupError:
+                return None  # it exited after it was picked: its successor reads the new config at its start
             if kind == "reload_live":
                 line = target.gb10d.wait_line(r"reload|config", 20) if target.gb10d is not None else None
                 if line is None:
