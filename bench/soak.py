@@ -258,6 +258,7 @@ class Soak:
         self.kinds = faults
         self.seed = seed
         self.rng = random.Random(seed)  # the faults' own: the clients have theirs
+        self.until = 0.0  # when the clients and the faults stop (monotonic); set by run, moved on by fault_loop
         self.venv = root / "venv"
         make_venv(self.venv)
         self.meminfo = write_meminfo(root / "meminfo", GB10_TOTAL_GIB, 110.0)
@@ -517,12 +518,16 @@ class Soak:
             return "ledger"
         raise ValueError(kind)
 
-    def fault_loop(self, until: float) -> None:
-        """A fault every 10-30 s until `until`, each followed by the checks."""
+    def fault_loop(self, at_least: int) -> None:
+        """A fault every 10-30 s until the run's end (`self.until`), each followed by the checks; the end moves on
+        until `at_least` faults were injected (a busy machine spends more of the run settling after each)."""
         self.check("warm-up")
         while True:
             gap = self.rng.uniform(*FAULT_GAP_S)
-            if self.stopping.wait(max(0.0, min(gap, until - time.monotonic()))) or time.monotonic() >= until:
+            injected = sum(self.figures.faults.values())
+            if injected < at_least and time.monotonic() + gap >= self.until:
+                self.until = time.monotonic() + gap + 1.0
+            if self.stopping.wait(max(0.0, min(gap, self.until - time.monotonic()))) or time.monotonic() >= self.until:
                 return
             kind = self.rng.choice(self.kinds)
             window = Window(kind, "", time.monotonic())
@@ -549,12 +554,12 @@ class Soak:
 
     # --- clients -----------------------------------------------------------------------------------------
 
-    async def client(self, number: int, until: float) -> None:
+    async def client(self, number: int) -> None:
         rng = random.Random(f"{self.seed}-{number}")
         timeout = httpx.Timeout(LOST_AFTER_S, connect=10.0)
         async with httpx.AsyncClient(base_url=self.url, timeout=timeout) as client:
             pooled_since = time.monotonic()
-            while time.monotonic() < until:
+            while time.monotonic() < self.until:
                 pooled_since = await self.request(client, rng, pooled_since)
                 await asyncio.sleep(rng.uniform(0.1, 1.0))
 
@@ -613,23 +618,24 @@ class Soak:
             entry = {"model": model, "kind": kind, "fault": fault, "what": outcome[1], "at_s": round(start - self.t0, 1)}
             (self.figures.lost if what == "lost" else self.figures.unclear).append(entry)
 
-    async def clients(self, until: float) -> None:
-        await asyncio.gather(*(self.client(n, until) for n in range(CLIENTS)))
+    async def clients(self) -> None:
+        await asyncio.gather(*(self.client(n) for n in range(CLIENTS)))
 
     # --- the run -----------------------------------------------------------------------------------------
 
-    def run(self, minutes: float) -> dict[str, Any]:
+    def run(self, minutes: float, at_least: int = 0) -> dict[str, Any]:
+        """`minutes` of clients and faults, longer if it takes that to inject `at_least` faults."""
         self.t0 = time.monotonic()
         self.start_front()
         for instance in self.instances.values():
             instance.start()
-        until = self.t0 + 60 * minutes
-        faults = threading.Thread(target=self.fault_loop, args=(until,))
+        self.until = self.t0 + 60 * minutes
+        faults = threading.Thread(target=self.fault_loop, args=(at_least,))
         supervisor = threading.Thread(target=self.supervise)
         faults.start()
         supervisor.start()
         try:
-            asyncio.run(self.clients(until))
+            asyncio.run(self.clients())
         finally:
             self.stopping.set()
             faults.join()
@@ -776,6 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="how long the clients and faults run (default 10)")
     parser.add_argument("--seed", type=int, default=1, help="the seed of the faults and the clients' choices (default 1)")
     parser.add_argument("--faults", default=",".join(FAULTS), help="the kinds of fault to draw from, comma-separated (default: all)")
+    parser.add_argument("--faults-at-least", type=int, default=0, metavar="N", help="go on past --minutes until N faults were injected (default 0)")
     parser.add_argument("--journals", type=Path, help="write every program's output there, one file per run of it")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write the JSON (default {RESULTS})")
     args = parser.parse_args(argv)
@@ -786,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         soak = Soak(root, args.seed, kinds)
         try:
-            result = {"seed": args.seed, "minutes": args.minutes, **soak.run(args.minutes)}
+            result = {"seed": args.seed, "minutes": args.minutes, **soak.run(args.minutes, args.faults_at_least)}
         except BaseException:
             soak.close()
             raise

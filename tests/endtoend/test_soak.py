@@ -20,12 +20,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_two_minutes_of_faults_lose_no_request_leave_no_orphan_and_every_view_agrees(tmp_path: Path) -> None:
     written = tmp_path / "soak.json"
     run = subprocess.run(
-        [sys.executable, "-m", "bench", "soak", "--minutes", "2", "--seed", "29", "--out", str(written), "--journals", str(tmp_path / "journals")],
-        cwd=ROOT, capture_output=True, text=True, timeout=400,
+        [sys.executable, "-m", "bench", "soak", "--minutes", "2", "--faults-at-least", "3", "--seed", "29", "--out", str(written), "--journals", str(tmp_path / "journals")],
+        cwd=ROOT, capture_output=True, text=True, timeout=580,
     )
     assert written.exists(), f"the soak broke (exit {run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
     result = json.loads(written.read_text())
@@ -33,8 +33,7 @@ def test_two_minutes_of_faults_lose_no_request_leave_no_orphan_and_every_view_ag
     for figure in ("lost", "unclear", "orphans", "disagreements", "unrecovered"):
         assert result[figure] == [], f"{figure.upper()} is not 0:\n{table}"
     assert run.returncode == 0, table
-    # The seed's first two faults at least (a SIGKILL of a gb10d with its vLLM, of an EngineCore); a busy machine
-    # spends more of the two minutes waiting for things to settle after each, and gets to fewer of the rest.
-    assert sum(result["faults"].values()) >= 2, table
+    # Three faults at least, however long a busy machine takes to settle after each (--faults-at-least).
+    assert sum(result["faults"].values()) >= 3, table
     assert result["sent"] > 300 and result["answered_200"] > result["sent"] // 3, table
     assert result["client_disconnects"] > 0, table
